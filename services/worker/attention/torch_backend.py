@@ -1,0 +1,126 @@
+"""Paged attention in plain torch, batched, for the CPU (and as a fallback anywhere).
+
+Per step, `plan()` turns the metadata into gather indices once; every layer then
+  1. writes the step's K/V into the paged cache (one index_copy_ per K and V),
+  2. attends all single-token decodes in ONE batched call over their gathered contexts,
+  3. attends each prefill chunk with one call per chunk (compute-bound; no per-token loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.attention.metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class _Prefill:
+    start: int  # first token of the chunk in the flat batch
+    end: int
+    slots: torch.Tensor  # [seq_len] cache slots of the whole context
+    q_pos: torch.Tensor  # [q_len] positions of the chunk's tokens
+    kv_pos: torch.Tensor  # [seq_len]
+    mask: torch.Tensor  # [1, 1, q_len, seq_len] causal
+
+
+@dataclass(slots=True)
+class TorchAttentionPlan:
+    write_slots: torch.Tensor  # [n] valid slots
+    write_rows: torch.Tensor | None  # [n] tokens that have them; None: every token
+    decode_rows: torch.Tensor  # [num_decodes] token index of each decode
+    decode_slots: torch.Tensor  # [num_decodes, max_len] context slots, 0-padded
+    decode_q_pos: torch.Tensor  # [num_decodes]
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_len] True = attend
+    prefills: list[_Prefill]
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
+        device = meta.slot_mapping.device
+        valid = meta.slot_mapping >= 0
+        all_valid = bool(valid.all())
+        write_rows = None if all_valid else valid.nonzero().squeeze(1)
+        write_slots = meta.slot_mapping if all_valid else meta.slot_mapping[write_rows]
+
+        bs = meta.block_size
+        decode_reqs, prefills = [], []
+        start = 0
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            if q_len == 1:
+                decode_reqs.append(i)
+            elif q_len > 1:
+                kv_pos = torch.arange(seq_len, device=device)
+                slots = meta.block_table[i, kv_pos // bs].long() * bs + kv_pos % bs
+                q_pos = kv_pos[seq_len - q_len :]
+                mask = (kv_pos[None, :] <= q_pos[:, None])[None, None]
+                prefills.append(_Prefill(start, start + q_len, slots, q_pos, kv_pos, mask))
+            start += q_len
+
+        if decode_reqs:
+            idx = torch.tensor(decode_reqs, device=device)
+            rows = meta.query_start_loc[idx].long()
+            seq_lens = meta.seq_lens[idx].long()
+            max_len = max(meta.seq_lens_cpu[i] for i in decode_reqs)
+            kv_pos = torch.arange(max_len, device=device)
+            in_ctx = kv_pos[None, :] < seq_lens[:, None]  # [num_decodes, max_len]
+            blocks = meta.block_table[idx][:, kv_pos // bs].long()
+            slots = torch.where(in_ctx, blocks * bs + kv_pos % bs, 0)
+            q_pos = seq_lens - 1
+            mask = in_ctx[:, None, None, :]
+        else:
+            rows = slots = q_pos = mask = torch.empty(0, dtype=torch.long, device=device)
+        return TorchAttentionPlan(write_slots, write_rows, rows, slots, q_pos, mask, prefills)
+
+    def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, plan: TorchAttentionPlan) -> torch.Tensor:
+        # q: [num_tokens, H, D]; k, v: [num_tokens, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]
+        num_kv_heads, head_size = kv_cache.shape[-2:]
+        k_flat = kv_cache[0].view(-1, num_kv_heads, head_size)
+        v_flat = kv_cache[1].view(-1, num_kv_heads, head_size)
+        if plan.write_rows is None:
+            k_flat.index_copy_(0, plan.write_slots, k)
+            v_flat.index_copy_(0, plan.write_slots, v)
+        else:
+            k_flat.index_copy_(0, plan.write_slots, k[plan.write_rows])
+            v_flat.index_copy_(0, plan.write_slots, v[plan.write_rows])
+
+        out = torch.empty_like(q)
+        window = layer.sliding_window
+        if plan.decode_rows.numel():
+            mask = plan.decode_mask
+            if window is not None:
+                kv_pos = torch.arange(mask.shape[-1], device=q.device)
+                mask = mask & (kv_pos[None, :] > (plan.decode_q_pos[:, None] - window))[:, None, None, :]
+            qd = q[plan.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+            kd = k_flat[plan.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+            vd = v_flat[plan.decode_slots].transpose(1, 2)
+            out[plan.decode_rows] = _attend(qd, kd, vd, mask, layer.scale, layer.logits_soft_cap).squeeze(2)
+        for p in plan.prefills:
+            mask = p.mask
+            if window is not None:
+                mask = mask & (p.kv_pos[None, :] > (p.q_pos[:, None] - window))[None, None]
+            qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+            kp = k_flat[p.slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            vp = v_flat[p.slots].transpose(0, 1).unsqueeze(0)
+            out[p.start : p.end] = _attend(qp, kp, vp, mask, layer.scale, layer.logits_soft_cap)[0].transpose(0, 1)
+        return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            soft_cap: float | None) -> torch.Tensor:
+    """q: [B, H, Q, D]; k, v: [B, Hkv, L, D]; mask: [B|1, 1, Q, L] bool -> [B, H, Q, D]."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    b, h, n_q, d = q.shape
+    hkv = k.shape[1]
+    qg = q.view(b, hkv, h // hkv * n_q, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G*Q, L]
+    scores = soft_cap * torch.tanh(scores / soft_cap)
+    scores = scores.view(b, hkv, h // hkv, n_q, -1).masked_fill(~mask.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, h // hkv * n_q, -1)
+    return torch.matmul(probs, v).view(b, h, n_q, d)

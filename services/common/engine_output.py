@@ -1,0 +1,35 @@
+"""What the engine streams back per request per step (to the processor or the offline LLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.model_runner_output import TokenLogprobs
+from services.common.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    new_prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # stop, length, abort, error
+    stop_reason: int | str | None = None  # the stop token id (None for EOS) or, later, the stop string
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class EngineCoreRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    cache_salt: str | None = None
+    arrival_time: float | None = None
+

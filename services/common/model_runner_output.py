@@ -1,0 +1,24 @@
+"""What a worker returns for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class TokenLogprobs(NamedTuple):
+    """Logprobs of one position: column 0 is the chosen token, then the top-N alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # rank of the chosen token (1 = most likely)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # One entry per request that completed its scheduled tokens this step (no partial prefills).
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # aligned with req_ids when any request asked
+    # Prompt logprobs of the chunk computed this step, per request that asked for them.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

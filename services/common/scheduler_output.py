@@ -1,0 +1,44 @@
+"""What the engine tells its workers each step: a diff, not the whole batch.
+
+A request is sent in full once (`NewRequestData`, also when it resumes after preemption);
+afterwards only its id, the blocks it gained and its computed-token count. `finished_req_ids`
+names every request whose worker state must go (finished, aborted or preempted since the last step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when resuming after preemption
+    sampling_params: SamplingParams
+    stop_token_ids: frozenset[int]  # eos + stop_token_ids, masked while under min_tokens
+    block_ids: list[int]
+    num_computed_tokens: int  # before this step (prefix-cache hits)
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int  # before this step
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,89 @@
+"""EngineCore: the scheduler and KV-cache manager driving a worker step by step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+from services.common.config import CacheConfig, SchedulerConfig
+from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.common.model_runner_output import ModelRunnerOutput
+from services.common.scheduler_output import SchedulerOutput
+from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.kv_events import KVCacheEvent
+from services.engine.request import Request, RequestStatus
+from services.engine.scheduler import Scheduler
+
+
+class Executor(Protocol):
+    """What the engine needs of its worker(s): in-process today, over gRPC in the services."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class EngineCore:
+    def __init__(
+        self,
+        executor: Executor,
+        num_blocks: int,
+        max_model_len: int,
+        model_id: str,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+    ) -> None:
+        self.executor = executor
+        self.block_size = cache_config.block_size
+        self.model_id = model_id
+        # A context longer than the whole KV cache could never be scheduled.
+        self.max_model_len = min(max_model_len, num_blocks * self.block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            policy=scheduler_config.policy,
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens; this model's context is {self.max_model_len} tokens, "
+                "and at least one must be left to generate"
+            )
+        limit = self.max_model_len - num_prompt
+        max_tokens = request.sampling_params.max_tokens
+        self.scheduler.add_request(Request(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            max_tokens=limit if max_tokens is None else min(max_tokens, limit),
+            eos_token_ids=request.eos_token_ids,
+            block_size=self.block_size,
+            model_id=self.model_id,
+            cache_salt=request.cache_salt,
+            priority=request.priority,
+            arrival_time=request.arrival_time if request.arrival_time is not None else time.monotonic(),
+        ))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Idempotent, also for unknown or already finished ids; the worker drops them next step."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        return self.kv_cache_manager.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()

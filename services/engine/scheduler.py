@@ -1,0 +1,234 @@
+"""The continuous-batching scheduler.
+
+One rule: each request has `num_computed_tokens` and `num_tokens`; `schedule()` spends one token
+budget closing that gap, running requests first, then waiting ones. Chunked prefill, prefix-cache
+hits and preemption by recompute all follow from it. `num_computed_tokens` advances here, at
+schedule time, so the next schedule never hands out the same chunk twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from services.common.engine_output import EngineCoreOutput
+from services.common.model_runner_output import ModelRunnerOutput
+from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.request import Request, RequestStatus
+from services.engine.request_queue import make_request_queue
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        policy: str = "fcfs",
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_request_queue(policy)
+        self.running: list[Request] = []
+        # Requests whose worker state must be dropped on the next step.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        # Prompt logprobs gathered over a request's prefill chunks, emitted with its first token.
+        self._prompt_logprobs: dict[str, list] = {}
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside the step (aborts). Idempotent; unknown ids are ignored."""
+        assert status.finished
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)  # aborts only: off the step's hot path
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            finished.append(request)
+        return finished
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        self._prompt_logprobs.pop(request.request_id, None)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: dict[str, CachedRequestData] = {}
+        preempted: list[Request] = []
+
+        # Running requests first. A request that cannot get blocks preempts the policy's victim
+        # (possibly itself) until it fits.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"running request with nothing to compute: {request}"
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.waiting.choose_victim(self.running)
+                victim_index = self.running.index(victim)
+                if victim_index < index:  # already scheduled this step: give its budget back
+                    budget += num_scheduled.pop(victim.request_id)
+                    del cached_reqs[victim.request_id]
+                    index -= 1
+                self._preempt(victim, victim_index)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is None:
+                continue  # `request` preempted itself; the one now at `index` is next
+            cached_reqs[request.request_id] = CachedRequestData(
+                request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens
+            )
+            num_scheduled[request.request_id] = num_new
+            request.num_computed_tokens += num_new
+            budget -= num_new
+            index += 1
+
+        # Then waiting requests, unless this step preempted (they would only evict each other).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hits, num_hit_tokens = self._prefix_hits(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit_tokens)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens + num_new
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            new_reqs.append(NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                stop_token_ids=request.eos_token_ids | request.sampling_params.all_stop_token_ids,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                num_computed_tokens=num_hit_tokens,
+            ))
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=list(cached_reqs.values()),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=self.finished_req_ids,
+            num_preempted=len(preempted),
+        )
+        self.finished_req_ids = set()
+        return output
+
+    def _prefix_hits(self, request: Request) -> tuple[list, int]:
+        # Prompt logprobs need every prompt position computed, so such requests take no hits.
+        if request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        return self.kv_cache_manager.get_computed_blocks(request)
+
+    def _preempt(self, request: Request, index: int) -> None:
+        """Preemption by recompute: drop the blocks, start over from the waiting queue's front."""
+        del self.running[index]
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._prompt_logprobs.pop(request.request_id, None)
+        self.finished_req_ids.add(request.request_id)
+        self.waiting.add_preempted(request)
+
+    # ------------------------------------------------------------------ results
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        any_finished = False
+        for request_id, chunk in runner_output.prompt_logprobs.items():
+            if request_id in self.requests:
+                self._prompt_logprobs.setdefault(request_id, []).extend(chunk)
+
+        for i, request_id in enumerate(runner_output.req_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            token_id = runner_output.sampled_token_ids[i]
+            request.append_output_token_ids([token_id])
+            self._check_stop(request, token_id)
+            output = EngineCoreOutput(request_id, [token_id], num_cached_tokens=request.num_cached_tokens)
+            if runner_output.logprobs is not None:
+                output.new_logprobs = [runner_output.logprobs[i]]
+            if request.num_output_tokens == 1:
+                output.new_prompt_logprobs = self._prompt_logprobs.pop(request_id, [])
+            if request.is_finished:
+                output.finish_reason = request.status.finish_reason
+                output.stop_reason = request.stop_reason
+                self._free(request)
+                any_finished = True
+            outputs.append(output)
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in request.eos_token_ids and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+
+    # ------------------------------------------------------------------ stats
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def check_integrity(self) -> None:
+        self.kv_cache_manager.check_integrity()
+        running_ids = {r.request_id for r in self.running}
+        waiting_ids = {r.request_id for r in self.waiting}
+        assert not running_ids & waiting_ids, "a request is both running and waiting"
+        assert running_ids | waiting_ids == set(self.requests), "requests lost or leaked"
+        assert all(r.status == RequestStatus.RUNNING for r in self.running)
+        assert len(self.running) <= self.max_num_seqs

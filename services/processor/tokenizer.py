@@ -1,0 +1,106 @@
+"""The model's Hugging Face tokenizer: loading, the model's own chat template, eos ids."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """Loads the tokenizer of a local model: a Hugging Face folder, or a single `.gguf` file.
+
+    Only local paths: a hub id is refused here, so a typo never turns into a download.
+    """
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no tokenizer at {path}: expected a model folder or a .gguf file")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    **template_kwargs: Any,
+) -> list[int]:
+    """Renders `messages` with the model's own chat template and returns the prompt's token ids.
+
+    `template_kwargs` go to `tokenizer.apply_chat_template` (`tools`, `documents`, `chat_template`,
+    or variables the template reads). The template writes the special tokens itself, so none are
+    added around it. Raises ValueError when the tokenizer has no chat template.
+    """
+    out = tokenizer.apply_chat_template(
+        list(messages),
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=True,
+        return_dict=False,
+        **template_kwargs,
+    )
+    # transformers 5 returns a BatchEncoding when return_dict is left at its default; older ones a list.
+    if isinstance(out, Mapping):
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+def eos_token_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    generation_config_path: str | os.PathLike[str] | None = None,
+) -> list[int]:
+    """The ids that end a generation: the tokenizer's eos, then those of `generation_config.json`.
+
+    `generation_config_path` is the json file or the model folder; a folder without the file adds
+    nothing (a GGUF model has none), a file path that does not exist is an error. Order is kept,
+    duplicates dropped.
+    """
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    if generation_config_path is not None:
+        path = Path(generation_config_path)
+        if path.is_dir():
+            path = path / GENERATION_CONFIG_NAME
+            if not path.is_file():
+                return ids
+        with open(path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+        if isinstance(eos, int):
+            eos = [eos]
+        for token_id in eos or ():
+            if int(token_id) not in ids:
+                ids.append(int(token_id))
+    return ids
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """The facts about a tokenizer that request validation needs, found once at start-up."""
+
+    vocab_size: int  # len(tokenizer): base vocab plus added tokens; every valid id is below it
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    has_chat_template: bool
+
+    @classmethod
+    def from_tokenizer(
+        cls,
+        tokenizer: PreTrainedTokenizerBase,
+        generation_config_path: str | os.PathLike[str] | None = None,
+    ) -> TokenizerInfo:
+        return cls(
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_ids=tuple(eos_token_ids(tokenizer, generation_config_path)),
+            has_chat_template=tokenizer.chat_template is not None,
+        )

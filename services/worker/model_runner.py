@@ -1,0 +1,164 @@
+"""The model runner: applies the step's diff to the persistent batch, builds the flat inputs,
+runs the model with paged attention, samples, and returns the new tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from services.common.model_runner_output import ModelRunnerOutput, TokenLogprobs
+from services.common.scheduler_output import SchedulerOutput
+from services.worker.attention import AttentionBackend, AttentionMetadata
+from services.worker.forward_context import ForwardContext, set_forward_context
+from services.worker.input_batch import InputBatch
+from services.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        block_size: int,
+        max_num_reqs: int,
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = kv_caches[0].device
+        self.batch = InputBatch(max_num_reqs, max_model_len, block_size)
+        self.sampler = Sampler()
+
+    def _apply_diff(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.batch.remove(req_id)
+        for new in out.scheduled_new_reqs:
+            seed = new.sampling_params.seed
+            generator = None
+            if seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(seed)
+            self.batch.add(new, generator)
+        for cached in out.scheduled_cached_reqs:
+            row = self.batch.row_of[cached.req_id]
+            assert self.batch.num_computed_tokens[row] == cached.num_computed_tokens, (
+                f"{cached.req_id}: worker has {self.batch.num_computed_tokens[row]} computed tokens, "
+                f"engine says {cached.num_computed_tokens}")
+            self.batch.append_blocks(row, cached.new_block_ids)
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_diff(out)
+        if out.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [])
+        batch = self.batch
+        bs = self.block_size
+
+        # Scheduled requests in row order; token j of request i is at flat index starts[i] + j.
+        rows = np.fromiter((batch.row_of[r] for r in out.num_scheduled_tokens), dtype=np.int64)
+        q_lens = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64)
+        order = np.argsort(rows, kind="stable")
+        rows, q_lens = rows[order], q_lens[order]
+        ends = np.cumsum(q_lens)
+        starts = ends - q_lens
+        computed = batch.num_computed_tokens[rows]
+        seq_lens = computed + q_lens
+        num_tokens = int(ends[-1])
+        token_rows = np.repeat(rows, q_lens)
+        positions = np.repeat(computed - starts, q_lens) + np.arange(num_tokens)  # [num_tokens]
+        assert (seq_lens <= batch.num_tokens[rows]).all(), "scheduled past the known tokens"
+
+        positions_t = torch.from_numpy(positions)
+        token_rows_t = torch.from_numpy(token_rows)
+        input_ids = batch.token_ids[token_rows_t, positions_t]
+        slot_mapping = batch.block_table[token_rows_t, positions_t // bs].long() * bs + positions_t % bs
+        max_seq_len = int(seq_lens.max())
+        meta = AttentionMetadata(
+            num_tokens=num_tokens,
+            num_reqs=len(rows),
+            query_start_loc=torch.from_numpy(np.concatenate(([0], ends))).int(),
+            seq_lens=torch.from_numpy(seq_lens).int(),
+            positions=positions_t,
+            slot_mapping=slot_mapping,
+            block_table=batch.block_table[torch.from_numpy(rows), : -(-max_seq_len // bs)],
+            block_size=bs,
+            max_query_len=int(q_lens.max()),
+            max_seq_len=max_seq_len,
+            query_lens_cpu=q_lens.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        context = ForwardContext(meta, self.backend.plan(meta), self.kv_caches, self.backend)
+        with set_forward_context(context):
+            hidden = self.model(input_ids.to(self.device), positions_t.to(self.device))  # [num_tokens, hidden]
+
+        prompt_logprobs = self._prompt_logprobs(hidden, rows, starts, computed, q_lens)
+        batch.num_computed_tokens[rows] = seq_lens
+
+        # Only requests whose scheduled tokens reach their last known token sample; partial
+        # prefills are not sampled at all, so seeded generators advance the same in any batch.
+        done = seq_lens == batch.num_tokens[rows]
+        sample_rows = rows[done]
+        if not len(sample_rows):
+            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
+        logits = self.model.compute_logits(hidden[torch.from_numpy(ends[done] - 1)])  # [B, vocab]
+        states = [batch.states[r] for r in sample_rows.tolist()]
+        meta = SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            stop_token_ids_per_row=[s.stop_token_ids for s in states],
+            vocab_size=self.vocab_size,
+            device=logits.device,
+        )
+        sampled = self.sampler(logits, meta)
+        token_ids = sampled.sampled_token_ids.tolist()
+        batch.append_sampled(sample_rows, token_ids)
+        logprobs = None
+        if sampled.logprobs is not None:
+            logprobs = _to_token_logprobs(sampled.logprobs, [s.sampling_params.logprobs for s in states])
+        return ModelRunnerOutput(
+            req_ids=[s.req_id for s in states],
+            sampled_token_ids=token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: np.ndarray, starts: np.ndarray,
+                         computed: np.ndarray, q_lens: np.ndarray) -> dict[str, list[TokenLogprobs]]:
+        """Logprobs of each prompt token given the ones before it, for the positions computed now.
+        Position p's logits predict token p + 1, so the last prompt position yields none."""
+        result: dict[str, list[TokenLogprobs]] = {}
+        for i, row in enumerate(rows.tolist()):
+            state = self.batch.states[row]
+            num = state.sampling_params.prompt_logprobs
+            if num is None:
+                continue
+            first = int(computed[i])
+            last = min(first + int(q_lens[i]), len(state.prompt_token_ids) - 1)
+            if first >= last:
+                continue
+            logits = self.model.compute_logits(hidden[starts[i] : starts[i] + last - first])
+            targets = self.batch.token_ids[row, first + 1 : last + 1].to(logits.device)
+            result[state.req_id] = _to_token_logprobs(
+                compute_prompt_logprobs(logits, targets, num), [num] * (last - first)
+            )
+        return result
+
+
+def _to_token_logprobs(tensors: LogprobsTensors, nums: Sequence[int | None]) -> list[TokenLogprobs]:
+    token_ids = tensors.token_ids.tolist()
+    logprobs = tensors.logprobs.tolist()
+    ranks = tensors.ranks.tolist()
+    return [
+        TokenLogprobs(ids[: (n or 0) + 1], lps[: (n or 0) + 1], rank)
+        for ids, lps, rank, n in zip(token_ids, logprobs, ranks, nums)
+    ]

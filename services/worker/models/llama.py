@@ -1,0 +1,214 @@
+"""The Llama family (Llama, Mistral, Qwen2): our own implementation over a flat batch of tokens.
+
+    input_ids, positions: [num_tokens]  (many requests back to back; the forward context says where
+                                         each one starts and which KV blocks it owns)
+      embed_tokens -> num_layers x [RMSNorm -> attention -> +residual -> RMSNorm -> MLP -> +residual]
+      -> RMSNorm -> hidden_states [num_tokens, hidden_size];  compute_logits -> [num_tokens, vocab]
+
+Checkpoint projections are fused: q|k|v into one `qkv_proj`, gate|up into one `gate_up_proj`.
+Attention itself (paged KV cache, masks, sliding windows) is `services.worker.attention.Attention`.
+The three architectures differ only in a few config-driven details:
+  - Qwen2 always has a bias on q, k, v (and none on o); Llama has one on all four iff `attention_bias`;
+  - Mistral and Qwen2 may use a sliding window (Qwen2 per layer, through `layer_types`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+import transformers
+
+from services.worker.attention import Attention
+from services.worker.layers.activation import SiluAndMul
+from services.worker.layers.linear import MergedLinear
+from services.worker.layers.rmsnorm import RMSNorm
+from services.worker.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_parameters_of
+
+# (our fused module, the checkpoint's module, the shard it fills)
+_STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", "gate"),
+    ("gate_up_proj", "up_proj", "up"),
+)
+
+
+def head_size_of(config: transformers.PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config: transformers.PretrainedConfig, layer_idx: int) -> int | None:
+    """The layer's attention window in tokens, or None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: transformers.PretrainedConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; supported: silu")
+        bias = getattr(config, "mlp_bias", False)
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias, dtype)
+        self.act_fn = SiluAndMul()
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: transformers.PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_size = head_size_of(config)
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, qkv_bias, dtype
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
+        self.attn = Attention(
+            layer_idx, self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5,
+            sliding_window=sliding_window_of(config, layer_idx),
+        )
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n = hidden_states.shape[0]
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(n, self.num_heads, self.head_size), cos, sin)  # [n, H, D]
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_size), cos, sin)  # [n, Hkv, D]
+        out = self.attn(q.view(n, self.q_size), k.view(n, self.kv_size), v)  # [n, H * D]
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: transformers.PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, o_bias, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: transformers.PretrainedConfig, qkv_bias: bool, o_bias: bool,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        # One RoPE cache for all layers: gathered once per step, applied in each layer.
+        self.rotary_emb = RotaryEmbedding(
+            head_size_of(config), config.max_position_embeddings, rope_parameters_of(config), dtype
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, qkv_bias, o_bias, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        cos, sin = self.rotary_emb(positions)  # [num_tokens, 1, head_size // 2] each
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, cos, sin)
+        return self.norm(hidden_states)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: transformers.PretrainedConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.model = LlamaModel(config, qkv_bias, o_bias, dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens  # shared: named_parameters() lists it once, as the embedding
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+
+    @staticmethod
+    def attention_biases(config: transformers.PretrainedConfig) -> tuple[bool, bool]:
+        """(bias on q, k, v; bias on o)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # [n, hidden_size] -> [n, vocab_size] float32; the matmul runs in the model dtype, as in transformers.
+        return F.linear(hidden_states, self.lm_head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into our parameters, one at a time, and
+        raise if any parameter (or any shard of a fused one) was left unloaded."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, str | None]] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if self.tie_word_embeddings and name.startswith("lm_head."):
+                continue
+            for fused, original, shard in _STACKED_PARAMS:
+                if f".{original}." in name:
+                    param_name = name.replace(f".{original}.", f".{fused}.")
+                    module = self.get_submodule(param_name.rsplit(".", 1)[0])
+                    module.load_shard(self._param(params, param_name, name), shard, tensor)
+                    loaded.add((param_name, shard))
+                    break
+            else:
+                param = self._param(params, name, name)
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
+                    )
+                param.data.copy_(tensor)
+                loaded.add((name, None))
+        missing = sorted(
+            f"{name}[{shard}]" if shard else name
+            for name, shard in self._expected_loads(params)
+            if (name, shard) not in loaded
+        )
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights: {', '.join(missing)}")
+
+    def _param(self, params: dict[str, nn.Parameter], param_name: str, checkpoint_name: str) -> nn.Parameter:
+        if param_name not in params:
+            raise ValueError(f"checkpoint tensor {checkpoint_name} matches no parameter of {type(self).__name__}")
+        return params[param_name]
+
+    def _expected_loads(self, params: dict[str, nn.Parameter]) -> list[tuple[str, str | None]]:
+        expected: list[tuple[str, str | None]] = []
+        for name in params:
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(module, MergedLinear):
+                expected.extend((name, shard) for shard in module.shard_offsets)
+            else:
+                expected.append((name, None))
+        return expected
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with an optional sliding window (read from the config by `sliding_window_of`)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def attention_biases(config: transformers.PretrainedConfig) -> tuple[bool, bool]:
+        return True, False

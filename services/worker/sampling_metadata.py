@@ -1,0 +1,176 @@
+"""Sampling metadata: one step's `SamplingParams`, as one tensor per field in batch row order.
+
+Built once per step by the model runner from host lists (`SamplingMetadata.build`); the sampler then
+runs one batched tensor program over it. A field that no row of the batch uses is `None`, so the
+sampler skips its work entirely (the all-greedy step is one argmax).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from services.common.sampling_params import GREEDY_EPSILON, SamplingParams
+
+
+class TokenEntries(NamedTuple):
+    """Sparse entries `(rows[i], token_ids[i])` of a [num_rows, vocab_size] logits tensor."""
+
+    rows: torch.Tensor  # [K] int64
+    token_ids: torch.Tensor  # [K] int64
+    values: torch.Tensor  # [K] float32
+
+
+class PenaltyTensors(NamedTuple):
+    """Presence, frequency and repetition penalties of every row (neutral values where unused)."""
+
+    presence: torch.Tensor  # [B] float32; 0 = off
+    frequency: torch.Tensor  # [B] float32; 0 = off
+    repetition: torch.Tensor  # [B] float32; 1 = off
+    # Only rows with a penalty carry their tokens; other rows are all padding (= vocab_size).
+    output_token_ids: torch.Tensor  # [B, max_num_outputs] int64, padded with vocab_size
+    # None exactly when no row has a repetition penalty (the only penalty that counts the prompt).
+    prompt_token_ids: torch.Tensor | None  # [B, max_prompt_len] int64, padded with vocab_size
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    temperature: torch.Tensor  # [B] float32; 0 for greedy rows
+    all_greedy: bool
+    all_random: bool
+    # Off (None) unless some random row uses them; greedy rows are always off.
+    top_k: torch.Tensor | None  # [B] int64; 0 = off; below vocab_size
+    max_top_k: int  # the largest top_k over rows, known on the host; 0 exactly when top_k is None
+    top_p: torch.Tensor | None  # [B] float32; 1 = off
+    min_p: torch.Tensor | None  # [B] float32; 0 = off
+    # Row -> the request's own generator, for seeded random rows only: a seeded request's draws
+    # depend on nothing but its seed and its own history, whatever its batch-mates.
+    generators: dict[int, torch.Generator]
+    penalties: PenaltyTensors | None  # None when no row has any penalty
+    logit_bias: TokenEntries | None  # values are the biases, added to the logits
+    # Stop tokens (EOS included, even with ignore_eos) of rows that have fewer than min_tokens
+    # outputs; values are -inf, written over the logits.
+    stop_token_mask: TokenEntries | None
+    max_num_logprobs: int | None  # the largest top-N over rows; None when no row wants logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        output_token_ids: Sequence[Sequence[int]],
+        prompt_token_ids: Sequence[Sequence[int]],
+        generators: dict[int, torch.Generator],
+        stop_token_ids_per_row: Sequence[set[int] | frozenset[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingMetadata:
+        """`stop_token_ids_per_row[i]` is row i's EOS ids plus its `stop_token_ids`; `generators` maps
+        row -> the generator of a seeded request (those of greedy rows are left untouched)."""
+        device = torch.device(device)
+        num_rows = len(params)
+        if not len(output_token_ids) == len(prompt_token_ids) == len(stop_token_ids_per_row) == num_rows:
+            raise ValueError("params, output_token_ids, prompt_token_ids and stop_token_ids_per_row "
+                             "must have one entry per batch row")
+        greedy = [p.temperature < GREEDY_EPSILON for p in params]
+        random_params = [None if g else p for p, g in zip(params, greedy)]
+        # top_k >= vocab_size keeps everything: treat it as off.
+        top_k = [0 if p is None or p.top_k >= vocab_size else p.top_k for p in random_params]
+        top_p = [1.0 if p is None else p.top_p for p in random_params]
+        min_p = [0.0 if p is None else p.min_p for p in random_params]
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=_to_device(torch.tensor([0.0 if p is None else p.temperature for p in random_params],
+                                                dtype=torch.float32), device),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            top_k=_to_device(torch.tensor(top_k, dtype=torch.int64), device) if any(top_k) else None,
+            max_top_k=max(top_k, default=0),
+            top_p=_to_device(torch.tensor(top_p, dtype=torch.float32), device) if min(top_p, default=1.0) < 1.0
+            else None,
+            min_p=_to_device(torch.tensor(min_p, dtype=torch.float32), device) if any(min_p) else None,
+            generators={row: g for row, g in generators.items() if not greedy[row]},
+            penalties=_penalty_tensors(params, output_token_ids, prompt_token_ids, vocab_size, device),
+            logit_bias=_logit_bias(params, vocab_size, device),
+            stop_token_mask=_stop_token_mask(params, output_token_ids, stop_token_ids_per_row, vocab_size, device),
+            max_num_logprobs=max(logprobs) if logprobs else None,
+        )
+
+
+def _penalty_tensors(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
+                     prompt_token_ids: Sequence[Sequence[int]], vocab_size: int,
+                     device: torch.device) -> PenaltyTensors | None:
+    uses = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0 for p in params]
+    if not any(uses):
+        return None
+    any_repetition = any(p.repetition_penalty != 1.0 for p in params)
+    return PenaltyTensors(
+        presence=_to_device(torch.tensor([p.presence_penalty for p in params], dtype=torch.float32), device),
+        frequency=_to_device(torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32), device),
+        repetition=_to_device(torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32), device),
+        output_token_ids=_pad_rows([ids if u else () for ids, u in zip(output_token_ids, uses)], vocab_size, device),
+        prompt_token_ids=_pad_rows([ids if p.repetition_penalty != 1.0 else () for ids, p in
+                                    zip(prompt_token_ids, params)], vocab_size, device) if any_repetition else None,
+    )
+
+
+def _logit_bias(params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> TokenEntries | None:
+    rows: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    for row, p in enumerate(params):
+        if p.logit_bias:
+            rows.extend([row] * len(p.logit_bias))
+            token_ids.extend(p.logit_bias.keys())
+            values.extend(p.logit_bias.values())
+    if not rows:
+        return None
+    _check_token_ids(token_ids, vocab_size, "logit_bias")
+    return _token_entries(rows, token_ids, torch.tensor(values, dtype=torch.float32), device)
+
+
+def _stop_token_mask(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
+                     stop_token_ids_per_row: Sequence[set[int] | frozenset[int]], vocab_size: int,
+                     device: torch.device) -> TokenEntries | None:
+    rows: list[int] = []
+    token_ids: list[int] = []
+    for row, (p, outputs, stop_ids) in enumerate(zip(params, output_token_ids, stop_token_ids_per_row)):
+        if len(outputs) < p.min_tokens and stop_ids:
+            rows.extend([row] * len(stop_ids))
+            token_ids.extend(stop_ids)
+    if not rows:
+        return None
+    _check_token_ids(token_ids, vocab_size, "stop token")
+    return _token_entries(rows, token_ids, torch.full((len(rows),), float("-inf")), device)
+
+
+def _token_entries(rows: list[int], token_ids: list[int], values: torch.Tensor,
+                   device: torch.device) -> TokenEntries:
+    return TokenEntries(rows=_to_device(torch.tensor(rows, dtype=torch.int64), device),
+                        token_ids=_to_device(torch.tensor(token_ids, dtype=torch.int64), device),
+                        values=_to_device(values, device))
+
+
+def _check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{what} token ids {sorted(set(bad))[:8]} are outside the vocabulary [0, {vocab_size})")
+
+
+def _pad_rows(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Right-pad ragged rows with `pad` into one [len(rows), longest] int64 tensor."""
+    out = np.full((len(rows), max((len(r) for r in rows), default=0)), pad, dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return _to_device(torch.from_numpy(out), device)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to `device`. On CUDA it goes through pinned memory, so the copy is
+    asynchronous and does not wait for the model forward already queued on the stream."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

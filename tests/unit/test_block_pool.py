@@ -1,0 +1,309 @@
+"""Block pool and free queue: exact block ids, ref counts, queue order and events after scripted calls."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.common.hashing import hash_token_blocks
+from services.engine.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+BLOCK_SIZE = 4
+
+
+def free_ids(pool: BlockPool) -> list[int]:
+    return [block.block_id for block in pool.free_block_queue.get_all_free_blocks()]
+
+
+def queue_ids(queue: FreeKVCacheBlockQueue) -> list[int]:
+    return [block.block_id for block in queue.get_all_free_blocks()]
+
+
+def ids(blocks: list[KVCacheBlock]) -> list[int]:
+    return [block.block_id for block in blocks]
+
+
+# ---------------------------------------------------------------------------------------------
+# FreeKVCacheBlockQueue
+
+
+def test_queue_keeps_insertion_order_and_counts():
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    assert queue.num_free_blocks == 5
+    assert queue_ids(queue) == [0, 1, 2, 3, 4]
+
+
+def test_queue_remove_from_middle_head_and_tail():
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    queue.remove(blocks[2])
+    assert queue_ids(queue) == [0, 1, 3, 4]
+    assert blocks[2].prev_free is None and blocks[2].next_free is None
+    queue.remove(blocks[0])
+    queue.remove(blocks[4])
+    assert queue_ids(queue) == [1, 3]
+    assert queue.num_free_blocks == 2
+
+
+def test_queue_remove_of_a_block_not_in_it_raises():
+    blocks = [KVCacheBlock(i) for i in range(3)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    queue.remove(blocks[1])
+    with pytest.raises(ValueError):
+        queue.remove(blocks[1])
+    assert queue_ids(queue) == [0, 2]
+
+
+def test_queue_popleft_append_appendleft():
+    blocks = [KVCacheBlock(i) for i in range(4)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    assert queue.popleft() is blocks[0]
+    assert queue.popleft() is blocks[1]
+    queue.append(blocks[0])
+    queue.appendleft(blocks[1])
+    assert queue_ids(queue) == [1, 2, 3, 0]
+    assert queue.num_free_blocks == 4
+
+
+def test_queue_popleft_n():
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    popped = queue.popleft_n(4)
+    assert ids(popped) == [0, 1, 2, 3]
+    assert all(b.prev_free is None and b.next_free is None for b in popped)
+    assert queue_ids(queue) == [4, 5]
+    assert queue.num_free_blocks == 2
+    assert queue.popleft_n(0) == []
+    assert ids(queue.popleft_n(2)) == [4, 5]
+    assert queue_ids(queue) == []
+    # The emptied queue still works.
+    queue.append(blocks[3])
+    assert queue_ids(queue) == [3]
+
+
+def test_queue_empty_pops_raise():
+    queue = FreeKVCacheBlockQueue([])
+    with pytest.raises(ValueError):
+        queue.popleft()
+    with pytest.raises(ValueError):
+        queue.popleft_n(1)
+
+
+def test_queue_random_ops_match_a_list_model():
+    rng = random.Random(0)
+    blocks = [KVCacheBlock(i) for i in range(20)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    model = list(range(20))
+    for _ in range(2000):
+        op = rng.randrange(5)
+        if op == 0 and model:
+            assert queue.popleft().block_id == model.pop(0)
+        elif op == 1 and model:
+            victim = rng.choice(model)
+            queue.remove(blocks[victim])
+            model = [i for i in model if i != victim]
+        elif op == 2 and model:
+            n = rng.randint(0, len(model))
+            assert ids(queue.popleft_n(n)) == model[:n]
+            model = model[n:]
+        else:
+            outside = [i for i in range(20) if i not in model]
+            if outside:
+                b = rng.choice(outside)
+                if rng.random() < 0.5:
+                    queue.append(blocks[b])
+                    model.append(b)
+                else:
+                    queue.appendleft(blocks[b])
+                    model.insert(0, b)
+        assert queue_ids(queue) == model
+        assert queue.num_free_blocks == len(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# BlockPool
+
+
+def test_get_new_blocks_pops_from_the_front_with_ref_cnt_one():
+    pool = BlockPool(10, BLOCK_SIZE)
+    blocks = pool.get_new_blocks(3)
+    assert ids(blocks) == [0, 1, 2]
+    assert [b.ref_cnt for b in blocks] == [1, 1, 1]
+    assert pool.get_num_free_blocks() == 7
+    assert free_ids(pool) == [3, 4, 5, 6, 7, 8, 9]
+    assert pool.get_usage() == pytest.approx(0.3)
+    pool.check_integrity()
+
+
+def test_get_new_blocks_raises_when_short_and_changes_nothing():
+    pool = BlockPool(4, BLOCK_SIZE)
+    pool.get_new_blocks(3)
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(2)
+    assert free_ids(pool) == [3]
+    pool.check_integrity()
+
+
+def test_free_blocks_puts_cached_at_tail_and_unhashed_at_head():
+    pool = BlockPool(10, BLOCK_SIZE)
+    blocks = pool.get_new_blocks(3)
+    tokens = list(range(10))
+    hashes = hash_token_blocks(tokens, BLOCK_SIZE)
+    pool.cache_full_blocks(blocks, hashes, 0, 2, tokens)
+    pool.free_blocks(reversed(blocks))  # tail first, as the manager does
+    # Unhashed block 2 is reused first; cached 1 evicted before cached 0.
+    assert free_ids(pool) == [2, 3, 4, 5, 6, 7, 8, 9, 1, 0]
+    assert [b.ref_cnt for b in blocks] == [0, 0, 0]
+    pool.check_integrity()
+
+
+def test_cache_full_blocks_sets_hashes_and_emits_one_stored_event_with_parent():
+    pool = BlockPool(10, BLOCK_SIZE)
+    blocks = pool.get_new_blocks(3)
+    tokens = list(range(100, 112))
+    hashes = hash_token_blocks(tokens, BLOCK_SIZE)
+    pool.cache_full_blocks(blocks, hashes, 0, 1, tokens)
+    pool.cache_full_blocks(blocks, hashes, 1, 3, tokens)
+    assert [b.block_hash for b in blocks] == hashes
+    assert pool.get_cached_block(hashes[0]) is blocks[0]
+    assert pool.get_cached_block(hashes[2]) is blocks[2]
+    assert pool.take_events() == [
+        BlockStored([hashes[0]], None, [100, 101, 102, 103], BLOCK_SIZE),
+        BlockStored([hashes[1], hashes[2]], hashes[0], list(range(104, 112)), BLOCK_SIZE),
+    ]
+    assert pool.take_events() == []  # drained
+    pool.check_integrity()
+
+
+def test_duplicate_content_keeps_the_existing_entry_and_stays_unhashed():
+    pool = BlockPool(10, BLOCK_SIZE)
+    tokens = list(range(8))
+    hashes = hash_token_blocks(tokens, BLOCK_SIZE)
+    a = pool.get_new_blocks(2)
+    b = pool.get_new_blocks(2)
+    pool.cache_full_blocks(a, hashes, 0, 2, tokens)
+    pool.take_events()
+    pool.cache_full_blocks(b, hashes, 0, 2, tokens)
+    assert pool.get_cached_block(hashes[0]) is a[0]
+    assert pool.get_cached_block(hashes[1]) is a[1]
+    assert [blk.block_hash for blk in b] == [None, None]
+    assert pool.take_events() == []  # nothing new entered the cache
+    pool.check_integrity()
+    # Freed, the duplicates go to the head (reused first), the originals to the tail.
+    pool.free_blocks(reversed(b))
+    pool.free_blocks(reversed(a))
+    assert free_ids(pool) == [2, 3, 4, 5, 6, 7, 8, 9, 1, 0]
+    pool.check_integrity()
+
+
+def test_duplicate_prefix_then_new_blocks_emit_one_event_for_the_new_run():
+    pool = BlockPool(10, BLOCK_SIZE)
+    tokens = list(range(12))
+    hashes = hash_token_blocks(tokens, BLOCK_SIZE)
+    a = pool.get_new_blocks(1)
+    pool.cache_full_blocks(a, hashes, 0, 1, tokens)
+    pool.take_events()
+    b = pool.get_new_blocks(3)
+    pool.cache_full_blocks(b, hashes, 0, 3, tokens)
+    assert [blk.block_hash for blk in b] == [None, hashes[1], hashes[2]]
+    assert pool.take_events() == [BlockStored(hashes[1:3], hashes[0], list(range(4, 12)), BLOCK_SIZE)]
+    pool.check_integrity()
+
+
+def test_touch_revives_a_cached_free_block_out_of_the_middle_of_the_queue():
+    pool = BlockPool(6, BLOCK_SIZE)
+    blocks = pool.get_new_blocks(3)
+    tokens = list(range(12))
+    hashes = hash_token_blocks(tokens, BLOCK_SIZE)
+    pool.cache_full_blocks(blocks, hashes, 0, 3, tokens)
+    pool.free_blocks(reversed(blocks))
+    assert free_ids(pool) == [3, 4, 5, 2, 1, 0]
+    pool.touch([blocks[0], blocks[1]])
+    assert [b.ref_cnt for b in blocks] == [1, 1, 0]
+    assert free_ids(pool) == [3, 4, 5, 2]
+    # A second toucher only bumps the count.
+    pool.touch([blocks[0]])
+    assert blocks[0].ref_cnt == 2
+    pool.check_integrity()
+    pool.free_blocks([blocks[1], blocks[0], blocks[0]])
+    assert free_ids(pool) == [3, 4, 5, 2, 1, 0]
+    pool.check_integrity()
+
+
+def test_eviction_emits_block_removed_with_the_evicted_hashes_in_order():
+    pool = BlockPool(4, BLOCK_SIZE)
+    blocks = pool.get_new_blocks(3)
+    tokens = list(range(12))
+    hashes = hash_token_blocks(tokens, BLOCK_SIZE)
+    pool.cache_full_blocks(blocks, hashes, 0, 3, tokens)
+    pool.free_blocks(reversed(blocks))
+    pool.take_events()
+    assert free_ids(pool) == [3, 2, 1, 0]
+    first = pool.get_new_blocks(1)  # unhashed block 3: nothing evicted
+    assert ids(first) == [3]
+    assert pool.take_events() == []
+    second = pool.get_new_blocks(2)  # the request's last blocks go first
+    assert ids(second) == [2, 1]
+    assert pool.take_events() == [BlockRemoved([hashes[2], hashes[1]])]
+    assert [b.block_hash for b in second] == [None, None]
+    assert pool.get_cached_block(hashes[2]) is None
+    assert pool.get_cached_block(hashes[1]) is None
+    assert pool.get_cached_block(hashes[0]) is blocks[0]
+    pool.check_integrity()
+
+
+def test_reset_prefix_cache_only_when_nothing_is_in_use():
+    pool = BlockPool(4, BLOCK_SIZE)
+    blocks = pool.get_new_blocks(2)
+    tokens = list(range(8))
+    hashes = hash_token_blocks(tokens, BLOCK_SIZE)
+    pool.cache_full_blocks(blocks, hashes, 0, 2, tokens)
+    pool.take_events()
+    assert pool.reset_prefix_cache() is False
+    assert pool.get_cached_block(hashes[0]) is blocks[0]
+    assert pool.take_events() == []
+    pool.free_blocks(reversed(blocks))
+    assert pool.reset_prefix_cache() is True
+    assert pool.get_cached_block(hashes[0]) is None
+    assert all(b.block_hash is None for b in pool.blocks)
+    assert pool.take_events() == [AllBlocksCleared()]
+    # Reusing a block after the reset evicts nothing.
+    pool.get_new_blocks(4)
+    assert pool.take_events() == []
+    pool.check_integrity()
+
+
+def test_caching_disabled_never_hashes_nor_emits():
+    pool = BlockPool(4, BLOCK_SIZE, enable_caching=False)
+    blocks = pool.get_new_blocks(2)
+    tokens = list(range(8))
+    hashes = hash_token_blocks(tokens, BLOCK_SIZE)
+    pool.cache_full_blocks(blocks, hashes, 0, 2, tokens)
+    assert [b.block_hash for b in blocks] == [None, None]
+    assert pool.get_cached_block(hashes[0]) is None
+    pool.free_blocks(reversed(blocks))
+    assert free_ids(pool) == [0, 1, 2, 3]
+    assert pool.reset_prefix_cache() is True
+    assert pool.take_events() == []
+    pool.check_integrity()
+
+
+def test_check_integrity_catches_corruption():
+    pool = BlockPool(4, BLOCK_SIZE)
+    blocks = pool.get_new_blocks(2)
+    blocks[0].ref_cnt = 0  # in use by the queue's account, free by its count
+    with pytest.raises(AssertionError):
+        pool.check_integrity()
+    blocks[0].ref_cnt = 1
+    pool.check_integrity()
+    blocks[1].block_hash = b"x" * 32  # a hash the map does not know
+    with pytest.raises(AssertionError):
+        pool.check_integrity()
+
+
+def test_block_repr_does_not_walk_the_queue():
+    pool = BlockPool(1000, BLOCK_SIZE)
+    assert len(repr(pool.blocks[500])) < 100

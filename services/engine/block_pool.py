@@ -255,7 +255,7 @@ class BlockPool:
         num_used = sum(1 for block in self.blocks if block.ref_cnt > 0)
         assert len(free) + num_used == self.num_blocks, "free + used != total"
         for block_hash, block in self._cached.items():
-            assert block.block_hash == block_hash, f"cached map entry points at block {block.block_id} with another hash"
+            assert block.block_hash == block_hash, f"map entry for another hash at block {block.block_id}"
         hashed = [block for block in self.blocks if block.block_hash is not None]
         assert len(hashed) == len(self._cached), "a block carries a hash the cached map does not know"
         if not self.enable_caching:

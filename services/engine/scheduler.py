@@ -92,13 +92,10 @@ class Scheduler:
             assert num_new > 0, f"running request with nothing to compute: {request}"
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
-                victim = self.waiting.choose_victim(self.running)
-                victim_index = self.running.index(victim)
-                if victim_index < index:  # already scheduled this step: give its budget back
-                    budget += num_scheduled.pop(victim.request_id)
-                    del cached_reqs[victim.request_id]
-                    index -= 1
-                self._preempt(victim, victim_index)
+                # Only requests not yet scheduled this step are candidates: a scheduled one has
+                # blocks already cached whose KV this step has not written yet.
+                victim = self.waiting.choose_victim(self.running[index:])
+                self._preempt(victim, self.running.index(victim, index))
                 preempted.append(victim)
                 if victim is request:
                     break

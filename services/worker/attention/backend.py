@@ -27,5 +27,9 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
-        raise NotImplementedError("the Triton attention backend arrives with the kernels issue (#3)")
+        # Imported here, not at the top: importing the kernels fixes Triton's compiled-or-interpreted
+        # choice for the process (kernels/interpreter.py), and torch-backend users need no Triton.
+        from services.worker.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(device)
     raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")

@@ -20,7 +20,7 @@ from services.worker.attention.metadata import AttentionMetadata
 class _Prefill:
     start: int  # first token of the chunk in the flat batch
     end: int
-    slots: torch.Tensor  # [seq_len] cache slots of the whole context
+    blocks: torch.Tensor  # [num_blocks] the context's blocks; positions past seq_len are sliced off
     q_pos: torch.Tensor  # [q_len] positions of the chunk's tokens
     kv_pos: torch.Tensor  # [seq_len]
     mask: torch.Tensor  # [1, 1, q_len, seq_len] causal
@@ -31,9 +31,9 @@ class TorchAttentionPlan:
     write_slots: torch.Tensor  # [n] valid slots
     write_rows: torch.Tensor | None  # [n] tokens that have them; None: every token
     decode_rows: torch.Tensor  # [num_decodes] token index of each decode
-    decode_slots: torch.Tensor  # [num_decodes, max_len] context slots, 0-padded
+    decode_blocks: torch.Tensor  # [num_decodes, num_blocks] block tables, 0-padded
     decode_q_pos: torch.Tensor  # [num_decodes]
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_len] True = attend
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, num_blocks * block_size] True = attend
     prefills: list[_Prefill]
 
 
@@ -55,26 +55,25 @@ class TorchAttentionBackend:
                 decode_reqs.append(i)
             elif q_len > 1:
                 kv_pos = torch.arange(seq_len, device=device)
-                slots = meta.block_table[i, kv_pos // bs].long() * bs + kv_pos % bs
+                blocks = meta.block_table[i, : -(-seq_len // bs)].long()
                 q_pos = kv_pos[seq_len - q_len :]
                 mask = (kv_pos[None, :] <= q_pos[:, None])[None, None]
-                prefills.append(_Prefill(start, start + q_len, slots, q_pos, kv_pos, mask))
+                prefills.append(_Prefill(start, start + q_len, blocks, q_pos, kv_pos, mask))
             start += q_len
 
         if decode_reqs:
             idx = torch.tensor(decode_reqs, device=device)
             rows = meta.query_start_loc[idx].long()
             seq_lens = meta.seq_lens[idx].long()
-            max_len = max(meta.seq_lens_cpu[i] for i in decode_reqs)
-            kv_pos = torch.arange(max_len, device=device)
-            in_ctx = kv_pos[None, :] < seq_lens[:, None]  # [num_decodes, max_len]
-            blocks = meta.block_table[idx][:, kv_pos // bs].long()
-            slots = torch.where(in_ctx, blocks * bs + kv_pos % bs, 0)
+            num_blocks = -(-max(meta.seq_lens_cpu[i] for i in decode_reqs) // bs)
+            # Whole blocks are gathered (contiguous copies), positions past each context masked.
+            blocks = meta.block_table[idx, :num_blocks].long()  # [num_decodes, num_blocks]
+            kv_pos = torch.arange(num_blocks * bs, device=device)
+            mask = (kv_pos[None, :] < seq_lens[:, None])[:, None, None, :]
             q_pos = seq_lens - 1
-            mask = in_ctx[:, None, None, :]
         else:
-            rows = slots = q_pos = mask = torch.empty(0, dtype=torch.long, device=device)
-        return TorchAttentionPlan(write_slots, write_rows, rows, slots, q_pos, mask, prefills)
+            rows = blocks = q_pos = mask = torch.empty(0, dtype=torch.long, device=device)
+        return TorchAttentionPlan(write_slots, write_rows, rows, blocks, q_pos, mask, prefills)
 
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, plan: TorchAttentionPlan) -> torch.Tensor:
@@ -96,17 +95,19 @@ class TorchAttentionBackend:
             if window is not None:
                 kv_pos = torch.arange(mask.shape[-1], device=q.device)
                 mask = mask & (kv_pos[None, :] > (plan.decode_q_pos[:, None] - window))[:, None, None, :]
+            b = plan.decode_blocks.shape[0]
             qd = q[plan.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-            kd = k_flat[plan.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-            vd = v_flat[plan.decode_slots].transpose(1, 2)
+            kd = kv_cache[0][plan.decode_blocks].view(b, -1, num_kv_heads, head_size).transpose(1, 2)  # [B, Hkv, L, D]
+            vd = kv_cache[1][plan.decode_blocks].view(b, -1, num_kv_heads, head_size).transpose(1, 2)
             out[plan.decode_rows] = _attend(qd, kd, vd, mask, layer.scale, layer.logits_soft_cap).squeeze(2)
         for p in plan.prefills:
             mask = p.mask
             if window is not None:
                 mask = mask & (p.kv_pos[None, :] > (p.q_pos[:, None] - window))[None, None]
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            kp = k_flat[p.slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            vp = v_flat[p.slots].transpose(0, 1).unsqueeze(0)
+            seq_len = p.kv_pos.shape[0]
+            kp = kv_cache[0][p.blocks].view(-1, num_kv_heads, head_size)[:seq_len].transpose(0, 1).unsqueeze(0)
+            vp = kv_cache[1][p.blocks].view(-1, num_kv_heads, head_size)[:seq_len].transpose(0, 1).unsqueeze(0)
             out[p.start : p.end] = _attend(qp, kp, vp, mask, layer.scale, layer.logits_soft_cap)[0].transpose(0, 1)
         return out
 

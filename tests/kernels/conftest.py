@@ -1,0 +1,33 @@
+"""Kernel tests: on the CPU under Triton's interpreter, on a CUDA device for real.
+
+`@triton.jit` chooses compiled or interpreted when a kernel's module is imported, so the choice
+is made here, when pytest loads this file and before any test module imports the kernels: without
+a CUDA device, TRITON_INTERPRET=1 (unless the environment already says otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def kernels_device() -> torch.device:
+    interpreted = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return torch.device("cuda" if torch.cuda.is_available() and not interpreted else "cpu")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return kernels_device()
+
+
+@pytest.fixture
+def gen(request: pytest.FixtureRequest, device: torch.device) -> torch.Generator:
+    """Fresh random inputs in every case, the same on every run: seeded by the test's id."""
+    return torch.Generator(device=device).manual_seed(zlib.crc32(request.node.nodeid.encode()))

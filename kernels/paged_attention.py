@@ -49,6 +49,7 @@ from kernels.interpreter import check_device, dot_in_fp32
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TILE_N = 32  # context positions per step of the walk; spans blocks of 16, one block of 32
 MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
+MAX_BLOCK_M = 64  # rows of a prefill program: 64 query rows reuse each K/V tile 64 times
 SPLIT_MIN_TOKENS = 256  # the smallest share of a context one split program reads
 MAX_SPLITS = 64
 
@@ -389,7 +390,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, 
     meta = _constexprs(q, kv_cache, params)
 
     if num_splits <= 1:
-        block_m = max(MIN_BLOCK_M, triton.next_power_of_2(group))
+        # Decode-only batches need GROUP rows per request; prefill chunks as many rows as fit.
+        block_m = min(max(MIN_BLOCK_M, triton.next_power_of_2(batch.max_query_len * group)),
+                      max(MAX_BLOCK_M, triton.next_power_of_2(group)))
         block_q = block_m // group
         grid = (q.shape[0] // block_q + num_reqs, num_kv_heads)
         _unified_attention_kernel[grid](

@@ -116,7 +116,7 @@ def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """[B, V] processed logits -> [B] int64 token ids: argmax for greedy rows, a draw for the rest."""
-    greedy = None if meta.all_random else logits.argmax(dim=-1)
+    greedy = None if meta.all_random else argmax(logits)
     if meta.all_greedy:
         return greedy
     greedy_rows = None if meta.all_random else meta.temperature < GREEDY_EPSILON  # [B] bool
@@ -131,6 +131,21 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         apply_top_k_(logits, meta.top_k, meta.max_top_k)
     sampled = exponential_race(logits.softmax(dim=-1), meta.generators)
     return sampled if greedy_rows is None else torch.where(greedy_rows, greedy, sampled)
+
+
+def argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Row-wise argmax of [B, V] (the first index of the maximum, like torch.argmax).
+
+    torch's CPU argmax is a scalar loop, ~10x slower than its vectorized amax; over the vocab that
+    was a tenth of a decode step. So: amax per chunk, argmax over the chunk maxima, then argmax
+    inside the winning chunk only."""
+    b, v = x.shape
+    if x.device.type != "cpu" or v % chunk or v == chunk:
+        return x.argmax(dim=-1)
+    chunks = x.view(b, v // chunk, chunk)
+    best = chunks.amax(dim=-1).argmax(dim=-1)  # [B] the first chunk holding the row's maximum
+    inside = chunks[torch.arange(b, device=x.device), best].argmax(dim=-1)  # [B]
+    return best * chunk + inside
 
 
 def apply_min_p_(logits: torch.Tensor, min_p: torch.Tensor) -> None:
@@ -181,4 +196,4 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
         q[row].exponential_(generator=generator)
     # exponential_ may return exactly 0, and 0 / 0 is NaN, which argmax would pick.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+    return argmax(probs.div_(q))

@@ -351,3 +351,18 @@ def test_seeded_draws_follow_the_distribution() -> None:
 def test_build_checks_row_counts() -> None:
     with pytest.raises(ValueError, match="one entry per batch row"):
         SamplingMetadata.build([SamplingParams()], [], [[]], {}, [set()], V, CPU)
+
+
+def test_chunked_argmax_matches_torch_including_ties_and_infinities():
+    from services.worker.sampler import argmax
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 4096, generator=gen)
+    x[1, 100] = x[1, 3000] = 50.0  # a tie across chunks: the first index wins
+    x[2, 5] = x[2, 6] = 50.0  # a tie inside a chunk
+    x[3] = float("-inf")
+    x[3, 4000] = 0.0
+    x[4, 1023] = float("inf")
+    x[5] = 1.0  # all equal
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    assert argmax(x)[1].item() == 100

@@ -1,4 +1,5 @@
-"""Choosing an attention backend: `auto` is Triton on CUDA and torch elsewhere."""
+"""Choosing an attention backend: `auto` is Triton on CUDA; on the CPU it is `cpu` (the torch
+backend with the native paged decode kernel) when a C compiler can build that kernel, else `torch`."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kernels import cpu_paged_attention
 from services.worker.attention.metadata import AttentionMetadata
 
 
@@ -23,13 +25,21 @@ from services.worker.attention.torch_backend import TorchAttentionBackend
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        else:
+            name = "cpu" if cpu_paged_attention.is_available() else "torch"
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("the cpu attention backend runs on the CPU only")
+        cpu_paged_attention.build()  # fails here, with the compiler's message, not mid-step
+        return TorchAttentionBackend(native_decode=True)
     if name == "triton":
         # Imported here, not at the top: importing the kernels fixes Triton's compiled-or-interpreted
         # choice for the process (kernels/interpreter.py), and torch-backend users need no Triton.
         from services.worker.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(device)
-    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
+    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch, cpu or triton")

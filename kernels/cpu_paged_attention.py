@@ -1,0 +1,108 @@
+"""Paged decode attention for the CPU: a small C kernel (kernels/cpu/paged_decode_attention.c)
+compiled once with the system's C compiler and called through ctypes.
+
+Gathering each sequence's blocks into a dense tensor and calling SDPA costs more than the whole
+MLP at decode batch sizes on a CPU; reading the paged cache in place removes that copy.
+The shared library is cached under the kvmesh cache dir, keyed by the source's hash.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from services.common.config import default_cache_dir
+
+_SOURCE = Path(__file__).parent / "cpu" / "paged_decode_attention.c"
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class NativeKernelUnavailable(RuntimeError):
+    pass
+
+
+@cache
+def _library() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise NativeKernelUnavailable("no C compiler (gcc or cc) on PATH for the CPU decode-attention kernel")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
+    target = default_cache_dir() / "native" / f"paged_decode_attention-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            result = subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE)],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                raise NativeKernelUnavailable(f"compiling {_SOURCE.name} failed:\n{result.stderr}")
+            os.replace(built, target)  # atomic: a concurrent build never sees half a file
+    lib = ctypes.CDLL(str(target))
+    fn = lib.paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_float,
+                                                                ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                                                ctypes.c_int]
+    return lib
+
+
+def build() -> None:
+    """Compile (or find the cached build of) the kernel; raises NativeKernelUnavailable."""
+    _library()
+
+
+def is_available() -> bool:
+    try:
+        build()
+    except NativeKernelUnavailable:
+        return False
+    return True
+
+
+def paged_decode_attention(
+    out: torch.Tensor,  # [B, H, D], written
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_size = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if q.dtype not in _DTYPES or not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
+        raise TypeError(f"q, caches and out must share float32 or bfloat16, got {q.dtype}, {k_cache.dtype}")
+    if q.device.type != "cpu":
+        raise ValueError("the native decode kernel runs on the CPU")
+    if q.stride(2) != 1 or q.stride(1) != head_size or out.stride(2) != 1 or out.stride(1) != head_size:
+        raise ValueError("q and out must be contiguous over heads and head_size")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise TypeError("block_table and seq_lens must be int32")
+    if block_table.shape[0] != num_seqs or seq_lens.shape != (num_seqs,) or not block_table.is_contiguous():
+        raise ValueError("block_table must be [B, max_blocks] contiguous and seq_lens [B]")
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > 16 or head_size > 256:
+        raise ValueError(f"unsupported heads: {num_heads} query / {num_kv_heads} kv, head size {head_size}")
+    rc = _library().paged_decode_attention(
+        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_table.data_ptr(), seq_lens.data_ptr(),
+        num_seqs, num_heads, num_kv_heads, head_size, block_size, block_table.shape[1],
+        scale, sliding_window or 0, soft_cap or 0.0, _DTYPES[q.dtype], q.stride(0), out.stride(0),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError("paged_decode_attention rejected its arguments")
+    return out

@@ -1,0 +1,75 @@
+"""The engine end to end with the Triton attention backend (under the interpreter on the CPU):
+greedy tokens identical to the torch backend's and to Hugging Face transformers' generate(), top-5
+logprobs close to the torch backend's. A short case: four prompts, eight new tokens, and a small
+token budget so that prompts are prefilled in chunks next to other requests' decodes."""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from services import LLM, SamplingParams
+from services.processor.tokenizer import apply_chat_template
+from tests.model.prompts import CHAT_QUESTIONS, RAW_PROMPTS, long_text
+
+MAX_NEW_TOKENS = 8
+LOGPROB_TOL = 1e-3
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
+ENGINE_ARGS = dict(kv_cache_memory=64 * 2**20, max_num_batched_tokens=64)
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the engine runs on the CPU here, where the Triton kernels need TRITON_INTERPRET=1",
+)
+
+
+def generate(model_path: Path, backend: str, prompts: list[list[int]] | None = None):
+    llm = LLM(model=str(model_path), attention_backend=backend, **ENGINE_ARGS)
+    try:
+        if prompts is None:
+            tokenizer = llm.get_tokenizer()
+            prompts = [
+                apply_chat_template(tokenizer, [{"role": "user", "content": CHAT_QUESTIONS[0]}]),
+                apply_chat_template(tokenizer, [{"role": "user", "content": CHAT_QUESTIONS[6]}]),
+                tokenizer.encode(RAW_PROMPTS[1]),
+                tokenizer.encode(long_text(2)),
+            ]
+        outputs = llm.generate(prompts, GREEDY)
+        manager = llm.engine.kv_cache_manager
+        manager.check_integrity()
+        assert manager.block_pool.get_num_free_blocks() == len(manager.block_pool.blocks)
+        return prompts, [o.outputs[0] for o in outputs], llm.processor.info.eos_token_ids
+    finally:
+        del llm
+        gc.collect()
+
+
+def hf_greedy(model_path: Path, prompts: list[list[int]], eos_token_ids: tuple[int, ...]) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    tokens = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=list(eos_token_ids),
+                                 pad_token_id=eos_token_ids[0])
+            tokens.append(out[0, len(prompt):].tolist())
+    return tokens
+
+
+def test_triton_backend_matches_torch_backend_and_transformers(model_path: Path) -> None:
+    prompts, triton_out, eos = generate(model_path, "triton")
+    assert len(prompts[-1]) > ENGINE_ARGS["max_num_batched_tokens"], "the long prompt must be chunked"
+    _, torch_out, _ = generate(model_path, "torch", prompts)
+    expected = hf_greedy(model_path, prompts, eos)
+    for i, (ours, theirs, want) in enumerate(zip(triton_out, torch_out, expected)):
+        assert ours.token_ids == want, f"prompt {i}: triton {ours.token_ids} vs transformers {want}"
+        assert theirs.token_ids == want, f"prompt {i}: torch {theirs.token_ids} vs transformers {want}"
+        for pos, (a, b) in enumerate(zip(ours.logprobs, theirs.logprobs)):
+            assert a.keys() == b.keys(), f"prompt {i}, token {pos}: top-5 differ"
+            for token_id in a:
+                assert abs(a[token_id].logprob - b[token_id].logprob) < LOGPROB_TOL

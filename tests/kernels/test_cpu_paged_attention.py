@@ -1,0 +1,56 @@
+"""The native CPU paged decode-attention kernel (the `cpu` backend's decode path) against the
+plain-torch reference: odd context lengths, GQA ratios, head and block sizes, sliding window,
+soft-cap, float32 and bfloat16, NaN-poisoned cache outside the contexts and a NaN-poisoned output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_paged_attention
+from kernels.reference import paged_attention_ref
+from tests.kernels.paged_inputs import TOLERANCES, Shape, make_case, poisoned_like
+
+SEQ_LENS = [1, 15, 16, 17, 100, 257]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 32), (64, 32)])
+def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_size, block_size, gen):
+    case = make_case(Shape(num_heads, num_kv_heads, head_size, block_size, dtype), [1] * len(SEQ_LENS),
+                     SEQ_LENS, torch.device("cpu"), gen)
+    scale = head_size**-0.5
+    out = poisoned_like(case.q)
+    cpu_paged_attention.paged_decode_attention(out, case.q, case.kv_cache[0], case.kv_cache[1],
+                                               case.batch.block_table, case.batch.seq_lens, scale)
+    ref = paged_attention_ref(case.q, case.kv_cache, case.batch.query_start_loc, case.batch.seq_lens,
+                              case.batch.block_table, scale)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("window,soft_cap", [(8, None), (None, 30.0), (20, 5.0)])
+def test_sliding_window_and_soft_cap(window, soft_cap, gen):
+    case = make_case(Shape(6, 2, 64, 16, torch.float32), [1] * len(SEQ_LENS), SEQ_LENS, torch.device("cpu"), gen)
+    out = poisoned_like(case.q)
+    cpu_paged_attention.paged_decode_attention(out, case.q, case.kv_cache[0], case.kv_cache[1],
+                                               case.batch.block_table, case.batch.seq_lens, 0.125,
+                                               sliding_window=window, soft_cap=soft_cap)
+    ref = paged_attention_ref(case.q, case.kv_cache, case.batch.query_start_loc, case.batch.seq_lens,
+                              case.batch.block_table, 0.125, window, soft_cap)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_launcher_rejects_bad_arguments():
+    q = torch.randn(2, 4, 64)
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    with pytest.raises(TypeError):
+        cpu_paged_attention.paged_decode_attention(q.clone(), q, cache[0].half(), cache[1].half(), table, lens, 1.0)
+    with pytest.raises(TypeError):
+        cpu_paged_attention.paged_decode_attention(q.clone(), q, cache[0], cache[1], table.long(), lens, 1.0)
+    with pytest.raises(ValueError):
+        cpu_paged_attention.paged_decode_attention(q.clone(), q.transpose(1, 2).contiguous().transpose(1, 2),
+                                                   cache[0], cache[1], table, lens, 1.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -13,8 +14,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, hidden_size]. The cast back happens before the scale, as in transformers,
-        # so that low-precision models round exactly as their reference does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # x: [num_tokens, hidden_size]. One fused op instead of six (pow, mean, add, rsqrt, mul, mul):
+        # a tenth of a CPU decode step at small hidden sizes. The cast back happens before the
+        # scale, as in transformers, so that low-precision models round exactly as their reference.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)

@@ -1,0 +1,115 @@
+"""The interfaces between services. Each has an in-process implementation (the core itself, or a
+thin async wrapper of it) and a gRPC implementation (a client of the next service's server), so
+the offline API, the tests and the pods run the same cores.
+
+    gateway --ProcessorClient--> processor --EngineClient--> engine --WorkerClient--> worker
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.common.model_runner_output import ModelRunnerOutput, TokenLogprobs
+from services.common.sampling_params import SamplingParams
+from services.common.scheduler_output import SchedulerOutput
+
+
+# ----------------------------------------------------------------------------- engine <- worker
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    model_id: str
+    model_path: str
+    vocab_size: int
+    max_model_len: int
+
+
+class WorkerClient(Protocol):
+    async def get_info(self) -> WorkerInfo: ...
+    async def initialize_cache(self, max_num_reqs: int) -> int:
+        """Size the KV cache from the worker's memory budget, allocate it; returns num_blocks."""
+    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+# ----------------------------------------------------------------------------- processor <- engine
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    model_id: str
+    model_path: str
+    max_model_len: int
+    block_size: int
+
+
+class EngineClient(Protocol):
+    async def info(self) -> EngineInfo: ...
+    def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+        """Outputs of one engine request until it finishes. Closing the iterator early (the
+        caller was cancelled) aborts the request in the engine."""
+    async def abort(self, request_ids: Sequence[str]) -> None: ...
+    async def stats(self) -> EngineStats: ...
+    async def is_healthy(self) -> bool: ...
+
+
+# ----------------------------------------------------------------------------- gateway <- processor
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One OpenAI request as the processor takes it: exactly one of prompt / prompt_token_ids /
+    messages is set."""
+
+    request_id: str
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[Mapping[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_special_tokens: bool = True
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class GenerateDelta:
+    """What one step added to a request's choices. The first delta carries the prompt's token
+    count (and the prompt ids); usage counters are cumulative."""
+
+    choices: list[ChoiceDelta]
+    prompt_token_ids: list[int] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+
+
+class ProcessorClient(Protocol):
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        """Deltas until every choice finished. Closing early aborts the engine request(s).
+        Invalid input raises ValueError (in-process) or INVALID_ARGUMENT (gRPC)."""
+    async def model_info(self) -> EngineInfo: ...
+    async def is_healthy(self) -> bool: ...

@@ -6,9 +6,9 @@ tokens, the last q_len_i of them the new ones (already written to the cache by
 `reshape_and_cache`). Its token j sits at position seq_lens[i] - q_len_i + j and attends causally to
 its context through the block table; a prefill chunk and a single-token decode are the same case.
 
-Unified kernel, grid (q blocks, num_kv_heads). A program takes BLOCK_Q tokens of one request and
-all GROUP = num_heads / num_kv_heads query heads of one KV head, so each K/V tile is loaded once
-for the whole group (GQA). Its BLOCK_M = BLOCK_Q * GROUP (padded) rows are
+One kernel, grid (q blocks, num_kv_heads, num_splits). A program takes BLOCK_Q tokens of one
+request and all GROUP = num_heads / num_kv_heads query heads of one KV head, so each K/V tile is
+loaded once for the whole group (GQA). Its BLOCK_M = BLOCK_Q * GROUP (padded) rows are
 
     row m -> token q_block_start + m // GROUP, query head kv_head * GROUP + m % GROUP
 
@@ -25,11 +25,11 @@ needed: request i owns the q blocks from query_start_loc[i] // BLOCK_Q + i on (a
 cdiv(q_len_i, BLOCK_Q) of them), a program finds its request by binary search over that sequence
 and leaves if it has no tokens.
 
-Split-KV (flash-decoding) path, for decode-only batches too small to fill the device: grid
-(num_reqs, num_kv_heads, num_splits); each program attends one decode token's GROUP heads over one
-contiguous share of the context and writes that share's output (normalised by its own sum) and
-log-sum-exp in float32; a reduction kernel, grid (num_reqs, num_heads), combines the shares.
-`choose_num_splits` decides per call from host integers.
+Split-KV (flash-decoding): with num_splits == 1 a program walks its whole range and writes the
+output. With more, program (q block, kv head, split) walks only its split's share of the tiles and
+writes that share's output (normalised by its own sum) and log-sum-exp in float32; a small
+reduction kernel, grid (num_tokens, num_heads), combines the shares. `choose_num_splits` picks more
+than one only for decode-only batches too small to fill the device, from host integers.
 
 References: `kernels.reference.paged_attention_ref`.
 """
@@ -47,7 +47,7 @@ import triton.language as tl
 from kernels.interpreter import check_device, dot_in_fp32
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-TILE_N = 32  # context positions per step of the walk; spans blocks of 16, one block of 32
+TILE_N = 64  # context positions per step of the walk: 4 blocks of 16, 2 of 32
 MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
 MAX_BLOCK_M = 64  # rows of a prefill program: 64 query rows reuse each K/V tile 64 times
 SPLIT_MIN_TOKENS = 256  # the smallest share of a context one split program reads
@@ -81,38 +81,72 @@ def _tanh(x):
 
 
 @triton.jit
-def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
-    """The last request i whose first q block, query_start_loc[i] // BLOCK_Q + i, is <= q_block."""
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_size]; NUM_SPLITS == 1
+    partial_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_PAD] float32; NUM_SPLITS > 1
+    partial_lse_ptr,  # [num_tokens, num_heads, NUM_SPLITS] float32; NUM_SPLITS > 1
+    q_ptr, kv_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+    scale, soft_cap, window, num_reqs, num_heads,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_bt,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # This q block's request: the last i with query_start_loc[i] // BLOCK_Q + i <= q_block.
     lo: tl.int32 = 0
     hi: tl.int32 = num_reqs
     while lo < hi:
         mid = (lo + hi) // 2
-        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if first <= q_block:
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block:
             lo = mid + 1
         else:
             hi = mid
-    return lo - 1
+    req = lo - 1
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_block_start = (q_block - (q_start // BLOCK_Q + req)) * BLOCK_Q
+    if q_block_start >= q_len:
+        return
+    context_len = tl.load(seq_lens_ptr + req) - q_len
 
-
-@triton.jit
-def _attend_tiles(
-    acc, l_i, m_i,  # running output [BLOCK_M, HEAD_PAD], sum [BLOCK_M], max [BLOCK_M]; float32
-    q,  # [BLOCK_M, HEAD_PAD]
-    q_pos,  # [BLOCK_M] position of each row's token
-    row_valid,  # [BLOCK_M]
-    k_base, v_base,  # this KV head's K and V in the cache
-    block_table_row,  # this request's blocks
-    stride_c_block, stride_c_slot,
-    kv_lo, kv_hi,  # attend to context positions in [kv_lo, kv_hi) only
-    scale, soft_cap, window,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
+    offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_PAD)
     d_mask = offs_d < HEAD_SIZE
+    q_local = q_block_start + offs_m // GROUP  # [BLOCK_M] token within the request
+    head = kv_head * GROUP + offs_m % GROUP
+    row_valid = (offs_m // GROUP < BLOCK_Q) & (q_local < q_len)
+    q_pos = context_len + q_local
+    token = (q_start + q_local).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, HEAD_PAD]
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # Context positions this program reads: up to the block's last token, from its first token's
+    # window start; with splits, only this split's share of those tiles.
+    kv_hi = context_len + tl.minimum(q_block_start + BLOCK_Q, q_len)
+    kv_lo = kv_hi * 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(context_len + q_block_start - window + 1, 0)
+    if NUM_SPLITS > 1:
+        base = (kv_lo // TILE_N) * TILE_N
+        tiles_per_split = ((kv_hi - base + TILE_N - 1) // TILE_N + NUM_SPLITS - 1) // NUM_SPLITS
+        kv_lo = tl.maximum(kv_lo, base + split * tiles_per_split * TILE_N)
+        kv_hi = tl.minimum(kv_hi, base + (split + 1) * tiles_per_split * TILE_N)
+
+    k_base = kv_cache_ptr + kv_head * stride_c_head
+    v_base = k_base + stride_c_kv
+    block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for tile_start in range((kv_lo // TILE_N) * TILE_N, kv_hi, TILE_N):
         pos = tile_start + offs_n  # [TILE_N]
         in_kv = (pos >= kv_lo) & (pos < kv_hi)
@@ -137,153 +171,47 @@ def _attend_tiles(
         p = tl.exp(s - m_ref[:, None])
         alpha = tl.exp(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(v.dtype)  # the value dot runs in the cache dtype, as on the tensor cores
+        p = p.to(v.dtype)  # the value product takes the cache dtype, as the tensor cores do
         if DOT_FP32:
             p = p.to(tl.float32)
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
-    return acc, l_i, m_i
 
-
-@triton.jit
-def _unified_attention_kernel(
-    out_ptr, q_ptr, kv_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    scale, soft_cap, window, num_reqs,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_bt,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    q_block_start = (q_block - (q_start // BLOCK_Q + req)) * BLOCK_Q
-    if q_block_start >= q_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + req)
-    context_len = seq_len - q_len
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_PAD)
-    q_local = q_block_start + offs_m // GROUP  # [BLOCK_M] token within the request
-    head = kv_head * GROUP + offs_m % GROUP
-    row_valid = (offs_m // GROUP < BLOCK_Q) & (q_local < q_len)
-    q_pos = context_len + q_local
-    token = (q_start + q_local).to(tl.int64)
-    mask = row_valid[:, None] & (offs_d < HEAD_SIZE)[None, :]
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=mask, other=0.0)  # [BLOCK_M, HEAD_PAD]
-    if DOT_FP32:
-        q = q.to(tl.float32)
-
-    kv_hi = context_len + tl.minimum(q_block_start + BLOCK_Q, q_len)  # last token's position + 1
-    kv_lo = kv_hi * 0
-    if USE_WINDOW:
-        kv_lo = tl.maximum(context_len + q_block_start - window + 1, 0)
-    k_base = kv_cache_ptr + kv_head * stride_c_head
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, row_valid, k_base, k_base + stride_c_kv,
-        block_table_ptr + req.to(tl.int64) * stride_bt, stride_c_block, stride_c_slot,
-        kv_lo, kv_hi, scale, soft_cap, window,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFT_CAP, DOT_FP32, DOT_PRECISION,
-    )
-    # Every valid row attends at least to itself, so l_i > 0 there; padding rows are not stored.
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _split_kv_decode_kernel(
-    partial_out_ptr,  # [num_reqs, num_heads, num_splits, HEAD_PAD] float32
-    partial_lse_ptr,  # [num_reqs, num_heads, num_splits] float32
-    q_ptr, kv_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    scale, soft_cap, window, num_heads, num_splits,
-    stride_qt, stride_qh,
-    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_bt,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) == q_start:
-        return  # a request with no token this step
-    seq_len = tl.load(seq_lens_ptr + req)
-    q_pos_scalar = seq_len - 1
-
-    # This split's share of [first, seq_len), in whole tiles:
-    #   base = first rounded down to a tile; shares of `chunk` positions from there.
-    first = q_pos_scalar * 0
-    if USE_WINDOW:
-        first = tl.maximum(q_pos_scalar - window + 1, 0)
-    base = (first // TILE_N) * TILE_N
-    chunk = tl.cdiv(tl.cdiv(seq_len - base, num_splits), TILE_N) * TILE_N
-    kv_lo = tl.maximum(first, base + split * chunk)
-    kv_hi = tl.minimum(seq_len, base + (split + 1) * chunk)
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_PAD)
-    row_valid = offs_m < GROUP
-    head = kv_head * GROUP + offs_m
-    q_pos = q_pos_scalar + offs_m * 0
-    mask = row_valid[:, None] & (offs_d < HEAD_SIZE)[None, :]
-    q = tl.load(q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=mask, other=0.0)  # [BLOCK_M, HEAD_PAD]
-    if DOT_FP32:
-        q = q.to(tl.float32)
-
-    k_base = kv_cache_ptr + kv_head * stride_c_head
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, row_valid, k_base, k_base + stride_c_kv,
-        block_table_ptr + req.to(tl.int64) * stride_bt, stride_c_block, stride_c_slot,
-        kv_lo, kv_hi, scale, soft_cap, window,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFT_CAP, DOT_FP32, DOT_PRECISION,
-    )
-    # An empty share (past a short context, or before the window) leaves out 0 and lse -inf.
+    # Without splits every valid row attends at least to itself, so l_i > 0 there. A split's share
+    # can be empty for a row (before its window, after its position): output 0, lse -inf.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    row = (req * num_heads + head).to(tl.int64) * num_splits + split  # [BLOCK_M]
-    tl.store(partial_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], out, mask=row_valid[:, None])
-    tl.store(partial_lse_ptr + row, lse, mask=row_valid)
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+    else:
+        row = (token * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+        tl.store(partial_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], out, mask=row_valid[:, None])
+        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        tl.store(partial_lse_ptr + row, lse, mask=row_valid)
 
 
 @triton.jit
 def _split_kv_reduce_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr,
-    num_heads, num_splits, stride_ot, stride_oh,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    num_reqs, num_heads, stride_ot, stride_oh,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
-    req = tl.program_id(0)
+    token = tl.program_id(0)
     head = tl.program_id(1)
-    q_start = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) == q_start:
-        return
+    if token >= tl.load(query_start_loc_ptr + num_reqs):
+        return  # padding past the batch's last token
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_PAD)
-    s_mask = offs_s < num_splits
-    row = (req * num_heads + head).to(tl.int64) * num_splits + offs_s  # [SPLITS_PAD]
+    s_mask = offs_s < NUM_SPLITS
+    row = (token.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s  # [SPLITS_PAD]
     lse = tl.load(partial_lse_ptr + row, mask=s_mask, other=float("-inf"))
     # The split holding the token's own position is never empty, so the max is finite.
     weight = tl.exp(lse - tl.max(lse, 0))  # [SPLITS_PAD]
     part = tl.load(partial_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)  # [HEAD_PAD]
-    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
 
 
@@ -311,7 +239,7 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, max_
 
 def check_supported(device: torch.device) -> None:
     """Raise unless these kernels can run on `device` (CUDA, or anything under the interpreter)."""
-    check_device(_unified_attention_kernel, torch.empty(0, device=device))
+    check_device(_paged_attention_kernel, torch.empty(0, device=device))
 
 
 def _check(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, batch: PagedBatch,
@@ -349,19 +277,7 @@ def _check(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, batch: Pa
         raise ValueError(f"sliding_window must be at least 1, got {params.sliding_window}")
     if params.logits_soft_cap is not None and not params.logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap must be positive, got {params.logits_soft_cap}")
-    check_device(_unified_attention_kernel, q, kv_cache, out, batch.query_start_loc, batch.seq_lens, table)
-
-
-def _constexprs(q: torch.Tensor, kv_cache: torch.Tensor, params: AttentionParams) -> dict:
-    head_size = q.shape[2]
-    return dict(
-        HEAD_SIZE=head_size, HEAD_PAD=triton.next_power_of_2(head_size), BLOCK_SIZE=kv_cache.shape[2],
-        TILE_N=TILE_N, USE_WINDOW=params.sliding_window is not None,
-        USE_SOFT_CAP=params.logits_soft_cap is not None,
-        DOT_FP32=dot_in_fp32(_unified_attention_kernel, q.dtype),
-        # float32 stays float32 (no TF32 rounding): a float32 model asked for float32 attention.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )
+    check_device(_paged_attention_kernel, q, kv_cache, out, batch.query_start_loc, batch.seq_lens, table)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, batch: PagedBatch,
@@ -370,50 +286,49 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, 
 
     q: [num_tokens, num_heads, head_size]; kv_cache: [2, num_blocks, block_size, num_kv_heads,
     head_size] already holding this step's K/V. num_splits: None lets `choose_num_splits` pick;
-    1 forces the unified kernel; more forces the split-KV path (decode-only batches).
-    Rows of tokens past query_start_loc[-1] are not written.
+    1 forces the one-pass kernel, more forces the split-KV path (meant for decodes, right for any
+    batch). Rows of tokens past query_start_loc[-1] are not written.
     """
     _check(q, kv_cache, out, batch, params)
-    num_heads = q.shape[1]
+    num_tokens, num_heads = q.shape[:2]
     num_kv_heads = kv_cache.shape[3]
     num_reqs = batch.seq_lens.shape[0]
     if num_splits is None:
         num_splits = choose_num_splits(num_reqs, num_kv_heads, batch.max_query_len, batch.max_seq_len,
                                        device_num_sms(q.device))
-    if num_splits > 1 and batch.max_query_len > 1:
-        raise ValueError(f"the split-KV path takes decode-only batches; max_query_len is {batch.max_query_len}")
-    if q.shape[0] == 0 or num_reqs == 0:
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    if num_tokens == 0 or num_reqs == 0:
         return
     group = num_heads // num_kv_heads
-    scalars = (params.scale, params.logits_soft_cap or 0.0, params.sliding_window or 0)
-    cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
-    meta = _constexprs(q, kv_cache, params)
-
-    if num_splits <= 1:
-        # Decode-only batches need GROUP rows per request; prefill chunks as many rows as fit.
-        block_m = min(max(MIN_BLOCK_M, triton.next_power_of_2(batch.max_query_len * group)),
-                      max(MAX_BLOCK_M, triton.next_power_of_2(group)))
-        block_q = block_m // group
-        grid = (q.shape[0] // block_q + num_reqs, num_kv_heads)
-        _unified_attention_kernel[grid](
-            out, q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
-            *scalars, num_reqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            *cache_strides, batch.block_table.stride(0),
-            GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, **meta,
+    # Decode-only batches need GROUP rows per request; prefill chunks as many rows as fit.
+    block_m = min(max(MIN_BLOCK_M, triton.next_power_of_2(batch.max_query_len * group)),
+                  max(MAX_BLOCK_M, triton.next_power_of_2(group)))
+    block_q = block_m // group
+    head_size = q.shape[2]
+    head_pad = triton.next_power_of_2(head_size)
+    if num_splits == 1:
+        partial_out = partial_lse = out  # not read: the kernel writes `out` itself
+    else:
+        partial_out = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32,
+                                  device=q.device)
+        partial_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        out, partial_out, partial_lse, q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
+        params.scale, params.logits_soft_cap or 0.0, params.sliding_window or 0, num_reqs, num_heads,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), batch.block_table.stride(0),
+        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        BLOCK_SIZE=kv_cache.shape[2], TILE_N=TILE_N, NUM_SPLITS=num_splits,
+        USE_WINDOW=params.sliding_window is not None, USE_SOFT_CAP=params.logits_soft_cap is not None,
+        DOT_FP32=dot_in_fp32(_paged_attention_kernel, q.dtype),
+        # float32 stays float32 (no TF32 rounding): a float32 model asked for float32 attention.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    if num_splits > 1:
+        _split_kv_reduce_kernel[(num_tokens, num_heads)](
+            out, partial_out, partial_lse, batch.query_start_loc, num_reqs, num_heads, out.stride(0), out.stride(1),
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
         )
-        return
-
-    head_pad = meta["HEAD_PAD"]
-    partial_out = torch.empty((num_reqs, num_heads, num_splits, head_pad), dtype=torch.float32, device=q.device)
-    partial_lse = torch.empty((num_reqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    _split_kv_decode_kernel[(num_reqs, num_kv_heads, num_splits)](
-        partial_out, partial_lse, q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
-        *scalars, num_heads, num_splits, q.stride(0), q.stride(1),
-        *cache_strides, batch.block_table.stride(0),
-        GROUP=group, BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(group)), **meta,
-    )
-    _split_kv_reduce_kernel[(num_reqs, num_heads)](
-        out, partial_out, partial_lse, batch.query_start_loc, num_heads, num_splits,
-        out.stride(0), out.stride(1),
-        HEAD_SIZE=meta["HEAD_SIZE"], HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
-    )

@@ -4,7 +4,7 @@
     slot_mapping: [num_tokens]  slot = block_id * block_size + offset; -1 = padding, skipped
     kv_cache:     [2, num_blocks, block_size, num_kv_heads, head_size]  (services/worker/kv_cache.py)
 
-One program per token copies all of its heads; the reference is
+A program copies a few whole tokens (all heads); the reference is
 `kernels.reference.reshape_and_cache_ref`.
 """
 
@@ -17,39 +17,30 @@ import triton.language as tl
 from kernels.interpreter import check_device
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TILE_ELEMENTS = 4096  # elements of K (and of V) one program moves: 4 tokens of 8 heads x 128
+MAX_TOKENS_PER_PROGRAM = 32
 
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    key_ptr,
-    value_ptr,
-    kv_cache_ptr,
-    slot_mapping_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_c_kv,
-    stride_c_block,
-    stride_c_slot,
-    stride_c_head,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    HEADS_PAD: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
+    key_ptr, value_ptr, kv_cache_ptr, slot_mapping_ptr, num_tokens,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
+    NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+    HEADS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
-    offs_h = tl.arange(0, HEADS_PAD)
-    offs_d = tl.arange(0, HEAD_PAD)
-    mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_SIZE)[None, :]
-    k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    dst = (kv_cache_ptr + (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_slot
-           + offs_h[:, None] * stride_c_head + offs_d[None, :])
+    # A tile of BLOCK_T tokens x (heads * head_size) elements, the heads flattened into one axis.
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    slot = tl.load(slot_mapping_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
+    e = tl.arange(0, HEADS_PAD * HEAD_PAD)
+    h = e // HEAD_PAD
+    d = e % HEAD_PAD
+    mask = (slot >= 0)[:, None] & ((h < NUM_KV_HEADS) & (d < HEAD_SIZE))[None, :]
+    row = tokens.to(tl.int64)[:, None]
+    k = tl.load(key_ptr + row * stride_kt + (h * stride_kh + d)[None, :], mask=mask)
+    v = tl.load(value_ptr + row * stride_vt + (h * stride_vh + d)[None, :], mask=mask)
+    dst = (kv_cache_ptr + ((slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_slot)[:, None]
+           + (h * stride_c_head + d)[None, :])
     tl.store(dst, k, mask=mask)
     tl.store(dst + stride_c_kv, v, mask=mask)
 
@@ -75,10 +66,12 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     check_device(_reshape_and_cache_kernel, key, value, kv_cache, slot_mapping)
     if num_tokens == 0:
         return
-    _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, kv_cache, slot_mapping.contiguous(),
+    heads_pad, head_pad = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_size)
+    block_t = max(1, min(MAX_TOKENS_PER_PROGRAM, TILE_ELEMENTS // (heads_pad * head_pad)))
+    _reshape_and_cache_kernel[(triton.cdiv(num_tokens, block_t),)](
+        key, value, kv_cache, slot_mapping.contiguous(), num_tokens,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=kv_cache.shape[2],
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_PAD=triton.next_power_of_2(head_size),
+        NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=kv_cache.shape[2], BLOCK_T=block_t,
+        HEADS_PAD=heads_pad, HEAD_PAD=head_pad,
     )

@@ -93,6 +93,8 @@ class ChoiceDelta:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # The text of each logprobs entry's token ids (aligned with `logprobs`): the gateway has no tokenizer.
+    logprob_tokens: list[list[str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -39,7 +39,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: memory_fraction of what is free
-    memory_fraction: float = 0.5
+    memory_fraction: float = 0.2
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:

@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
+from services.common.clients import EngineStats
 from services.common.config import CacheConfig, SchedulerConfig
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput
@@ -23,9 +24,13 @@ class Executor(Protocol):
 
 
 class EngineCore:
+    """`step()` runs schedule() -> executor.execute_model() -> update_from_output() synchronously.
+    An engine whose worker is remote (services/engine/async_engine.py) passes executor=None and
+    awaits its worker between `schedule()` and `update_from_output()` itself."""
+
     def __init__(
         self,
-        executor: Executor,
+        executor: Executor | None,
         num_blocks: int,
         max_model_len: int,
         model_id: str,
@@ -75,12 +80,33 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> list[EngineCoreOutput]:
-        scheduler_output = self.scheduler.schedule()
+        assert self.executor is not None, "no executor: drive schedule() / update_from_output() yourself"
+        scheduler_output = self.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
+        return self.update_from_output(scheduler_output, runner_output)
+
+    def schedule(self) -> SchedulerOutput:
+        return self.scheduler.schedule()
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        manager = self.kv_cache_manager
+        num_total = manager.block_pool.num_blocks
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_used_blocks=num_total - manager.num_free_blocks,
+            num_total_blocks=num_total,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=manager.prefix_cache_queries,
+            prefix_cache_hits=manager.prefix_cache_hits,
+        )
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         return self.kv_cache_manager.take_events()

@@ -83,7 +83,15 @@ def test_split_kv_decode(num_splits: int, num_heads: int, num_kv_heads: int, dty
     run_and_check(case, AttentionParams(scale=0.125, sliding_window=window), num_splits=num_splits)
 
 
-def test_split_kv_with_soft_cap_matches_unified(device, gen) -> None:
+def test_split_kv_on_a_mixed_batch(device, gen) -> None:
+    # Chosen for decodes only, but right for any batch: rows of a prefill chunk whose positions come
+    # before a split's share get an empty share there.
+    shape = Shape(num_heads=6, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float32)
+    case = make_case(shape, q_lens=[100, 1, 17], seq_lens=[100, 257, 60], device=device, gen=gen)
+    run_and_check(case, AttentionParams(scale=0.125, sliding_window=70), num_splits=3)
+
+
+def test_split_kv_with_soft_cap_matches_one_pass(device, gen) -> None:
     shape = Shape(num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float32)
     case = make_case(shape, q_lens=[1, 1], seq_lens=[257, 100], device=device, gen=gen)
     params = AttentionParams(scale=0.3, logits_soft_cap=4.0)
@@ -155,4 +163,4 @@ def test_launcher_rejects_bad_inputs(device, gen) -> None:
     rejects("exceeds the block table", batch=batch._replace(max_seq_len=10**4))
     rejects("sliding_window", params=AttentionParams(scale=0.1, sliding_window=0))
     rejects("scale must be positive", params=AttentionParams(scale=0.0))
-    rejects("decode-only", num_splits=2)
+    rejects("num_splits must be at least 1", num_splits=0)

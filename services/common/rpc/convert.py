@@ -1,0 +1,210 @@
+"""Proto <-> core conversions: the one place they live. Servicers and gRPC clients only call these.
+
+Each pair is `<noun>_to_proto(core) -> message` and `<noun>_from_proto(message) -> core`;
+`x_from_proto(x_to_proto(v)) == v` for every value the core produces (tests/services/test_convert.py).
+Building a core object from the wire validates it (SamplingParams checks its ranges), so a bad
+message raises ValueError, which servers answer with INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from google.protobuf import json_format
+
+from services.common.clients import EngineInfo, EngineStats, WorkerInfo
+from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.common.model_runner_output import ModelRunnerOutput, TokenLogprobs
+from services.common.rpc.kvmesh.v1 import common_pb2, engine_pb2, worker_pb2
+from services.common.sampling_params import SamplingParams
+from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+# ----------------------------------------------------------------------------- common
+
+
+def sampling_params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, max_tokens=p.max_tokens,
+        min_tokens=p.min_tokens, stop=p.stop, stop_token_ids=p.stop_token_ids,
+        include_stop_str_in_output=p.include_stop_str_in_output, ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, skip_special_tokens=p.skip_special_tokens,
+        spaces_between_special_tokens=p.spaces_between_special_tokens,
+    )
+    if p.extra:
+        msg.extra.update(p.extra)
+    return msg
+
+
+def sampling_params_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        n=m.n, temperature=m.temperature, top_p=m.top_p, top_k=m.top_k, min_p=m.min_p,
+        seed=m.seed if m.HasField("seed") else None,
+        presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
+        repetition_penalty=m.repetition_penalty, logit_bias=dict(m.logit_bias) or None,
+        max_tokens=m.max_tokens if m.HasField("max_tokens") else None, min_tokens=m.min_tokens,
+        stop=tuple(m.stop), stop_token_ids=tuple(m.stop_token_ids),
+        include_stop_str_in_output=m.include_stop_str_in_output, ignore_eos=m.ignore_eos,
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        skip_special_tokens=m.skip_special_tokens, spaces_between_special_tokens=m.spaces_between_special_tokens,
+        extra=json_format.MessageToDict(m.extra) if m.HasField("extra") else {},
+    )
+
+
+def token_logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(token_ids=lp.token_ids, logprobs=lp.logprobs, rank=lp.rank)
+
+
+def token_logprobs_from_proto(m: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(list(m.token_ids), list(m.logprobs), m.rank)
+
+
+def _logprobs_list_from_proto(items) -> list[TokenLogprobs]:
+    return [token_logprobs_from_proto(m) for m in items]
+
+
+# ----------------------------------------------------------------------------- engine <-> worker
+
+
+def worker_info_to_proto(info: WorkerInfo) -> worker_pb2.WorkerInfo:
+    return worker_pb2.WorkerInfo(model_id=info.model_id, model_path=info.model_path,
+                                 vocab_size=info.vocab_size, max_model_len=info.max_model_len)
+
+
+def worker_info_from_proto(m: worker_pb2.WorkerInfo) -> WorkerInfo:
+    return WorkerInfo(m.model_id, m.model_path, m.vocab_size, m.max_model_len)
+
+
+def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.SchedulerOutput:
+    return worker_pb2.SchedulerOutput(
+        scheduled_new_reqs=[
+            worker_pb2.NewRequestData(
+                req_id=r.req_id, prompt_token_ids=r.prompt_token_ids, output_token_ids=r.output_token_ids,
+                sampling_params=sampling_params_to_proto(r.sampling_params),
+                stop_token_ids=sorted(r.stop_token_ids), block_ids=r.block_ids,
+                num_computed_tokens=r.num_computed_tokens)
+            for r in out.scheduled_new_reqs
+        ],
+        scheduled_cached_reqs=[
+            worker_pb2.CachedRequestData(req_id=r.req_id, new_block_ids=r.new_block_ids,
+                                         num_computed_tokens=r.num_computed_tokens)
+            for r in out.scheduled_cached_reqs
+        ],
+        num_scheduled_tokens=out.num_scheduled_tokens,
+        total_num_scheduled_tokens=out.total_num_scheduled_tokens,
+        finished_req_ids=sorted(out.finished_req_ids),
+        num_preempted=out.num_preempted,
+    )
+
+
+def scheduler_output_from_proto(m: worker_pb2.SchedulerOutput) -> SchedulerOutput:
+    return SchedulerOutput(
+        scheduled_new_reqs=[
+            NewRequestData(r.req_id, list(r.prompt_token_ids), list(r.output_token_ids),
+                           sampling_params_from_proto(r.sampling_params), frozenset(r.stop_token_ids),
+                           list(r.block_ids), r.num_computed_tokens)
+            for r in m.scheduled_new_reqs
+        ],
+        scheduled_cached_reqs=[
+            CachedRequestData(r.req_id, list(r.new_block_ids), r.num_computed_tokens)
+            for r in m.scheduled_cached_reqs
+        ],
+        num_scheduled_tokens=dict(m.num_scheduled_tokens),
+        total_num_scheduled_tokens=m.total_num_scheduled_tokens,
+        finished_req_ids=set(m.finished_req_ids),
+        num_preempted=m.num_preempted,
+    )
+
+
+def model_runner_output_to_proto(out: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:
+    return worker_pb2.ModelRunnerOutput(
+        req_ids=out.req_ids,
+        sampled_token_ids=out.sampled_token_ids,
+        logprobs=[token_logprobs_to_proto(lp) for lp in out.logprobs or ()],
+        prompt_logprobs={
+            req_id: common_pb2.TokenLogprobsList(items=[token_logprobs_to_proto(lp) for lp in lps])
+            for req_id, lps in out.prompt_logprobs.items()
+        },
+    )
+
+
+def model_runner_output_from_proto(m: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutput:
+    # An empty logprobs list is None: the worker sends logprobs for every row or for none.
+    return ModelRunnerOutput(
+        req_ids=list(m.req_ids),
+        sampled_token_ids=list(m.sampled_token_ids),
+        logprobs=_logprobs_list_from_proto(m.logprobs) or None,
+        prompt_logprobs={req_id: _logprobs_list_from_proto(lps.items) for req_id, lps in m.prompt_logprobs.items()},
+    )
+
+
+# ----------------------------------------------------------------------------- processor <-> engine
+
+
+def engine_request_to_proto(r: EngineCoreRequest) -> engine_pb2.EngineRequest:
+    """The arrival time stays behind: it is the engine's own monotonic clock, stamped on receipt."""
+    return engine_pb2.EngineRequest(
+        request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+        sampling_params=sampling_params_to_proto(r.sampling_params), eos_token_ids=r.eos_token_ids,
+        priority=r.priority, cache_salt=r.cache_salt,
+    )
+
+
+def engine_request_from_proto(m: engine_pb2.EngineRequest) -> EngineCoreRequest:
+    if not m.request_id:
+        raise ValueError("request_id is empty")
+    if not m.HasField("sampling_params"):
+        raise ValueError("sampling_params is missing")
+    return EngineCoreRequest(
+        request_id=m.request_id, prompt_token_ids=list(m.prompt_token_ids),
+        sampling_params=sampling_params_from_proto(m.sampling_params), eos_token_ids=tuple(m.eos_token_ids),
+        priority=m.priority, cache_salt=m.cache_salt if m.HasField("cache_salt") else None,
+    )
+
+
+def engine_output_to_proto(o: EngineCoreOutput) -> engine_pb2.EngineOutput:
+    msg = engine_pb2.EngineOutput(
+        request_id=o.request_id, new_token_ids=o.new_token_ids,
+        new_logprobs=[token_logprobs_to_proto(lp) for lp in o.new_logprobs],
+        new_prompt_logprobs=[token_logprobs_to_proto(lp) for lp in o.new_prompt_logprobs],
+        finish_reason=o.finish_reason, num_cached_tokens=o.num_cached_tokens,
+    )
+    if isinstance(o.stop_reason, str):
+        msg.stop_string = o.stop_reason
+    elif o.stop_reason is not None:
+        msg.stop_token_id = o.stop_reason
+    return msg
+
+
+def engine_output_from_proto(m: engine_pb2.EngineOutput) -> EngineCoreOutput:
+    which = m.WhichOneof("stop_reason")
+    return EngineCoreOutput(
+        request_id=m.request_id, new_token_ids=list(m.new_token_ids),
+        new_logprobs=_logprobs_list_from_proto(m.new_logprobs),
+        new_prompt_logprobs=_logprobs_list_from_proto(m.new_prompt_logprobs),
+        finish_reason=m.finish_reason if m.HasField("finish_reason") else None,
+        stop_reason=getattr(m, which) if which is not None else None,
+        num_cached_tokens=m.num_cached_tokens,
+    )
+
+
+def engine_stats_to_proto(s: EngineStats) -> engine_pb2.EngineStats:
+    return engine_pb2.EngineStats(
+        num_running=s.num_running, num_waiting=s.num_waiting, num_used_blocks=s.num_used_blocks,
+        num_total_blocks=s.num_total_blocks, num_preemptions=s.num_preemptions,
+        prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+    )
+
+
+def engine_stats_from_proto(m: engine_pb2.EngineStats) -> EngineStats:
+    return EngineStats(m.num_running, m.num_waiting, m.num_used_blocks, m.num_total_blocks,
+                       m.num_preemptions, m.prefix_cache_queries, m.prefix_cache_hits)
+
+
+def engine_info_to_proto(info: EngineInfo) -> engine_pb2.EngineInfo:
+    return engine_pb2.EngineInfo(model_id=info.model_id, model_path=info.model_path,
+                                 max_model_len=info.max_model_len, block_size=info.block_size)
+
+
+def engine_info_from_proto(m: engine_pb2.EngineInfo) -> EngineInfo:
+    return EngineInfo(m.model_id, m.model_path, m.max_model_len, m.block_size)

@@ -1,0 +1,63 @@
+"""EngineClient over gRPC (the in-process one is services.engine.async_engine.AsyncEngine).
+
+Errors arrive as grpc.aio.AioRpcError with the engine's status: INVALID_ARGUMENT where the
+in-process engine raises ValueError, UNAVAILABLE where it raises EngineDeadError (or when the
+engine process is gone), DEADLINE_EXCEEDED when a call outlives its deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.clients import EngineInfo, EngineStats
+from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.common.rpc import convert
+from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
+from services.common.rpc.server import GRPC_OPTIONS, SERVING
+
+
+class GrpcEngineClient:
+    """`timeout` is the deadline of each unary call; `stream_timeout` of each Generate stream
+    (the whole generation). Closing a generate() iterator early cancels the call, which aborts the
+    request in the engine. Construct inside the running event loop."""
+
+    def __init__(self, address: str, timeout: float = 10.0, stream_timeout: float = 3600.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.stream_timeout = stream_timeout
+        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = engine_pb2_grpc.EngineStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def info(self) -> EngineInfo:
+        reply = await self._stub.GetInfo(engine_pb2.GetEngineInfoRequest(), timeout=self.timeout)
+        return convert.engine_info_from_proto(reply)
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+        call = self._stub.Generate(convert.engine_request_to_proto(request), timeout=self.stream_timeout)
+        try:
+            async for message in call:
+                yield convert.engine_output_from_proto(message)
+        finally:
+            call.cancel()  # a no-op once the stream has ended
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self._stub.Abort(engine_pb2.AbortRequest(request_ids=request_ids), timeout=self.timeout)
+
+    async def stats(self) -> EngineStats:
+        reply = await self._stub.GetStats(engine_pb2.GetStatsRequest(), timeout=self.timeout)
+        return convert.engine_stats_from_proto(reply)
+
+    async def is_healthy(self) -> bool:
+        """The engine's standard health service says SERVING; False also when it cannot be reached."""
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == SERVING
+
+    async def close(self) -> None:
+        await self._channel.close()

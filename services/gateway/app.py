@@ -1,0 +1,256 @@
+"""The OpenAI-compatible HTTP API over a ProcessorClient (in-process or gRPC).
+
+A client that goes away aborts its request down to the engine on both paths: Starlette cancels a
+streaming response when it sees the disconnect; a non-streaming handler is not cancelled by
+anything, so it races its generation against the disconnect itself (engine-pitfalls 17).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import secrets
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.common.clients import GenerateRequest, ProcessorClient
+from services.common.sampling_params import SamplingParams
+from services.gateway.chat import chat_chunks, chat_response
+from services.gateway.completion import completion_chunks, completion_response
+from services.gateway.errors import APIError, error_of, model_not_found
+from services.gateway.generation import Generation
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+)
+from services.gateway.sampling import to_sampling_params
+from services.gateway.sse import sse_stream
+
+REQUEST_ID_HEADER = "X-Request-Id"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away; nobody reads it
+T = TypeVar("T")
+
+
+def create_app(processor: ProcessorClient, served_model_name: str, health_timeout: float = 5.0) -> FastAPI:
+    """The gateway app. `health_timeout` bounds /health's question to the processor (seconds)."""
+    app = FastAPI(title="kvmesh", version=_version(), docs_url=None, redoc_url=None)
+    app.add_middleware(RequestIdMiddleware)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    # The errors a request can meet are answered here; any other exception is a bug of ours and
+    # goes to Starlette's last-resort handler too (a 500 in our shape, and a logged traceback).
+    for kind in (APIError, ValueError, ConnectionError, TimeoutError, Exception):
+        app.add_exception_handler(kind, _error)
+    api = _API(processor, served_model_name)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            healthy = await asyncio.wait_for(processor.is_healthy(), health_timeout)
+        except (ConnectionError, TimeoutError) as e:
+            healthy, reason = False, str(e) or type(e).__name__
+        else:
+            reason = "the processor or its engine is not serving"
+        if healthy:
+            return Response(status_code=200)
+        return _error_response(503, ErrorInfo(message=f"not healthy: {reason}", type="service_unavailable",
+                                              code="service_unavailable"))
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        info = await processor.model_info()
+        return ModelList(data=[ModelCard(id=served_model_name, root=info.model_path, max_model_len=info.max_model_len)])
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await api.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await api.chat_completions(body, request)
+
+    return app
+
+
+class _API:
+    """The generating endpoints: request → processor requests → a response or an SSE stream."""
+
+    def __init__(self, processor: ProcessorClient, served_model_name: str) -> None:
+        self.processor = processor
+        self.served_model_name = served_model_name
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        params = self._params(body)
+        response_id, engine_id = _ids("cmpl", request)
+        prompts = body.prompts()
+        requests = [
+            GenerateRequest(
+                request_id=engine_id if len(prompts) == 1 else f"{engine_id}-p{i}", params=params,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=None if isinstance(prompt, str) else prompt,
+                add_special_tokens=body.add_special_tokens,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        return await self._respond(request, requests, body.stream,
+                                   lambda g: completion_chunks(g, body, response_id, self.served_model_name),
+                                   lambda g: completion_response(g, body, response_id, self.served_model_name))
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        params = self._params(body)
+        response_id, engine_id = _ids("chatcmpl", request)
+        try:
+            messages = [m.to_template() for m in body.messages]
+        except ValueError as e:
+            raise APIError(400, str(e), "invalid_request_error", "messages") from None
+        requests = [GenerateRequest(
+            request_id=engine_id, params=params, messages=messages,
+            add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+            chat_template_kwargs=body.chat_template_kwargs or {},
+        )]
+        return await self._respond(request, requests, body.stream,
+                                   lambda g: chat_chunks(g, body, response_id, self.served_model_name),
+                                   lambda g: chat_response(g, body, response_id, self.served_model_name))
+
+    def _params(self, body: SamplingRequest) -> SamplingParams:
+        if body.model is not None and body.model != self.served_model_name:
+            raise model_not_found(body.model)
+        return to_sampling_params(body)
+
+    async def _respond(
+        self,
+        request: Request,
+        requests: list[GenerateRequest],
+        stream: bool,
+        chunks: Callable[[Generation], AsyncIterator],
+        response: Callable[[Generation], Awaitable],
+    ) -> Response:
+        # Opening waits for the first delta: invalid input is a status code, not an error event.
+        generation = await until_disconnected(request, Generation.open(self.processor, requests))
+        if generation is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if stream:
+            return StreamingResponse(_streamed(generation, chunks(generation)), media_type="text/event-stream")
+
+        async def whole() -> Response:
+            try:
+                return _json(await response(generation))
+            finally:
+                await generation.aclose()
+
+        result = await until_disconnected(request, whole())
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else result
+
+
+async def _streamed(generation: Generation, chunks: AsyncIterator) -> AsyncIterator[str]:
+    try:
+        async for line in sse_stream(chunks):
+            yield line
+    finally:
+        await generation.aclose()
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Runs `work` unless the client disconnects first; then cancels it and returns None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            return None  # the client left; cancelling `task` aborted its engine requests
+        raise
+
+
+async def _disconnected(request: Request) -> None:
+    # The body was read before the handler ran, so the next message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _ids(prefix: str, request: Request) -> tuple[str, str]:
+    """(the response's id, the id of its engine requests). A client's X-Request-Id names both; the
+    engine's gets a random suffix, since two clients may send the same one."""
+    request_id: str = request.state.request_id
+    response_id = f"{prefix}-{request_id}"
+    if request.state.request_id_given:
+        return response_id, f"{response_id}-{secrets.token_hex(4)}"
+    return response_id, response_id
+
+
+class RequestIdMiddleware:
+    """Takes the request id from `X-Request-Id` (or makes one) and echoes it on every response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get(REQUEST_ID_HEADER)
+        request_id = given or uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["request_id"], state["request_id_given"] = request_id, given is not None
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def _json(body: BaseModel, status: int = 200) -> Response:
+    # pydantic writes a -inf logprob as null; json.dumps (JSONResponse) would refuse it.
+    return Response(body.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def _error_response(status: int, info: ErrorInfo) -> Response:
+    return _json(ErrorResponse(error=info), status)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    """400 (not FastAPI's 422), naming the first offending field."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    message = first.get("msg", "invalid request")
+    if loc:
+        message = f"{'.'.join(loc)}: {message}"
+    return _error_response(400, ErrorInfo(message=message, type="invalid_request_error",
+                                          param=loc[0] if loc else None))
+
+
+async def _error(request: Request, exc: Exception) -> Response:
+    status, body = error_of(exc)
+    return _json(body, status)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("kvmesh")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,52 @@
+"""The one mapping from an OpenAI request to SamplingParams."""
+
+from __future__ import annotations
+
+from services.common.sampling_params import SamplingParams
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    """Raises ValueError (answered with 400) for values SamplingParams refuses."""
+    if isinstance(request, ChatCompletionRequest):
+        # Chat defaults to the rest of the context (None), completions to 16 (the request's default).
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    else:
+        max_tokens = request.max_tokens
+        logprobs = request.logprobs
+    return SamplingParams(
+        n=request.n,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=request.top_k or 0,
+        min_p=request.min_p or 0.0,
+        seed=request.seed,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        logit_bias=_token_biases(request.logit_bias),
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        stop=() if request.stop is None else request.stop,
+        stop_token_ids=request.stop_token_ids or (),
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=request.skip_special_tokens,
+        spaces_between_special_tokens=request.spaces_between_special_tokens,
+    )
+
+
+def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys, so as strings; biases are clamped to [-100, 100]."""
+    if not logit_bias:
+        return None
+    biases: dict[int, float] = {}
+    for key, bias in logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        biases[token_id] = max(-100.0, min(100.0, float(bias)))
+    return biases

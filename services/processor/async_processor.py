@@ -1,0 +1,168 @@
+"""The processor core served asynchronously: one OpenAI-level request in, merged text deltas out.
+
+Same objects as the offline `LLM` (`Processor` for prompts and engine requests, one
+`RequestOutputState` per choice for detokenization and stop strings), driven by engine streams
+instead of `EngineCore.step()`:
+
+    generate(request) ── tokenize, validate, make_requests (n choices: `{id}-{i}`, seed + i)
+        ├── pump choice 0: engine.generate(req 0) ─┐
+        ├── pump choice 1: engine.generate(req 1) ─┼──▶ queue ──▶ RequestOutputState.process ──▶ GenerateDelta
+        └── ...                                    ─┘
+
+Whatever ends the caller's iteration early (a stop string, the client going away, an engine error)
+cancels the pumps, which closes their engine streams, and aborts the choices still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from services.common.clients import ChoiceDelta, EngineClient, EngineInfo, GenerateDelta, GenerateRequest
+from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.processor.output_processor import FINISH_STOP, RequestOutputState
+from services.processor.processor import Processor
+
+logger = logging.getLogger(__name__)
+
+FINISH_ERROR = "error"
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    request: EngineCoreRequest
+    state: RequestOutputState
+    num_cached_tokens: int = 0
+    finished: bool = False  # as far as this request is concerned (the engine may not know yet)
+
+
+class AsyncProcessor:
+    """Implements `ProcessorClient` in-process over an `EngineClient`."""
+
+    def __init__(self, processor: Processor, engine: EngineClient) -> None:
+        self.processor = processor
+        self.engine = engine
+        self._cleanups: set[asyncio.Task[None]] = set()  # strong references until they finish
+
+    async def model_info(self) -> EngineInfo:
+        return await self.engine.info()
+
+    async def is_healthy(self) -> bool:
+        """Healthy only while the engine (and through it, its workers) answers."""
+        return await self.engine.is_healthy()
+
+    def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
+        """Tokenizes the one prompt form `request` carries; raises ValueError on bad input."""
+        forms = [request.prompt is not None, request.prompt_token_ids is not None, request.messages is not None]
+        if sum(forms) != 1:
+            raise ValueError("exactly one of prompt, prompt_token_ids and messages must be given")
+        if request.messages is not None:
+            return self.processor.tokenize_chat(request.messages, request.add_generation_prompt,
+                                                request.continue_final_message, request.chat_template_kwargs)
+        if request.prompt is not None:
+            return self.processor.tokenize(request.prompt, request.add_special_tokens)
+        return self.processor.tokenize(request.prompt_token_ids)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        """Deltas until every choice finished; the first carries the prompt. Raises ValueError for
+        invalid input (before any delta), and the engine client's errors as they come."""
+        prompt_token_ids = self.prompt_token_ids(request)
+        engine_requests = self.processor.make_requests(request.request_id, prompt_token_ids, request.params,
+                                                       request.priority, request.cache_salt)
+        choices = [_Choice(i, r, self.processor.output_state(prompt_token_ids, r.sampling_params))
+                   for i, r in enumerate(engine_requests)]
+        queue: asyncio.Queue[tuple[_Choice, EngineCoreOutput | Exception]] = asyncio.Queue()
+        pumps = [asyncio.create_task(self._pump(c, queue), name=f"pump-{c.request.request_id}") for c in choices]
+        num_unfinished = len(choices)
+        first = True
+        try:
+            while num_unfinished:
+                batch = [await queue.get()]
+                while not queue.empty():  # every output that arrived meanwhile goes into one delta
+                    batch.append(queue.get_nowait())
+                deltas: list[ChoiceDelta] = []
+                for choice, item in batch:
+                    if choice.finished:
+                        continue  # sent by the engine before it saw our abort
+                    if isinstance(item, Exception):
+                        raise item
+                    deltas.append(self._apply(choice, item))
+                    if choice.finished:
+                        num_unfinished -= 1
+                        if item.finish_reason is None:  # a stop string ended it; the engine does not know
+                            await self.engine.abort([choice.request.request_id])
+                            pumps[choice.index].cancel()
+                if not deltas:
+                    continue
+                yield GenerateDelta(
+                    choices=deltas,
+                    prompt_token_ids=list(prompt_token_ids) if first else None,
+                    num_prompt_tokens=len(prompt_token_ids),
+                    num_cached_tokens=max(c.num_cached_tokens for c in choices),
+                    num_generated_tokens=sum(c.state.num_output_tokens for c in choices),
+                )
+                first = False
+        finally:
+            await self._release(pumps, [c.request.request_id for c in choices if not c.finished])
+
+    def _apply(self, choice: _Choice, out: EngineCoreOutput) -> ChoiceDelta:
+        if out.finish_reason == FINISH_ERROR:
+            raise RuntimeError(f"the engine failed request {out.request_id}")
+        if choice.state.num_output_tokens == 0:
+            choice.num_cached_tokens = out.num_cached_tokens
+        text = choice.state.process(out.new_token_ids, out.finished, out.finish_reason, out.stop_reason,
+                                    drop_last_token=out.finish_reason == FINISH_STOP and bool(out.new_token_ids))
+        choice.finished = text.finished
+        logprobs = list(out.new_logprobs) if choice.request.sampling_params.logprobs is not None else []
+        return ChoiceDelta(
+            index=choice.index,
+            text=text.text,
+            token_ids=list(out.new_token_ids),
+            logprobs=logprobs,
+            finish_reason=text.finish_reason,
+            stop_reason=text.stop_reason,
+            logprob_tokens=[[self.processor.decode_token(t) for t in lp.token_ids] for lp in logprobs],
+        )
+
+    async def _pump(self, choice: _Choice, queue: asyncio.Queue) -> None:
+        """Forwards one engine stream to `queue`; errors too, so the merging loop raises them."""
+        try:
+            finished = False
+            async with aclosing(self.engine.generate(choice.request)) as stream:
+                async for out in stream:
+                    queue.put_nowait((choice, out))
+                    finished = out.finished
+                    if finished:
+                        break
+            if not finished:
+                raise ConnectionError(f"the engine stream of {choice.request.request_id} ended before it finished")
+        except Exception as e:  # handed to the merging loop, which raises it to the caller
+            queue.put_nowait((choice, e))
+
+    async def _release(self, pumps: list[asyncio.Task[None]], running: list[str]) -> None:
+        """Stops the pumps and aborts the choices still running in the engine.
+
+        Runs in a task of its own, shielded: the caller may be cancelled (the client went away),
+        and under anyio's level cancellation every await of a cancelled caller fails at once.
+        """
+        pending = [p for p in pumps if not p.done()]
+        if not pending and not running:
+            return
+        for p in pending:
+            p.cancel()
+        cleanup = asyncio.create_task(self._abort(pending, running))
+        self._cleanups.add(cleanup)
+        cleanup.add_done_callback(self._cleanups.discard)
+        await asyncio.shield(cleanup)
+
+    async def _abort(self, pumps: list[asyncio.Task[None]], running: list[str]) -> None:
+        await asyncio.gather(*pumps, return_exceptions=True)  # their streams are closed: the engine aborts
+        if running:
+            try:
+                await self.engine.abort(running)  # and once more explicitly: aborts are idempotent
+            except Exception as e:  # the engine may be the reason we stopped; nothing left to free then
+                logger.warning("could not abort %s in the engine: %s", running, e)

@@ -1,0 +1,108 @@
+"""The worker service: one device's model, KV cache and persistent batch behind gRPC.
+
+    python -m services.worker.server --model smollm2 --port 50053 --kv-cache-memory 268435456
+
+config -> Worker core -> WorkerServicer -> grpc.aio server (+ health, reflection) -> SIGTERM ->
+NOT_SERVING -> stop(grace). Every flag falls back to KVMESH_WORKER_<FLAG> (KVMESH_WORKER_PORT, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+import grpc
+
+from services.common.clients import WorkerClient
+from services.common.config import ATTENTION_BACKENDS, DTYPES, CacheConfig, ModelConfig, WorkerConfig
+from services.common.rpc import convert
+from services.common.rpc.kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.common.rpc.server import RpcServer, flag_default, service_name
+from services.worker.client import InProcessWorkerClient
+from services.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50053
+SERVICE_NAME = service_name(worker_pb2.DESCRIPTOR, "Worker")
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Converts proto <-> core and calls the in-process worker client; nothing else."""
+
+    def __init__(self, worker: WorkerClient) -> None:
+        self.worker = worker
+
+    async def GetInfo(self, request: worker_pb2.GetWorkerInfoRequest, context) -> worker_pb2.WorkerInfo:
+        return convert.worker_info_to_proto(await self.worker.get_info())
+
+    async def InitializeCache(self, request: worker_pb2.InitializeCacheRequest,
+                              context) -> worker_pb2.InitializeCacheResponse:
+        try:
+            num_blocks = await self.worker.initialize_cache(request.max_num_reqs)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return worker_pb2.InitializeCacheResponse(num_blocks=num_blocks)
+
+    async def ExecuteModel(self, request: worker_pb2.SchedulerOutput, context) -> worker_pb2.ModelRunnerOutput:
+        try:
+            scheduler_output = convert.scheduler_output_from_proto(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            runner_output = await self.worker.execute_model(scheduler_output)
+        except Exception as exc:  # the boundary: the engine gets the reason, the log the traceback
+            logger.exception("step failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
+        return convert.model_runner_output_to_proto(runner_output)
+
+
+async def serve(worker: WorkerClient, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+                grace: float = 5.0) -> None:
+    """Serve `worker` until SIGTERM/SIGINT, then NOT_SERVING and stop(grace)."""
+    server = RpcServer(host, port, [SERVICE_NAME])
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server.server)
+    await server.start()
+    await server.wait_for_termination_signal()
+    await server.shutdown(grace)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    def flag(name: str, default: object) -> object:
+        return flag_default("KVMESH_WORKER", name, default)
+
+    parser = argparse.ArgumentParser(prog="kvmesh worker", description="The kvmesh worker service.")
+    parser.add_argument("--model", default=flag("model", "smollm2"), help="model name, path or GGUF file")
+    parser.add_argument("--dtype", default=flag("dtype", "float32"), choices=DTYPES)
+    parser.add_argument("--device", default=flag("device", "cpu"), help="torch device (cpu, cuda, cuda:1)")
+    parser.add_argument("--max-model-len", type=int, default=flag("max_model_len", None))
+    parser.add_argument("--seed", type=int, default=flag("seed", 0))
+    parser.add_argument("--cache-dir", type=Path, default=flag("cache_dir", None))
+    parser.add_argument("--host", default=flag("host", "127.0.0.1"), help="interface to listen on")
+    parser.add_argument("--port", type=int, default=flag("port", DEFAULT_PORT))
+    parser.add_argument("--block-size", type=int, default=flag("block_size", 16))
+    parser.add_argument("--kv-cache-memory", type=int, default=flag("kv_cache_memory", None),
+                        help="KV cache bytes (default: a fraction of free memory)")
+    parser.add_argument("--attention-backend", default=flag("attention_backend", "auto"), choices=ATTENTION_BACKENDS)
+    parser.add_argument("--max-num-seqs", type=int, default=flag("max_num_seqs", 1024),
+                        help="the largest batch an engine may ask this worker for")
+    parser.add_argument("--grace", type=float, default=flag("grace", 5.0), help="seconds for in-flight calls at shutdown")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker: %(message)s")
+    model_config = ModelConfig(model=args.model, dtype=args.dtype, device=args.device,
+                               max_model_len=args.max_model_len, cache_dir=args.cache_dir, seed=args.seed)
+    cache_config = CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
+    worker = Worker(model_config, cache_config, WorkerConfig(attention_backend=args.attention_backend))
+    asyncio.run(serve(InProcessWorkerClient(worker, args.max_num_seqs), args.host, args.port, args.grace))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""AsyncEngine over a scripted worker: streams, cancellation, aborts between steps, worker failure."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.clients import WorkerInfo
+from services.common.config import CacheConfig, SchedulerConfig
+from services.common.engine_output import EngineCoreRequest
+from services.common.model_runner_output import ModelRunnerOutput
+from services.common.sampling_params import SamplingParams
+from services.common.scheduler_output import SchedulerOutput
+from services.engine.async_engine import AsyncEngine, EngineDeadError
+
+TOKEN = 7
+
+
+class ScriptedWorker:
+    """A WorkerClient that keeps the persistent batch as the real one does (token counts only) and
+    samples TOKEN for every request that reaches its last known token."""
+
+    def __init__(self, num_blocks: int = 64) -> None:
+        self.num_blocks = num_blocks
+        self.requests: dict[str, list[int]] = {}  # req_id -> [num_tokens, num_computed_tokens]
+        self.steps: list[SchedulerOutput] = []
+        self.fail_with: Exception | None = None
+        self.gate: asyncio.Event | None = None  # when set, each step waits for it
+        self.in_step = asyncio.Event()
+
+    async def get_info(self) -> WorkerInfo:
+        return WorkerInfo("scripted", "/nowhere", 1000, 4096)
+
+    async def initialize_cache(self, max_num_reqs: int) -> int:
+        return self.num_blocks
+
+    async def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps.append(out)
+        self.in_step.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        self.in_step.clear()
+        if self.fail_with is not None:
+            raise self.fail_with
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            self.requests[new.req_id] = [len(new.prompt_token_ids) + len(new.output_token_ids), new.num_computed_tokens]
+        for cached in out.scheduled_cached_reqs:
+            assert self.requests[cached.req_id][1] == cached.num_computed_tokens
+        req_ids = []
+        for req_id, n in out.num_scheduled_tokens.items():
+            state = self.requests[req_id]
+            state[1] += n
+            if state[1] == state[0]:
+                req_ids.append(req_id)
+                state[0] += 1
+        await asyncio.sleep(0)
+        return ModelRunnerOutput(req_ids, [TOKEN] * len(req_ids))
+
+
+def request(request_id: str, max_tokens: int = 5, prompt_len: int = 20) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id, list(range(1, prompt_len + 1)),
+                             SamplingParams(temperature=0, max_tokens=max_tokens), eos_token_ids=(2,))
+
+
+async def make_engine(worker: ScriptedWorker) -> AsyncEngine:
+    return await AsyncEngine.create(worker, CacheConfig(block_size=4),
+                                    SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8))
+
+
+async def until(predicate, timeout: float = 2.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.001)
+
+
+async def assert_idle(engine: AsyncEngine, worker: ScriptedWorker) -> None:
+    await until(lambda: not worker.requests and not engine.core.scheduler.finished_req_ids)
+    stats = await engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_used_blocks) == (0, 0, 0)
+    engine.core.scheduler.check_integrity()
+
+
+def test_streams_every_token_then_the_worker_drops_the_request():
+    async def main():
+        worker = ScriptedWorker()
+        engine = await make_engine(worker)
+        outputs = {rid: [o async for o in engine.generate(request(rid, max_tokens=3 + i))]
+                   for i, rid in enumerate("ab")}
+        for rid, outs in outputs.items():
+            assert [t for o in outs for t in o.new_token_ids] == [TOKEN] * len(outs)
+            assert [o.finish_reason for o in outs][-1] == "length"
+        assert (len(outputs["a"]), len(outputs["b"])) == (3, 4)
+        await assert_idle(engine, worker)
+        assert await engine.is_healthy()
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_closing_a_stream_aborts_between_steps_and_frees_every_block():
+    async def main():
+        worker = ScriptedWorker()
+        engine = await make_engine(worker)
+        stream = engine.generate(request("r", max_tokens=1000))
+        got = [await anext(stream), await anext(stream)]
+        assert [o.new_token_ids for o in got] == [[TOKEN], [TOKEN]]
+        worker.gate = asyncio.Event()
+        await until(worker.in_step.is_set)
+        await stream.aclose()  # mid-step: the abort waits for the step to end
+        assert "r" in engine.core.scheduler.requests
+        worker.gate.set()
+        await assert_idle(engine, worker)
+        assert "r" in worker.steps[-1].finished_req_ids
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_cancelling_the_consumer_aborts_the_request():
+    async def main():
+        worker = ScriptedWorker()
+        engine = await make_engine(worker)
+        seen = []
+
+        async def consume():
+            async for out in engine.generate(request("r", max_tokens=1000)):
+                seen.append(out)
+
+        task = asyncio.create_task(consume())
+        await until(lambda: len(seen) >= 2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await assert_idle(engine, worker)
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_abort_ends_the_stream_with_finish_reason_abort():
+    async def main():
+        worker = ScriptedWorker()
+        engine = await make_engine(worker)
+        stream = engine.generate(request("r", max_tokens=1000))
+        await anext(stream)
+        await engine.abort(["r", "r", "unknown"])
+        rest = [o async for o in stream]
+        assert rest[-1].finish_reason == "abort"
+        await assert_idle(engine, worker)
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_invalid_and_duplicate_requests_raise_value_error():
+    async def main():
+        engine = await make_engine(ScriptedWorker())
+        with pytest.raises(ValueError, match="empty"):
+            await anext(engine.generate(EngineCoreRequest("e", [], SamplingParams())))
+        stream = engine.generate(request("dup", max_tokens=1000))
+        await anext(stream)
+        with pytest.raises(ValueError, match="already in use"):
+            await anext(engine.generate(request("dup")))
+        await stream.aclose()
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_failed_step_fails_every_stream_and_every_later_request():
+    async def main():
+        worker = ScriptedWorker()
+        engine = await make_engine(worker)
+        streams = [engine.generate(request(rid, max_tokens=1000)) for rid in "ab"]
+        for s in streams:
+            await anext(s)
+        worker.fail_with = RuntimeError("the device fell off the bus")
+        for s in streams:
+            with pytest.raises(EngineDeadError, match="device fell off the bus"):
+                async with asyncio.timeout(2):
+                    async for _ in s:
+                        pass
+        assert not await engine.is_healthy()
+        async with asyncio.timeout(1):
+            await engine.wait_until_unhealthy()
+        with pytest.raises(EngineDeadError):
+            await anext(engine.generate(request("c")))
+        stats = await engine.stats()
+        assert (stats.num_running, stats.num_waiting, stats.num_used_blocks) == (0, 0, 0)
+        await engine.shutdown()
+
+    asyncio.run(main())

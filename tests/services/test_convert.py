@@ -1,0 +1,116 @@
+"""Proto <-> core conversions: every core value survives the wire unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.clients import EngineInfo, EngineStats, WorkerInfo
+from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.common.model_runner_output import ModelRunnerOutput, TokenLogprobs
+from services.common.rpc import convert
+from services.common.rpc.kvmesh.v1 import common_pb2, engine_pb2
+from services.common.sampling_params import SamplingParams
+from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+PARAMS = [
+    SamplingParams(),
+    SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=2**40 + 7, presence_penalty=-1.5,
+                   frequency_penalty=0.3, repetition_penalty=1.1, logit_bias={5: -100.0, 7: 2.5}, max_tokens=None,
+                   min_tokens=4, stop=("\n\n", "END"), stop_token_ids=(2, 9), include_stop_str_in_output=True,
+                   ignore_eos=True, logprobs=5, prompt_logprobs=0, skip_special_tokens=False,
+                   spaces_between_special_tokens=False),
+    SamplingParams(temperature=0.0, seed=0, logprobs=0, max_tokens=1),
+]
+LOGPROBS = TokenLogprobs([11, 3, 11], [-0.25, -1.5, -3.0], 1)
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_sampling_params_round_trip(params: SamplingParams):
+    back = convert.sampling_params_from_proto(convert.sampling_params_to_proto(params))
+    assert back == params
+    assert (back.seed, back.max_tokens, back.logprobs, back.prompt_logprobs) == (
+        params.seed, params.max_tokens, params.logprobs, params.prompt_logprobs)
+
+
+def test_sampling_params_extra_and_empty_logit_bias():
+    params = SamplingParams(extra={"tag": "a", "nested": {"x": [1, 2]}}, logit_bias={})
+    back = convert.sampling_params_from_proto(convert.sampling_params_to_proto(params))
+    assert back.extra == {"tag": "a", "nested": {"x": [1.0, 2.0]}}  # JSON numbers
+    assert back.logit_bias is None  # an empty map is None
+
+
+def test_invalid_sampling_params_from_the_wire_raise_value_error():
+    msg = convert.sampling_params_to_proto(SamplingParams())
+    msg.top_p = 1.5
+    with pytest.raises(ValueError, match="top_p"):
+        convert.sampling_params_from_proto(msg)
+    with pytest.raises(ValueError, match="n must be"):
+        convert.sampling_params_from_proto(common_pb2.SamplingParams())  # fields left unset
+
+
+def test_token_logprobs_round_trip():
+    assert convert.token_logprobs_from_proto(convert.token_logprobs_to_proto(LOGPROBS)) == LOGPROBS
+
+
+def test_scheduler_output_round_trip():
+    out = SchedulerOutput(
+        scheduled_new_reqs=[
+            NewRequestData("a", [1, 2, 3], [], PARAMS[1], frozenset({2, 9}), [4, 5], 16),
+            NewRequestData("b", [7] * 40, [8, 9], PARAMS[0], frozenset(), [0, 1, 2], 0),
+        ],
+        scheduled_cached_reqs=[CachedRequestData("c", [], 33), CachedRequestData("d", [12], 47)],
+        num_scheduled_tokens={"a": 3, "b": 42, "c": 1, "d": 1},
+        total_num_scheduled_tokens=47,
+        finished_req_ids={"x", "y"},
+        num_preempted=1,
+    )
+    assert convert.scheduler_output_from_proto(convert.scheduler_output_to_proto(out)) == out
+    empty = SchedulerOutput([], [], {}, 0)
+    assert convert.scheduler_output_from_proto(convert.scheduler_output_to_proto(empty)) == empty
+
+
+def test_model_runner_output_round_trip():
+    outputs = [
+        ModelRunnerOutput([], []),
+        ModelRunnerOutput(["a", "b"], [5, 6]),
+        ModelRunnerOutput(["a", "b"], [5, 6], logprobs=[LOGPROBS, TokenLogprobs([6], [-0.5], 1)],
+                          prompt_logprobs={"a": [LOGPROBS, LOGPROBS], "c": []}),
+    ]
+    for out in outputs:
+        assert convert.model_runner_output_from_proto(convert.model_runner_output_to_proto(out)) == out
+
+
+def test_engine_request_round_trip_and_validation():
+    request = EngineCoreRequest("r1", [1, 2, 3], PARAMS[1], eos_token_ids=(2, 0), priority=-3, cache_salt="s")
+    assert convert.engine_request_from_proto(convert.engine_request_to_proto(request)) == request
+    plain = EngineCoreRequest("r2", [9], SamplingParams())
+    assert convert.engine_request_from_proto(convert.engine_request_to_proto(plain)) == plain
+    # The arrival time is the engine's own clock: it stays behind.
+    stamped = EngineCoreRequest("r3", [9], SamplingParams(), arrival_time=12.5)
+    assert convert.engine_request_from_proto(convert.engine_request_to_proto(stamped)).arrival_time is None
+    with pytest.raises(ValueError, match="sampling_params"):
+        convert.engine_request_from_proto(engine_pb2.EngineRequest(request_id="r", prompt_token_ids=[1]))
+    with pytest.raises(ValueError, match="request_id"):
+        convert.engine_request_from_proto(engine_pb2.EngineRequest())
+
+
+@pytest.mark.parametrize("output", [
+    EngineCoreOutput("r", [5]),
+    EngineCoreOutput("r", [5], new_logprobs=[LOGPROBS], new_prompt_logprobs=[LOGPROBS, LOGPROBS], num_cached_tokens=32),
+    EngineCoreOutput("r", [2], finish_reason="stop"),  # EOS: no stop reason
+    EngineCoreOutput("r", [9], finish_reason="stop", stop_reason=9),
+    EngineCoreOutput("r", [9], finish_reason="stop", stop_reason="END"),
+    EngineCoreOutput("r", [0], finish_reason="stop", stop_reason=0),  # token id 0 is a reason, not None
+    EngineCoreOutput("r", [], finish_reason="abort"),
+])
+def test_engine_output_round_trip(output: EngineCoreOutput):
+    assert convert.engine_output_from_proto(convert.engine_output_to_proto(output)) == output
+
+
+def test_stats_and_info_round_trip():
+    stats = EngineStats(3, 4, 17, 1024, 2, 5000, 1234)
+    assert convert.engine_stats_from_proto(convert.engine_stats_to_proto(stats)) == stats
+    info = EngineInfo("smollm2", "/models/smollm2", 8192, 16)
+    assert convert.engine_info_from_proto(convert.engine_info_to_proto(info)) == info
+    worker = WorkerInfo("smollm2", "/models/smollm2", 49152, 8192)
+    assert convert.worker_info_from_proto(convert.worker_info_to_proto(worker)) == worker

@@ -21,7 +21,7 @@ from services.common.clients import EngineClient
 from services.common.config import POLICIES, CacheConfig, SchedulerConfig
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
-from services.common.rpc.server import RpcServer, flag_default, service_name
+from services.common.rpc.server import RpcServer, ServingConfig, flag_default, service_name
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.worker.client import GrpcWorkerClient
 
@@ -74,21 +74,18 @@ async def _follow_health(engine: AsyncEngine, server: RpcServer) -> None:
     await server.set_serving(False)
 
 
-async def serve(worker_address: str, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                host: str = "127.0.0.1", port: int = DEFAULT_PORT, grace: float = 5.0,
-                drain: float = 0.0, worker_timeout: float = 60.0) -> None:
-    """Serve until SIGTERM/SIGINT. Waits up to `worker_timeout` for the worker to come up."""
-    worker = GrpcWorkerClient(worker_address, timeout=worker_timeout, step_timeout=worker_timeout)
+async def serve(worker: GrpcWorkerClient, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                serving: ServingConfig) -> None:
+    """Serve until SIGTERM/SIGINT. The worker's client deadlines bound the wait for it to come up."""
     engine = await AsyncEngine.create(worker, cache_config, scheduler_config)
-    server = RpcServer(host, port, [SERVICE_NAME])
+    server = RpcServer(serving.host, serving.port, [SERVICE_NAME])
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server.server)
     await server.start()
     health = asyncio.create_task(_follow_health(engine, server))
     await server.wait_for_termination_signal()
     health.cancel()
-    await server.shutdown(grace, drain)
+    await server.shutdown(serving.grace, serving.drain)
     await engine.shutdown()
-    await worker.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,8 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     cache_config = CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching)
     scheduler_config = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                        max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy)
-    asyncio.run(serve(args.worker_address, cache_config, scheduler_config, args.host, args.port,
-                      args.grace, args.drain, args.worker_timeout))
+    serving = ServingConfig(args.host, args.port, args.grace, args.drain)
+
+    async def run() -> None:
+        worker = GrpcWorkerClient(args.worker_address, timeout=args.worker_timeout, step_timeout=args.worker_timeout)
+        try:
+            await serve(worker, cache_config, scheduler_config, serving)
+        finally:
+            await worker.close()
+
+    asyncio.run(run())
     return 0
 
 

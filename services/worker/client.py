@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -12,18 +14,21 @@ from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.rpc.server import GRPC_OPTIONS
 from services.common.scheduler_output import SchedulerOutput
-from services.worker.worker import Worker
+
+if TYPE_CHECKING:  # the gRPC client (the engine's side) must not pull in torch
+    from services.worker.worker import Worker
 
 
 class InProcessWorkerClient:
-    """The worker core on this process's event loop: its synchronous torch work runs in a thread so
-    the loop keeps serving (health, other calls) while a step computes; steps never overlap.
-    `max_num_reqs` caps the persistent batch an engine may ask for (None: no cap)."""
+    """The worker core on this process's event loop: its synchronous torch work runs on one
+    dedicated thread (always the same one, so steps never overlap and the thread stays warm) while
+    the loop keeps serving health and other calls. `max_num_reqs` caps the persistent batch an
+    engine may ask for (None: no cap)."""
 
     def __init__(self, worker: Worker, max_num_reqs: int | None = None) -> None:
         self.worker = worker
         self.max_num_reqs = max_num_reqs
-        self._lock = asyncio.Lock()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
 
     async def get_info(self) -> WorkerInfo:
         return WorkerInfo(*self.worker.info)
@@ -33,8 +38,7 @@ class InProcessWorkerClient:
             raise ValueError(f"max_num_reqs must be positive, got {max_num_reqs}")
         if self.max_num_reqs is not None and max_num_reqs > self.max_num_reqs:
             raise ValueError(f"max_num_reqs {max_num_reqs} exceeds this worker's limit of {self.max_num_reqs}")
-        async with self._lock:
-            return await asyncio.to_thread(self._initialize_cache, max_num_reqs)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self._initialize_cache, max_num_reqs)
 
     def _initialize_cache(self, max_num_reqs: int) -> int:
         num_blocks = self.worker.determine_num_blocks()
@@ -42,8 +46,8 @@ class InProcessWorkerClient:
         return num_blocks
 
     async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        async with self._lock:
-            return await asyncio.to_thread(self.worker.execute_model, scheduler_output)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.worker.execute_model,
+                                                                scheduler_output)
 
 
 class GrpcWorkerClient:

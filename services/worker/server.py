@@ -20,7 +20,7 @@ from services.common.clients import WorkerClient
 from services.common.config import ATTENTION_BACKENDS, DTYPES, CacheConfig, ModelConfig, WorkerConfig
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.common.rpc.server import RpcServer, flag_default, service_name
+from services.common.rpc.server import RpcServer, ServingConfig, flag_default, service_name
 from services.worker.client import InProcessWorkerClient
 from services.worker.worker import Worker
 
@@ -60,14 +60,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return convert.model_runner_output_to_proto(runner_output)
 
 
-async def serve(worker: WorkerClient, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                grace: float = 5.0) -> None:
+async def serve(worker: WorkerClient, serving: ServingConfig) -> None:
     """Serve `worker` until SIGTERM/SIGINT, then NOT_SERVING and stop(grace)."""
-    server = RpcServer(host, port, [SERVICE_NAME])
+    server = RpcServer(serving.host, serving.port, [SERVICE_NAME])
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server.server)
     await server.start()
     await server.wait_for_termination_signal()
-    await server.shutdown(grace)
+    await server.shutdown(serving.grace, serving.drain)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                                max_model_len=args.max_model_len, cache_dir=args.cache_dir, seed=args.seed)
     cache_config = CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
     worker = Worker(model_config, cache_config, WorkerConfig(attention_backend=args.attention_backend))
-    asyncio.run(serve(InProcessWorkerClient(worker, args.max_num_seqs), args.host, args.port, args.grace))
+    serving = ServingConfig(args.host, args.port, args.grace)
+    asyncio.run(serve(InProcessWorkerClient(worker, args.max_num_seqs), serving))
     return 0
 
 

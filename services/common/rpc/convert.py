@@ -8,6 +8,8 @@ message raises ValueError, which servers answer with INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import itertools
+
 from google.protobuf import json_format
 
 from services.common.clients import EngineInfo, EngineStats, WorkerInfo
@@ -76,6 +78,7 @@ def worker_info_from_proto(m: worker_pb2.WorkerInfo) -> WorkerInfo:
 
 
 def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.SchedulerOutput:
+    cached = out.scheduled_cached_reqs
     return worker_pb2.SchedulerOutput(
         scheduled_new_reqs=[
             worker_pb2.NewRequestData(
@@ -85,12 +88,14 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.SchedulerOutpu
                 num_computed_tokens=r.num_computed_tokens)
             for r in out.scheduled_new_reqs
         ],
-        scheduled_cached_reqs=[
-            worker_pb2.CachedRequestData(req_id=r.req_id, new_block_ids=r.new_block_ids,
-                                         num_computed_tokens=r.num_computed_tokens)
-            for r in out.scheduled_cached_reqs
-        ],
-        num_scheduled_tokens=out.num_scheduled_tokens,
+        scheduled_cached_reqs=worker_pb2.CachedRequests(
+            req_ids=[r.req_id for r in cached],
+            num_computed_tokens=[r.num_computed_tokens for r in cached],
+            num_new_blocks=[len(r.new_block_ids) for r in cached],
+            new_block_ids=[block_id for r in cached for block_id in r.new_block_ids],
+        ),
+        scheduled_req_ids=out.num_scheduled_tokens.keys(),
+        num_scheduled_tokens=out.num_scheduled_tokens.values(),
         total_num_scheduled_tokens=out.total_num_scheduled_tokens,
         finished_req_ids=sorted(out.finished_req_ids),
         num_preempted=out.num_preempted,
@@ -98,6 +103,15 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.SchedulerOutpu
 
 
 def scheduler_output_from_proto(m: worker_pb2.SchedulerOutput) -> SchedulerOutput:
+    cached = m.scheduled_cached_reqs
+    new_block_ids = list(cached.new_block_ids)
+    ends = list(itertools.accumulate(cached.num_new_blocks))
+    if len(cached.num_computed_tokens) != len(cached.req_ids) or len(ends) != len(cached.req_ids):
+        raise ValueError("scheduled_cached_reqs: columns of different lengths")
+    if (ends[-1] if ends else 0) != len(new_block_ids):
+        raise ValueError("scheduled_cached_reqs: num_new_blocks does not add up to new_block_ids")
+    if len(m.scheduled_req_ids) != len(m.num_scheduled_tokens):
+        raise ValueError("scheduled_req_ids and num_scheduled_tokens differ in length")
     return SchedulerOutput(
         scheduled_new_reqs=[
             NewRequestData(r.req_id, list(r.prompt_token_ids), list(r.output_token_ids),
@@ -106,10 +120,11 @@ def scheduler_output_from_proto(m: worker_pb2.SchedulerOutput) -> SchedulerOutpu
             for r in m.scheduled_new_reqs
         ],
         scheduled_cached_reqs=[
-            CachedRequestData(r.req_id, list(r.new_block_ids), r.num_computed_tokens)
-            for r in m.scheduled_cached_reqs
+            CachedRequestData(req_id, new_block_ids[end - n:end], num_computed)
+            for req_id, num_computed, n, end in zip(cached.req_ids, cached.num_computed_tokens,
+                                                    cached.num_new_blocks, ends)
         ],
-        num_scheduled_tokens=dict(m.num_scheduled_tokens),
+        num_scheduled_tokens=dict(zip(m.scheduled_req_ids, m.num_scheduled_tokens)),
         total_num_scheduled_tokens=m.total_num_scheduled_tokens,
         finished_req_ids=set(m.finished_req_ids),
         num_preempted=m.num_preempted,

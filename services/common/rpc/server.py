@@ -5,7 +5,7 @@
 
 A service's `server.py` builds its core and servicer, then:
 
-    server = RpcServer(host, port, [engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name])
+    server = RpcServer(host, port, [service_name(engine_pb2.DESCRIPTOR, "Engine")])
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
     await server.start()
     await server.wait_for_termination_signal()
@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,6 +37,23 @@ GRPC_OPTIONS = [
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Where a service listens and how it stops (see RpcServer.shutdown): one value for a
+    service's serve() instead of four parameters."""
+
+    host: str = "127.0.0.1"  # loopback unless a deployment asks for more
+    port: int = 0
+    grace: float = 5.0
+    drain: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.grace < 0 or self.drain < 0:
+            raise ValueError(f"grace and drain must be non-negative, got {self.grace} and {self.drain}")
 
 
 def service_name(file_descriptor, name: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import re
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -53,7 +54,7 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
     # goes to Starlette's last-resort handler too (a 500 in our shape, and a logged traceback).
     for kind in (APIError, ValueError, ConnectionError, TimeoutError, Exception):
         app.add_exception_handler(kind, _error)
-    api = _API(processor, served_model_name)
+    api = app.state.api = _API(processor, served_model_name)
 
     @app.get("/health")
     async def health() -> Response:
@@ -94,6 +95,7 @@ class _API:
     def __init__(self, processor: ProcessorClient, served_model_name: str) -> None:
         self.processor = processor
         self.served_model_name = served_model_name
+        self.generations: set[Generation] = set()  # in flight
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         params = self._params(body)
@@ -139,31 +141,46 @@ class _API:
         requests: list[GenerateRequest],
         stream: bool,
         chunks: Callable[[Generation], AsyncIterator],
-        response: Callable[[Generation], Awaitable],
+        response: Callable[[Generation], Awaitable[BaseModel]],
     ) -> Response:
-        # Opening waits for the first delta: invalid input is a status code, not an error event.
-        generation = await until_disconnected(request, Generation.open(self.processor, requests))
-        if generation is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        if stream:
-            return StreamingResponse(_streamed(generation, chunks(generation)), media_type="text/event-stream")
+        generation = Generation.start(self.processor, requests)
+        self.generations.add(generation)
+        streaming = False
+        try:
+            # Wait for the first deltas: invalid input is then a status code, not an error event.
+            if await until_disconnected(request, generation.started()) is None:
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            if stream:
+                streaming = True  # the stream closes the generation
+                return StreamingResponse(self._streamed(generation, chunks(generation)),
+                                         media_type="text/event-stream")
+            body = await until_disconnected(request, response(generation))
+            return Response(status_code=CLIENT_CLOSED_REQUEST) if body is None else _json(body)
+        finally:
+            if not streaming:
+                await self._close(generation)
 
-        async def whole() -> Response:
-            try:
-                return _json(await response(generation))
-            finally:
-                await generation.aclose()
+    async def _streamed(self, generation: Generation, chunks: AsyncIterator) -> AsyncIterator[str]:
+        try:
+            async for line in sse_stream(chunks):
+                yield line
+        finally:
+            await self._close(generation)
 
-        result = await until_disconnected(request, whole())
-        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else result
-
-
-async def _streamed(generation: Generation, chunks: AsyncIterator) -> AsyncIterator[str]:
-    try:
-        async for line in sse_stream(chunks):
-            yield line
-    finally:
+    async def _close(self, generation: Generation) -> None:
+        self.generations.discard(generation)
         await generation.aclose()
+
+    def end_all(self, reason: str) -> int:
+        """Ends every request in flight with a 503 (or, streaming, an error event); their number."""
+        for generation in self.generations:
+            generation.end(APIError(503, reason, "service_unavailable", code="service_unavailable"))
+        return len(self.generations)
+
+
+def end_requests(app: FastAPI, reason: str) -> int:
+    """Ends the requests `app` has in flight (the server is stopping); returns how many."""
+    return app.state.api.end_all(reason)
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
@@ -236,12 +253,20 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
     """400 (not FastAPI's 422), naming the first offending field."""
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    message = first.get("msg", "invalid request")
-    if loc:
-        message = f"{'.'.join(loc)}: {message}"
+    path: list[str] = []
+    for part in first.get("loc", ()):
+        if isinstance(part, str) and _UNION_MEMBER.match(part):
+            break  # pydantic names the member of a union it tried; the user knows the field only
+        if part != "body":
+            path.append(str(part))
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if path:
+        message = f"{'.'.join(path)}: {message}"
     return _error_response(400, ErrorInfo(message=message, type="invalid_request_error",
-                                          param=loc[0] if loc else None))
+                                          param=path[0] if path else None))
+
+
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|[A-Z]\w*|\w+\[.*\])$")
 
 
 async def _error(request: Request, exc: Exception) -> Response:

@@ -60,17 +60,14 @@ async def chat_chunks(generation: Generation, request: ChatCompletionRequest, re
         return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice])
 
     for i in range(request.n):
-        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None,
-                                     finish_reason=None))
+        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
     async for _, delta in generation.deltas():
         for c in delta.choices:
             if not (c.text or c.finish_reason or c.logprobs):
                 continue
             logprobs = ChatChoiceLogprobs(content=token_logprobs(c)) if request.logprobs else None
             message = DeltaMessage(content=c.text) if c.text else DeltaMessage()
-            choice = ChatStreamChoice(index=c.index, delta=message, logprobs=logprobs, finish_reason=c.finish_reason)
-            if c.finish_reason is not None:
-                choice.stop_reason = c.stop_reason
-            yield chunk(choice)
+            yield chunk(ChatStreamChoice(index=c.index, delta=message, logprobs=logprobs, finish_reason=c.finish_reason,
+                                         stop_reason=c.stop_reason))
     if request.include_usage:
         yield ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], usage=generation.usage())

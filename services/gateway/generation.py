@@ -1,15 +1,22 @@
-"""The processor streams of one HTTP request (one per prompt), opened together and read merged.
+"""The processor streams of one HTTP request (one per prompt), read merged.
 
-Opening waits for each stream's first delta, so that invalid input raises (and is answered with a
-status code) before a streaming response has started. Closing closes every stream, which aborts
-their engine requests; it is shielded from the caller's cancellation, since under anyio (Starlette
-cancels a streaming response whose client went away) every await of a cancelled task fails at once.
+    Generation.start(processor, requests)   one pump task per stream -> one queue
+    await started()                          every stream's first delta is in: invalid input has
+                                             raised by now, so it is a status code, not an error event
+    async for i, delta in deltas()           (prompt index, delta) until every stream ended
+    end(error)                               from outside: deltas() raises `error` (server shutdown)
+    await aclose()                           cancels the pumps, which closes their streams and so
+                                             aborts the engine requests
+
+aclose() is shielded from the caller's cancellation: under anyio (Starlette cancels a streaming
+response whose client went away) every await of a cancelled task fails at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 
 import anyio
 
@@ -20,30 +27,36 @@ _END = object()
 
 
 class Generation:
-    def __init__(self, streams: list[AsyncIterator[GenerateDelta]], first: list[GenerateDelta]) -> None:
-        self._streams = streams
-        self._first = first
+    def __init__(self, streams: Sequence[AsyncIterator[GenerateDelta]]) -> None:
+        self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+        self._pumps = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+        self._remaining = len(streams)
+        self._started: list[tuple[int, GenerateDelta]] = []  # read by started(), replayed by deltas()
         self._last: dict[int, GenerateDelta] = {}  # per prompt: its usage counters are cumulative
 
     @classmethod
-    async def open(cls, processor: ProcessorClient, requests: Sequence[GenerateRequest]) -> Generation:
-        streams = [processor.generate(r) for r in requests]
-        generation = cls(streams, [])
-        firsts = [asyncio.ensure_future(_first_delta(s)) for s in streams]
-        try:
-            generation._first = list(await asyncio.gather(*firsts))
-        except BaseException:
-            for first in firsts:
-                first.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(*firsts, return_exceptions=True)
-            await generation.aclose()
-            raise
-        return generation
+    def start(cls, processor: ProcessorClient, requests: Sequence[GenerateRequest]) -> Generation:
+        return cls([processor.generate(r) for r in requests])
 
     @property
     def num_prompts(self) -> int:
-        return len(self._streams)
+        return len(self._pumps)
+
+    async def started(self) -> bool:
+        """Waits for every stream's first delta; raises what a stream raised first. True."""
+        seen: set[int] = set()
+        while len(seen) < self.num_prompts:
+            i, delta = await self._next()
+            self._started.append((i, delta))
+            seen.add(i)
+        return True
+
+    async def deltas(self) -> AsyncIterator[tuple[int, GenerateDelta]]:
+        while self._started or self._remaining:
+            i, delta = self._started.pop(0) if self._started else await self._next()
+            if delta is not None:
+                self._last[i] = delta
+                yield i, delta
 
     def usage(self) -> Usage:
         """Token counts of every prompt so far (of the whole request, once deltas() ended)."""
@@ -53,52 +66,35 @@ class Generation:
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
-    async def deltas(self) -> AsyncIterator[tuple[int, GenerateDelta]]:
-        """(prompt index, delta) until every stream ended."""
-        for i, delta in enumerate(self._first):
-            self._last[i] = delta
-            yield i, delta
-        if len(self._streams) == 1:
-            async for delta in self._streams[0]:
-                self._last[0] = delta
-                yield 0, delta
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-        pumps = [asyncio.create_task(self._pump(i, s, queue)) for i, s in enumerate(self._streams)]
-        try:
-            remaining = len(pumps)
-            while remaining:
-                i, item = await queue.get()
-                if item is _END:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    self._last[i] = item
-                    yield i, item
-        finally:
-            for pump in pumps:
-                pump.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(*pumps, return_exceptions=True)
-
-    @staticmethod
-    async def _pump(index: int, stream: AsyncIterator[GenerateDelta], queue: asyncio.Queue) -> None:
-        try:
-            async for delta in stream:
-                queue.put_nowait((index, delta))
-            queue.put_nowait((index, _END))
-        except Exception as e:  # raised to the reader by deltas()
-            queue.put_nowait((index, e))
+    def end(self, error: Exception) -> None:
+        """Makes the reader raise `error` next (it then closes this generation)."""
+        self._queue.put_nowait((-1, error))
 
     async def aclose(self) -> None:
+        for pump in self._pumps:
+            pump.cancel()
         with anyio.CancelScope(shield=True):
-            for stream in self._streams:
-                await stream.aclose()
+            await asyncio.gather(*self._pumps, return_exceptions=True)
 
+    async def _next(self) -> tuple[int, GenerateDelta | None]:
+        """The next delta, (i, None) when stream i ended; raises a stream's error."""
+        i, item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        if item is _END:
+            self._remaining -= 1
+            return i, None
+        return i, item
 
-async def _first_delta(stream: AsyncIterator[GenerateDelta]) -> GenerateDelta:
-    try:
-        return await anext(stream)
-    except StopAsyncIteration:
-        raise ConnectionError("the processor ended a stream without any output") from None
+    async def _pump(self, index: int, stream: AsyncIterator[GenerateDelta]) -> None:
+        try:
+            empty = True
+            async with aclosing(stream):
+                async for delta in stream:
+                    empty = False
+                    self._queue.put_nowait((index, delta))
+            if empty:
+                raise ConnectionError("the processor ended a stream without any output")
+            self._queue.put_nowait((index, _END))
+        except Exception as e:  # raised to the reader
+            self._queue.put_nowait((index, e))

@@ -13,9 +13,7 @@ DONE = "data: [DONE]\n\n"
 
 
 def event(chunk: BaseModel) -> str:
-    # exclude_unset: a chunk carries the fields it was built with (`"finish_reason": null` is
-    # sent when set to None; `usage` only in the usage chunk).
-    return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+    return f"data: {chunk.model_dump_json()}\n\n"
 
 
 async def sse_stream(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from services.common.clients import ChoiceDelta, EngineClient, EngineInfo, GenerateDelta, GenerateRequest
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.common.sampling_params import SamplingParams
 from services.processor.output_processor import FINISH_STOP, RequestOutputState
 from services.processor.processor import Processor
 
@@ -67,10 +68,19 @@ class AsyncProcessor:
             return self.processor.tokenize(request.prompt, request.add_special_tokens)
         return self.processor.tokenize(request.prompt_token_ids)
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """Token ids in the parameters must be in the vocabulary (the sampler indexes logits by them)."""
+        vocab_size = self.processor.info.vocab_size
+        for name, token_ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token id {bad[0]}, out of vocabulary (size {vocab_size})")
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """Deltas until every choice finished; the first carries the prompt. Raises ValueError for
         invalid input (before any delta), and the engine client's errors as they come."""
         prompt_token_ids = self.prompt_token_ids(request)
+        self.validate_params(request.params)
         engine_requests = self.processor.make_requests(request.request_id, prompt_token_ids, request.params,
                                                        request.priority, request.cache_salt)
         choices = [_Choice(i, r, self.processor.output_state(prompt_token_ids, r.sampling_params))
@@ -90,12 +100,12 @@ class AsyncProcessor:
                         continue  # sent by the engine before it saw our abort
                     if isinstance(item, Exception):
                         raise item
-                    deltas.append(self._apply(choice, item))
-                    if choice.finished:
-                        num_unfinished -= 1
-                        if item.finish_reason is None:  # a stop string ended it; the engine does not know
-                            await self.engine.abort([choice.request.request_id])
-                            pumps[choice.index].cancel()
+                    delta, abort_engine = self._apply(choice, item)
+                    deltas.append(delta)
+                    num_unfinished -= choice.finished
+                    if abort_engine:  # a stop string ended the choice; the engine does not know
+                        pumps[choice.index].cancel()  # closes its stream, which aborts it
+                        self._abort_soon([pumps[choice.index]], [choice.request.request_id])
                 if not deltas:
                     continue
                 yield GenerateDelta(
@@ -109,7 +119,8 @@ class AsyncProcessor:
         finally:
             await self._release(pumps, [c.request.request_id for c in choices if not c.finished])
 
-    def _apply(self, choice: _Choice, out: EngineCoreOutput) -> ChoiceDelta:
+    def _apply(self, choice: _Choice, out: EngineCoreOutput) -> tuple[ChoiceDelta, bool]:
+        """The choice's delta for one engine output, and whether the engine request must be aborted."""
         if out.finish_reason == FINISH_ERROR:
             raise RuntimeError(f"the engine failed request {out.request_id}")
         if choice.state.num_output_tokens == 0:
@@ -126,7 +137,7 @@ class AsyncProcessor:
             finish_reason=text.finish_reason,
             stop_reason=text.stop_reason,
             logprob_tokens=[[self.processor.decode_token(t) for t in lp.token_ids] for lp in logprobs],
-        )
+        ), text.abort_engine
 
     async def _pump(self, choice: _Choice, queue: asyncio.Queue) -> None:
         """Forwards one engine stream to `queue`; errors too, so the merging loop raises them."""
@@ -146,18 +157,20 @@ class AsyncProcessor:
     async def _release(self, pumps: list[asyncio.Task[None]], running: list[str]) -> None:
         """Stops the pumps and aborts the choices still running in the engine.
 
-        Runs in a task of its own, shielded: the caller may be cancelled (the client went away),
-        and under anyio's level cancellation every await of a cancelled caller fails at once.
+        In a task of its own, shielded: the caller may be cancelled (the client went away), and
+        under anyio's level cancellation every await of a cancelled caller fails at once.
         """
         pending = [p for p in pumps if not p.done()]
-        if not pending and not running:
-            return
-        for p in pending:
-            p.cancel()
-        cleanup = asyncio.create_task(self._abort(pending, running))
-        self._cleanups.add(cleanup)
-        cleanup.add_done_callback(self._cleanups.discard)
-        await asyncio.shield(cleanup)
+        if pending or running:
+            for p in pending:
+                p.cancel()
+            await asyncio.shield(self._abort_soon(pending, running))
+
+    def _abort_soon(self, pumps: list[asyncio.Task[None]], running: list[str]) -> asyncio.Task[None]:
+        task = asyncio.create_task(self._abort(pumps, running))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+        return task
 
     async def _abort(self, pumps: list[asyncio.Task[None]], running: list[str]) -> None:
         await asyncio.gather(*pumps, return_exceptions=True)  # their streams are closed: the engine aborts

@@ -7,9 +7,9 @@ from google.protobuf import json_format, struct_pb2
 
 from services.common.clients import ChoiceDelta, GenerateDelta, GenerateRequest
 from services.common.rpc.convert import (
-    _logprobs_list_from_proto,
     sampling_params_from_proto,
     sampling_params_to_proto,
+    token_logprobs_from_proto,
     token_logprobs_to_proto,
 )
 from services.common.rpc.kvmesh.v1 import processor_pb2
@@ -80,7 +80,7 @@ def choice_delta_from_proto(m: processor_pb2.ChoiceDelta) -> ChoiceDelta:
     which = m.WhichOneof("stop_reason")
     return ChoiceDelta(
         index=m.index, text=m.text, token_ids=list(m.token_ids),
-        logprobs=_logprobs_list_from_proto(m.logprobs),
+        logprobs=[token_logprobs_from_proto(lp) for lp in m.logprobs],
         finish_reason=m.finish_reason if m.HasField("finish_reason") else None,
         stop_reason=getattr(m, which) if which is not None else None,
         logprob_tokens=[list(t.texts) for t in m.logprob_tokens],

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway: request models, the app, SSE."""

@@ -1,0 +1,76 @@
+"""ProcessorClient over gRPC (the in-process one is services.processor.async_processor.AsyncProcessor).
+
+Status codes become the exceptions the gateway maps to HTTP: INVALID_ARGUMENT -> ValueError (400),
+UNAVAILABLE / CANCELLED -> ConnectionError (503), DEADLINE_EXCEEDED -> TimeoutError (504), any
+other -> RuntimeError (500); each with the server's message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.clients import EngineInfo, GenerateDelta, GenerateRequest
+from services.common.rpc import convert
+from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
+from services.common.rpc.server import GRPC_OPTIONS, SERVING, service_name
+from services.processor.convert import generate_delta_from_proto, generate_request_to_proto
+
+SERVICE_NAME = service_name(processor_pb2.DESCRIPTOR, "Processor")
+
+
+def error_of(exc: grpc.aio.AioRpcError) -> Exception:
+    code, details = exc.code(), exc.details() or exc.code().name
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(details)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return ConnectionError(details)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TimeoutError(details)
+    return RuntimeError(f"{code.name}: {details}")
+
+
+class GrpcProcessorClient:
+    """`timeout` is the deadline of each unary call (and of the health check); `stream_timeout` of
+    each Generate stream (the whole generation). Closing a generate() iterator early cancels the
+    call, which aborts its engine requests. Construct inside the running event loop."""
+
+    def __init__(self, address: str, timeout: float = 10.0, stream_timeout: float = 3600.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.stream_timeout = stream_timeout
+        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = processor_pb2_grpc.ProcessorStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        call = self._stub.Generate(generate_request_to_proto(request), timeout=self.stream_timeout)
+        try:
+            async for message in call:
+                yield generate_delta_from_proto(message)
+        except grpc.aio.AioRpcError as exc:
+            raise error_of(exc) from None
+        finally:
+            call.cancel()  # a no-op once the stream has ended
+
+    async def model_info(self) -> EngineInfo:
+        try:
+            reply = await self._stub.GetModelInfo(processor_pb2.GetModelInfoRequest(), timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise error_of(exc) from None
+        return convert.engine_info_from_proto(reply)
+
+    async def is_healthy(self) -> bool:
+        """The processor says SERVING, which it does only while its engine is healthy; False also
+        when it cannot be reached."""
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                             timeout=self.timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == SERVING
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,165 @@
+"""The processor service: tokenizer, chat template, validation, detokenizer and stop strings over an
+engine reached by gRPC.
+
+    python -m services.processor.server --model smollm2 --engine-address 127.0.0.1:50052 --port 50051
+
+config -> tokenizer (no weights) + GrpcEngineClient -> AsyncProcessor -> ProcessorServicer ->
+grpc.aio server (+ health, reflection) -> SIGTERM -> NOT_SERVING -> drain -> stop(grace). Health
+follows the engine's, checked every second. Every flag falls back to KVMESH_PROCESSOR_<FLAG>
+(KVMESH_PROCESSOR_PORT, KVMESH_PROCESSOR_ENGINE_ADDRESS, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from services.common.clients import EngineInfo, ProcessorClient
+from services.common.rpc import convert
+from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
+from services.common.rpc.server import RpcServer, flag_default, service_name
+from services.engine.client import GrpcEngineClient
+from services.processor.async_processor import AsyncProcessor
+from services.processor.convert import generate_delta_to_proto, generate_request_from_proto
+from services.processor.processor import Processor
+from services.processor.tokenizer import TokenizerInfo, load_tokenizer
+from services.worker.loader import model_id_of, resolve_model
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50051
+SERVICE_NAME = service_name(processor_pb2.DESCRIPTOR, "Processor")
+HEALTH_INTERVAL = 1.0  # seconds between checks of the engine's health
+
+
+def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status a failed Generate ends with: the engine's own status passes through."""
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), f"engine: {exc.details()}"
+    if isinstance(exc, ConnectionError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
+    """Converts proto <-> core and calls the processor core; errors become status codes (status_of)."""
+
+    def __init__(self, processor: ProcessorClient) -> None:
+        self.processor = processor
+
+    async def Generate(self, request: processor_pb2.GenerateRequest, context):
+        try:
+            core_request = generate_request_from_proto(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # A cancelled call (the gateway's client went away) cancels this coroutine at an await;
+        # closing the stream then aborts the request's engine requests.
+        stream = self.processor.generate(core_request)
+        try:
+            async for delta in stream:
+                yield generate_delta_to_proto(delta)
+        except Exception as exc:
+            code, message = status_of(exc)
+            if code != grpc.StatusCode.INVALID_ARGUMENT:
+                logger.warning("request %s failed: %s %s", core_request.request_id, code.name, message)
+            await context.abort(code, message)
+        finally:
+            await stream.aclose()
+
+    async def GetModelInfo(self, request: processor_pb2.GetModelInfoRequest, context):
+        try:
+            info = await self.processor.model_info()
+        except Exception as exc:
+            await context.abort(*status_of(exc))
+        return convert.engine_info_to_proto(info)
+
+
+async def wait_for_engine(engine: GrpcEngineClient, timeout: float) -> EngineInfo:
+    """The engine's info, once it answers (it may come up after us); TimeoutError after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await engine.info()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine at {engine.address} did not answer in {timeout}s") from exc
+        await asyncio.sleep(0.5)
+
+
+async def follow_engine_health(processor: AsyncProcessor, server: RpcServer, interval: float) -> None:
+    serving = True
+    while True:
+        await asyncio.sleep(interval)
+        healthy = await processor.is_healthy()
+        if healthy != serving:
+            logger.log(logging.INFO if healthy else logging.ERROR, "engine %s: health is %s",
+                       "healthy" if healthy else "unhealthy", "SERVING" if healthy else "NOT_SERVING")
+            await server.set_serving(healthy)
+            serving = healthy
+
+
+async def serve(model: str, engine_address: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+                cache_dir: Path | None = None, engine_timeout: float = 10.0, startup_timeout: float = 300.0,
+                grace: float = 5.0, drain: float = 0.0) -> None:
+    """Serve until SIGTERM/SIGINT. The model is resolved for its tokenizer only; no weights load."""
+    model_path = resolve_model(model, cache_dir)
+    tokenizer = load_tokenizer(model_path)
+    engine = GrpcEngineClient(engine_address, timeout=engine_timeout)
+    engine_info = await wait_for_engine(engine, startup_timeout)
+    if engine_info.model_id != model_id_of(model_path):
+        logger.warning("the engine serves %s, this processor tokenizes for %s", engine_info.model_id,
+                       model_id_of(model_path))
+    processor = AsyncProcessor(
+        Processor(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, model_path), engine_info.max_model_len), engine)
+    server = RpcServer(host, port, [SERVICE_NAME])
+    processor_pb2_grpc.add_ProcessorServicer_to_server(ProcessorServicer(processor), server.server)
+    await server.start()
+    health = asyncio.create_task(follow_engine_health(processor, server, HEALTH_INTERVAL))
+    await server.wait_for_termination_signal()
+    health.cancel()
+    await server.shutdown(grace, drain)
+    await engine.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    def flag(name: str, default: object) -> object:
+        return flag_default("KVMESH_PROCESSOR", name, default)
+
+    parser = argparse.ArgumentParser(prog="kvmesh processor", description="The kvmesh processor service.")
+    parser.add_argument("--engine-address", default=flag("engine_address", "127.0.0.1:50052"))
+    parser.add_argument("--model", default=flag("model", "smollm2"),
+                        help="the engine's model (name, path or GGUF file): its tokenizer is loaded")
+    parser.add_argument("--cache-dir", type=Path, default=flag("cache_dir", None))
+    parser.add_argument("--host", default=flag("host", "127.0.0.1"), help="interface to listen on")
+    parser.add_argument("--port", type=int, default=flag("port", DEFAULT_PORT))
+    parser.add_argument("--engine-timeout", type=float, default=flag("engine_timeout", 10.0),
+                        help="deadline (s) of each unary engine call")
+    parser.add_argument("--startup-timeout", type=float, default=flag("startup_timeout", 300.0),
+                        help="seconds to wait for the engine to come up")
+    parser.add_argument("--grace", type=float, default=flag("grace", 5.0),
+                        help="seconds for in-flight streams at shutdown")
+    parser.add_argument("--drain", type=float, default=flag("drain", 0.0),
+                        help="seconds between NOT_SERVING and refusing new calls at shutdown")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s processor: %(message)s")
+    asyncio.run(serve(args.model, args.engine_address, args.host, args.port, args.cache_dir, args.engine_timeout,
+                      args.startup_timeout, args.grace, args.drain))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The gateway app over the whole in-process stack with the real model: AsyncProcessor over
+AsyncEngine over InProcessWorkerClient. A streamed answer equals the non-streamed one; stop strings
+and clients that go away leave no KV block behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+
+from services.common.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from services.engine.async_engine import AsyncEngine
+from services.gateway.app import create_app
+from services.processor.async_processor import AsyncProcessor
+from services.processor.processor import Processor
+from services.processor.tokenizer import TokenizerInfo, load_tokenizer
+from services.worker.client import InProcessWorkerClient
+from services.worker.worker import Worker
+
+from tests.services.test_gateway import RawClient, sse_events
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+MODEL = "smollm2"
+KV_BYTES = 128 * 2**20
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24,
+        "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def engine(model_path: Path) -> AsyncIterator[AsyncEngine]:
+    cache_config = CacheConfig(kv_cache_memory=KV_BYTES)
+    worker = Worker(ModelConfig(model=str(model_path)), cache_config, WorkerConfig())
+    engine = await AsyncEngine.create(InProcessWorkerClient(worker), cache_config,
+                                      SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8))
+    yield engine
+    await engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def app(engine: AsyncEngine, model_path: Path):
+    tokenizer = load_tokenizer(model_path)
+    processor = Processor(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, model_path), engine.core.max_model_len)
+    return create_app(AsyncProcessor(processor, engine), MODEL)
+
+
+@pytest.fixture
+async def client(app) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120) as c:
+        yield c
+
+
+async def assert_no_blocks_used(engine: AsyncEngine) -> None:
+    for _ in range(200):
+        stats = await engine.stats()
+        if stats.num_used_blocks == 0 and stats.num_running == 0 and stats.num_waiting == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"blocks still in use: {await engine.stats()}")
+
+
+async def test_streamed_chat_equals_the_whole_answer(client, engine):
+    whole = (await client.post("/v1/chat/completions", json=CHAT)).json()
+    text = whole["choices"][0]["message"]["content"]
+    assert text and whole["usage"]["completion_tokens"] <= 24
+    r = await client.post("/v1/chat/completions",
+                          json={**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-1]) == text
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[1:-1] if c["choices"][0]["finish_reason"]] == \
+        [whole["choices"][0]["finish_reason"]]
+    await assert_no_blocks_used(engine)
+
+
+async def test_stop_string_frees_the_engine_request(client, engine):
+    whole = (await client.post("/v1/completions", json={"prompt": "The sea is", "max_tokens": 12, "temperature": 0,
+                                                         "ignore_eos": True})).json()
+    text = whole["choices"][0]["text"]
+    stop = text.split()[2]  # a word in the middle of the answer
+    r = await client.post("/v1/completions", json={"prompt": "The sea is", "max_tokens": 12, "temperature": 0,
+                                                    "ignore_eos": True, "stop": [stop]})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == text[:text.index(stop)] and choice["stop_reason"] == stop
+    await assert_no_blocks_used(engine)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_client_that_goes_away_frees_its_blocks(app, engine, stream):
+    client = RawClient(app, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+                                                "ignore_eos": True, "stream": stream})
+    call = asyncio.create_task(client())
+    if stream:
+        await asyncio.wait_for(client.got_body.wait(), 60)
+    else:
+        while (await engine.stats()).num_running == 0:
+            await asyncio.sleep(0.02)
+    assert (await engine.stats()).num_used_blocks > 0
+    client.disconnect.set()
+    await asyncio.wait_for(call, 10)
+    await assert_no_blocks_used(engine)
+
+
+async def test_seeded_choices_are_reproducible(client, engine):
+    body = {"prompt": "My favourite animal is", "max_tokens": 8, "n": 2, "seed": 11, "temperature": 1.0}
+    first = [c["text"] for c in (await client.post("/v1/completions", json=body)).json()["choices"]]
+    again = [c["text"] for c in (await client.post("/v1/completions", json=body)).json()["choices"]]
+    assert first == again
+    await assert_no_blocks_used(engine)

@@ -25,6 +25,7 @@ class WorkerInfo:
     model_path: str
     vocab_size: int
     max_model_len: int
+    block_size: int
 
 
 class WorkerClient(Protocol):

@@ -48,6 +48,9 @@ class AsyncEngine:
                      scheduler_config: SchedulerConfig) -> AsyncEngine:
         """Ask the worker for its model and KV-cache size, build the core, start the loop."""
         worker_info = await worker.get_info()
+        if worker_info.block_size != cache_config.block_size:
+            raise ValueError(f"the engine's block size {cache_config.block_size} differs from its worker's "
+                             f"{worker_info.block_size}; start both with the same --block-size")
         num_blocks = await worker.initialize_cache(scheduler_config.max_num_seqs)
         core = EngineCore(None, num_blocks, worker_info.max_model_len, worker_info.model_id,
                           cache_config, scheduler_config)

@@ -30,7 +30,7 @@ class ScriptedWorker:
         self.in_step = asyncio.Event()
 
     async def get_info(self) -> WorkerInfo:
-        return WorkerInfo("scripted", "/nowhere", 1000, 4096)
+        return WorkerInfo("scripted", "/nowhere", 1000, 4096, 4)
 
     async def initialize_cache(self, max_num_reqs: int) -> int:
         return self.num_blocks
@@ -193,3 +193,8 @@ def test_a_failed_step_fails_every_stream_and_every_later_request():
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_an_engine_block_size_other_than_its_workers_is_refused():
+    with pytest.raises(ValueError, match="block size"):
+        asyncio.run(AsyncEngine.create(ScriptedWorker(), CacheConfig(block_size=16), SchedulerConfig()))

@@ -112,5 +112,5 @@ def test_stats_and_info_round_trip():
     assert convert.engine_stats_from_proto(convert.engine_stats_to_proto(stats)) == stats
     info = EngineInfo("smollm2", "/models/smollm2", 8192, 16)
     assert convert.engine_info_from_proto(convert.engine_info_to_proto(info)) == info
-    worker = WorkerInfo("smollm2", "/models/smollm2", 49152, 8192)
+    worker = WorkerInfo("smollm2", "/models/smollm2", 49152, 8192, 16)
     assert convert.worker_info_from_proto(convert.worker_info_to_proto(worker)) == worker

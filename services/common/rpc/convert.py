@@ -70,11 +70,12 @@ def _logprobs_list_from_proto(items) -> list[TokenLogprobs]:
 
 def worker_info_to_proto(info: WorkerInfo) -> worker_pb2.WorkerInfo:
     return worker_pb2.WorkerInfo(model_id=info.model_id, model_path=info.model_path,
-                                 vocab_size=info.vocab_size, max_model_len=info.max_model_len)
+                                 vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+                                 block_size=info.block_size)
 
 
 def worker_info_from_proto(m: worker_pb2.WorkerInfo) -> WorkerInfo:
-    return WorkerInfo(m.model_id, m.model_path, m.vocab_size, m.max_model_len)
+    return WorkerInfo(m.model_id, m.model_path, m.vocab_size, m.max_model_len, m.block_size)
 
 
 def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.SchedulerOutput:

@@ -12,16 +12,18 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_id", "model_path", "vocab_size", "max_model_len")
+    __slots__ = ("model_id", "model_path", "vocab_size", "max_model_len", "block_size")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_path: str
     vocab_size: int
     max_model_len: int
-    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    block_size: int
+    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class InitializeCacheRequest(_message.Message):
     __slots__ = ("max_num_reqs",)

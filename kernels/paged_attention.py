@@ -94,26 +94,28 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    # Scalars and offsets in int64: no int32 overflow in the address arithmetic of a large cache
+    # (and no overflow checks on every int32 operation under the interpreter).
+    q_block = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2).to(tl.int64)
 
     # This q block's request: the last i with query_start_loc[i] // BLOCK_Q + i <= q_block.
-    lo: tl.int32 = 0
-    hi: tl.int32 = num_reqs
+    lo = q_block * 0
+    hi = lo + num_reqs
     while lo < hi:
         mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block:
+        if tl.load(query_start_loc_ptr + mid).to(tl.int64) // BLOCK_Q + mid <= q_block:
             lo = mid + 1
         else:
             hi = mid
     req = lo - 1
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_start = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    q_len = tl.load(query_start_loc_ptr + req + 1).to(tl.int64) - q_start
     q_block_start = (q_block - (q_start // BLOCK_Q + req)) * BLOCK_Q
     if q_block_start >= q_len:
         return
-    context_len = tl.load(seq_lens_ptr + req) - q_len
+    context_len = tl.load(seq_lens_ptr + req).to(tl.int64) - q_len
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, TILE_N)
@@ -123,7 +125,7 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + offs_m % GROUP
     row_valid = (offs_m // GROUP < BLOCK_Q) & (q_local < q_len)
     q_pos = context_len + q_local
-    token = (q_start + q_local).to(tl.int64)
+    token = q_start + q_local
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, HEAD_PAD]
     if DOT_FP32:
@@ -143,9 +145,9 @@ def _paged_attention_kernel(
 
     k_base = kv_cache_ptr + kv_head * stride_c_head
     v_base = k_base + stride_c_kv
-    block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    block_table_row = block_table_ptr + req * stride_bt
+    acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for tile_start in range((kv_lo // TILE_N) * TILE_N, kv_hi, TILE_N):
         pos = tile_start + offs_n  # [TILE_N]
@@ -227,7 +229,7 @@ def device_num_sms(device: torch.device) -> int:
 
 def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
                       num_sms: int) -> int:
-    """1 (the unified kernel) unless the batch is decode-only and its num_reqs * num_kv_heads programs
+    """1 (one pass over each context) unless the batch is decode-only and its num_reqs * num_kv_heads programs
     leave most of the device idle; then enough splits, a power of two, for about two programs per
     SM, each reading at least SPLIT_MIN_TOKENS positions."""
     programs = num_reqs * num_kv_heads

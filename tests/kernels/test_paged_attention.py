@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels.paged_attention import AttentionParams, PagedBatch, choose_num_splits, paged_attention
 from kernels.reference import paged_attention_ref
@@ -164,3 +166,22 @@ def test_launcher_rejects_bad_inputs(device, gen) -> None:
     rejects("sliding_window", params=AttentionParams(scale=0.1, sliding_window=0))
     rejects("scale must be positive", params=AttentionParams(scale=0.0))
     rejects("num_splits must be at least 1", num_splits=0)
+
+
+@triton.jit
+def _dot_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    a = tl.load(a_ptr + offs[:, None] * N + offs[None, :])
+    b = tl.load(b_ptr + offs[:, None] * N + offs[None, :])
+    tl.store(out_ptr + offs[:, None] * N + offs[None, :], tl.dot(a, b))
+
+
+@pytest.mark.skipif(kernels_device().type == "cuda", reason="a fact about Triton's interpreter")
+def test_interpreter_still_needs_the_bfloat16_dot_workaround() -> None:
+    # kernels/interpreter.py: the interpreter's tl.dot multiplies bfloat16's raw uint16 storage, so
+    # the launchers upcast bfloat16 dot operands under it. When a Triton upgrade fixes the dot, this
+    # fails: drop `dot_in_fp32` and this test.
+    a, b = torch.randn(2, 16, 16).to(torch.bfloat16)
+    out = torch.empty(16, 16)
+    _dot_kernel[(1,)](a, b, out, N=16)
+    assert not torch.allclose(out, a.float() @ b.float(), atol=1e-2), "the interpreter's bfloat16 dot works now"

@@ -22,10 +22,11 @@ LOGPROB_TOL = 1e-3
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
 ENGINE_ARGS = dict(kv_cache_memory=64 * 2**20, max_num_batched_tokens=64)
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="the engine runs on the CPU here, where the Triton kernels need TRITON_INTERPRET=1",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                       reason="the engine runs on the CPU here, where the Triton kernels need TRITON_INTERPRET=1"),
+]
 
 
 def generate(model_path: Path, backend: str, prompts: list[list[int]] | None = None):

@@ -145,7 +145,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     b, h, n_q, d = q.shape
     hkv = k.shape[1]
-    qg = q.view(b, hkv, h // hkv * n_q, d)
+    qg = q.reshape(b, hkv, h // hkv * n_q, d)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G*Q, L]
     scores = soft_cap * torch.tanh(scores / soft_cap)
     scores = scores.view(b, hkv, h // hkv, n_q, -1).masked_fill(~mask.unsqueeze(1), float("-inf"))

@@ -1,0 +1,297 @@
+"""Serving benchmark (issue 4): `kvmesh serve` against the same stack in one process and against
+`transformers serve --continuous-batching`, on the same model and prompts, side by side in one run.
+
+For each target in turn (loadtests.serving_targets): start its server on a free loopback port, wait
+for /health, send --warmup requests (a prompt of their own; transformers serve builds its continuous
+batching on the first request), then for each scenario × load run --num-requests streamed chat
+completions (loadtests.serving_client) and stop the server. Every request is greedy with
+`max_tokens` = --max-tokens and EOS ignored, so every output has the same known length. One
+markdown table comes out at the end, with the split/in-process throughput ratio (the issue's target:
+>= 90 % at concurrency 32), kvmesh against transformers serve, the machine and this command line.
+
+Scenarios (loadtests.serving_scenarios): short-chat, long-prompt (~1,000 tokens), shared-prefix
+(~500-token system prompt + short questions), multi-turn (--turns requests per conversation, each
+carrying the answers so far). Loads: --concurrency N (N sessions in flight) and/or --rate R (Poisson
+arrivals, R sessions/s, seeded by --seed). Bounded: --num-requests per run, --timeout per request,
+--max-duration per run, --startup-timeout per server.
+
+Columns: req/s and out tok/s are completed requests and their output tokens over the run's wall time;
+TTFT, TPOT (ms per output token after the first), ITL (ms between content chunks, pooled over all
+requests) and e2e are p50/p90/p99 over the completed requests; errors counts requests that failed,
+timed out or were not sent.
+
+    .venv/bin/python -m loadtests.serving_bench --targets kvmesh inprocess transformers \\
+        --scenario short-chat --concurrency 32 --num-requests 128 --max-tokens 64
+    .venv/bin/python -m loadtests.serving_bench --targets kvmesh inprocess --scenario short-chat \\
+        --concurrency 2 --num-requests 4 --max-tokens 8                    # a smoke run
+    .venv/bin/python -m loadtests.serving_bench --target url --url http://127.0.0.1:8000 --rate 2 --num-requests 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import transformers
+
+from loadtests.serving_client import Endpoint, Load, LoadResult, run_load
+from loadtests.serving_scenarios import SCENARIOS, ScenarioLengths, Session, build_sessions
+from loadtests.serving_targets import TARGETS, ServerConfig, TargetUnavailable, started
+from services.cli import parse_bytes
+from services.processor.tokenizer import load_tokenizer
+from services.worker.loader import resolve_model
+
+RATIO_CONCURRENCY = 32  # where the issue states the split/in-process target
+RATIO_TARGET = 0.90
+WARMUP_MESSAGES = [{"role": "user", "content": "Warm-up: count from one to twenty in words."}]
+
+
+class Run(NamedTuple):
+    """One scenario under one load; `number` tags its prompts (see loadtests.serving_scenarios)."""
+
+    number: int
+    scenario: str
+    load: Load
+    sessions: list[Session]
+
+
+class Summary(NamedTuple):
+    target: str
+    scenario: str
+    mode: str
+    requests: int
+    ok: int
+    duration: float  # s
+    request_rate: float  # completed requests / s
+    output_rate: float  # output tokens of completed requests / s
+    ttft: tuple[float, float, float]  # ms, p50 p90 p99
+    tpot: tuple[float, float, float]  # ms
+    itl: tuple[float, float]  # ms, p50 p99
+    e2e: tuple[float, float]  # s, p50 p99
+    wrong_length: int  # completed requests whose output was not max_tokens long
+    first_error: str | None
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); nan for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(target: str, run: Run, result: LoadResult, max_tokens: int) -> Summary:
+    done = [r for r in result.requests if r.ok]
+    ttft = [r.ttft * 1e3 for r in done]
+    tpot = [r.tpot * 1e3 for r in done if r.tpot is not None]
+    itl = [gap * 1e3 for r in done for gap in r.itl]
+    e2e = [r.e2e for r in done]
+    errors = [r.error for r in result.requests if not r.ok]
+    duration = max(result.duration, 1e-9)
+    return Summary(
+        target, run.scenario, run.load.label, len(result.requests), len(done), result.duration,
+        len(done) / duration, sum(r.output_tokens for r in done) / duration,
+        tuple(percentile(ttft, q) for q in (50, 90, 99)), tuple(percentile(tpot, q) for q in (50, 90, 99)),
+        (percentile(itl, 50), percentile(itl, 99)), (percentile(e2e, 50), percentile(e2e, 99)),
+        sum(r.output_tokens != max_tokens for r in done), errors[0] if errors else None)
+
+
+async def bench_target(target: str, endpoint: Endpoint, runs: Sequence[Run], args: argparse.Namespace) -> list[Summary]:
+    if args.warmup:
+        warmup = await run_load(endpoint, [Session(WARMUP_MESSAGES)] * args.warmup, Load(concurrency=args.warmup),
+                                args.max_tokens, args.timeout, args.max_duration)
+        failed = [r.error for r in warmup.requests if not r.ok]
+        if failed:
+            raise TargetUnavailable(f"the warm-up failed: {failed[0]}")
+    summaries = []
+    for run in runs:
+        result = await run_load(endpoint, run.sessions, run.load, args.max_tokens, args.timeout, args.max_duration)
+        summary = summarize(target, run, result, args.max_tokens)
+        summaries.append(summary)
+        print(f"serving_bench: {target} {run.scenario} {run.load.label}: {summary.ok}/{summary.requests} ok in "
+              f"{summary.duration:.1f}s, {summary.output_rate:.1f} out tok/s", file=sys.stderr, flush=True)
+    return summaries
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _ms(value: float) -> str:
+    if math.isnan(value):
+        return "-"
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def table(summaries: Sequence[Summary], unavailable: dict[str, str]) -> str:
+    header = ["target", "scenario", "mode", "requests", "req/s", "out tok/s", "TTFT ms p50 / p90 / p99",
+              "TPOT ms p50 / p90 / p99", "ITL ms p50 / p99", "e2e s p50 / p99", "errors"]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] * 3 + ["---:"] * 8) + " |"]
+    for s in summaries:
+        e2e = " / ".join("-" if math.isnan(v) else f"{v:.2f}" for v in s.e2e)
+        cells = [s.target, s.scenario, s.mode, str(s.requests), f"{s.request_rate:.2f}", f"{s.output_rate:.1f}",
+                 " / ".join(map(_ms, s.ttft)), " / ".join(map(_ms, s.tpot)), " / ".join(map(_ms, s.itl)), e2e,
+                 str(s.requests - s.ok)]
+        lines.append("| " + " | ".join(cells) + " |")
+    for target, reason in unavailable.items():
+        lines.append(f"| {target} | | | | | | not run: {reason.splitlines()[0]} | | | | |")
+    return "\n".join(lines)
+
+
+def ratios(summaries: Sequence[Summary]) -> list[str]:
+    """kvmesh over inprocess (the issue's target at concurrency 32) and over transformers, per run."""
+    by_key = {(s.target, s.scenario, s.mode): s for s in summaries}
+    lines = []
+    for other, goal in (("inprocess", f"target >= {RATIO_TARGET:.0%} at c={RATIO_CONCURRENCY}"),
+                        ("transformers", "target: kvmesh ahead, > 100%")):
+        for s in summaries:
+            base = by_key.get((other, s.scenario, s.mode))
+            if s.target != "kvmesh" or base is None or base.output_rate == 0:
+                continue
+            ratio = s.output_rate / base.output_rate
+            verdict = ""
+            if other == "transformers":
+                verdict = "met" if ratio > 1 else "NOT met"
+            elif s.mode == f"c={RATIO_CONCURRENCY}":
+                verdict = "met" if ratio >= RATIO_TARGET else "NOT met"
+            lines.append(f"- kvmesh / {other}, out tok/s, {s.scenario} {s.mode}: {ratio:.1%}"
+                         + (f" ({goal}: {verdict})" if verdict else ""))
+    return lines
+
+
+def notes(summaries: Sequence[Summary], max_tokens: int) -> list[str]:
+    lines = []
+    for s in summaries:
+        if s.wrong_length:
+            lines.append(f"- {s.target} {s.scenario} {s.mode}: {s.wrong_length} output(s) not {max_tokens} tokens long")
+        if s.first_error:
+            lines.append(f"- {s.target} {s.scenario} {s.mode}: {s.requests - s.ok} error(s), the first: {s.first_error}")
+    return lines
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
+    return (f"{os.cpu_count()} × {cpu}{gpu}; Python {platform.python_version()}, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}")
+
+
+def command_line(argv: Sequence[str]) -> str:
+    python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
+    return shlex.join([python, "-m", "loadtests.serving_bench", *argv])
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m loadtests.serving_bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", "--target", nargs="+", default=["kvmesh", "inprocess", "transformers"],
+                        choices=TARGETS, help="run one after another, on the same prompts")
+    parser.add_argument("--scenarios", "--scenario", nargs="+", default=["short-chat"],
+                        choices=[*SCENARIOS, "all"])
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[], help="sessions in flight (one run each)")
+    parser.add_argument("--rate", type=float, nargs="*", default=[],
+                        help="Poisson arrivals, sessions/s (one run each); without both: --concurrency 32")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the Poisson arrivals")
+    parser.add_argument("--num-requests", type=int, default=128, help="requests per run")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens of every request (EOS ignored)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
+    parser.add_argument("--max-duration", type=float, default=1800.0, help="seconds a run may take")
+    parser.add_argument("--warmup", type=int, default=2, help="requests sent to each server before its runs")
+    group = parser.add_argument_group("workloads")
+    group.add_argument("--long-prompt-tokens", type=int, default=1000)
+    group.add_argument("--shared-prefix-tokens", type=int, default=500)
+    group.add_argument("--turns", type=int, default=4, help="requests per multi-turn conversation")
+    group = parser.add_argument_group("servers (all targets get the same)")
+    group.add_argument("--model", default="smollm2", help="model name, Hugging Face folder or GGUF file")
+    group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    group.add_argument("--device", default="cpu", help="cpu, cuda")
+    group.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"))
+    group.add_argument("--max-num-seqs", type=int, default=128)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server may take to start")
+    group.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a new temporary folder)")
+    group.add_argument("--url", default=None, help="the server of --target url, e.g. http://127.0.0.1:8000")
+    group.add_argument("--url-api", default="vllm", choices=["vllm", "transformers"],
+                       help="how --url makes outputs max_tokens long: vLLM's ignore_eos, or transformers' "
+                            "generation_config")
+    parser.add_argument("--json", type=Path, default=None, help="also write the summaries here")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.num_requests < 1 or args.max_tokens < 1 or args.turns < 1:
+        raise SystemExit("serving_bench: --num-requests, --max-tokens and --turns must be positive")
+    scenarios = list(SCENARIOS) if "all" in args.scenarios else list(dict.fromkeys(args.scenarios))
+    loads = [Load(concurrency=c) for c in args.concurrency] + [Load(rate=r, seed=args.seed) for r in args.rate]
+    loads = loads or [Load(concurrency=RATIO_CONCURRENCY)]
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    lengths = ScenarioLengths(args.long_prompt_tokens, args.shared_prefix_tokens, args.turns)
+    runs = []
+    for scenario in scenarios:
+        for load in loads:
+            runs.append(Run(len(runs) + 1, scenario, load,
+                            build_sessions(scenario, args.num_requests, len(runs) + 1, tokenizer, lengths)))
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="serving_bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config = ServerConfig(args.model, args.dtype, args.device, args.kv_cache_memory, args.max_num_seqs,
+                          args.max_num_batched_tokens, args.startup_timeout, log_dir)
+
+    load_before = os.getloadavg()
+    started_at = time.time()
+    summaries: list[Summary] = []
+    unavailable: dict[str, str] = {}
+    for target in dict.fromkeys(args.targets):
+        print(f"serving_bench: starting {target} (logs in {log_dir})", file=sys.stderr, flush=True)
+        try:
+            with started(target, config, args.url, args.url_api) as endpoint:
+                summaries += asyncio.run(bench_target(target, endpoint, runs, args))
+        except TargetUnavailable as exc:
+            print(f"serving_bench: {target} not run: {exc}", file=sys.stderr, flush=True)
+            unavailable[target] = str(exc)
+
+    print(f"\nServing benchmark: {args.max_tokens} output tokens per request, EOS ignored, greedy; "
+          f"{args.num_requests} requests per run; model {args.model}, {args.dtype} on {args.device}, "
+          f"KV cache {args.kv_cache_memory / 2**30:g} GiB.\n")
+    print(table(summaries, unavailable))
+    for block in (ratios(summaries), notes(summaries, args.max_tokens)):
+        if block:
+            print("\n" + "\n".join(block))
+    for target, reason in unavailable.items():
+        print(f"\n{target} not run: {reason}")
+    load_after = os.getloadavg()
+    print(f"\nMachine: {machine()}. Load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after; "
+          f"{time.time() - started_at:.0f}s in all.")
+    print(f"Command: {command_line(argv)}")
+    if args.json:
+        args.json.write_text(json.dumps({"command": command_line(argv), "machine": machine(),
+                                         "summaries": [s._asdict() for s in summaries],
+                                         "unavailable": unavailable}, indent=1))
+    return 0 if summaries and not unavailable else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""Everything a lent GPU (an H200) should tell us about the Triton attention path, in one command
+of under 8 minutes:
+
+  1. the kernel tests, for real on CUDA (tests/kernels/test_paged_attention.py, test_reshape_and_cache.py);
+  2. a device-to-device copy, the bandwidth the attention kernels are measured against;
+  3. decode attention (Llama-3-8B heads: 32 query, 8 KV, 128 wide, bfloat16, blocks of 16) at
+     batch x context sizes, against torch's scaled_dot_product_attention on the same K/V laid out
+     contiguously: median time (CUDA events), achieved bandwidth, share of the copy bandwidth;
+  4. prefill attention (causal, no cached context), same comparison, in TFLOP/s;
+  5. the engine end to end (scheduler, model runner, Triton backend) on a randomly initialised
+     Llama-3-8B-shaped model in bfloat16 (no weights to download) at batch 1, 32 and 256:
+     128-token prompts, 128 new tokens each, output tokens/s and the median decode step.
+
+With --smoke everything runs on the CPU with tiny shapes under Triton's interpreter, in under two
+minutes (tests/kernels/test_gpu_check_smoke.py runs it, so the script cannot rot). A section that
+fails is reported with its traceback and the others still run; the exit status says whether all
+passed. The report is Markdown, printed and written to --out.
+
+    python scripts/gpu_check.py --out $OUT/gpu_check.md      # on the GPU machine
+    python scripts/gpu_check.py --smoke --out /tmp/gpu_check.md
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Triton fixes compiled-or-interpreted when the kernels are imported (kernels/interpreter.py):
+# decide before any import of ours.
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+else:
+    os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 is its default
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import NamedTuple  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402
+
+from kernels.paged_attention import (  # noqa: E402
+    AttentionParams, PagedBatch, choose_num_splits, device_num_sms, paged_attention,
+)
+from services.common.config import CacheConfig, SchedulerConfig  # noqa: E402
+from services.common.engine_output import EngineCoreRequest  # noqa: E402
+from services.common.sampling_params import SamplingParams  # noqa: E402
+from services.engine.engine_core import EngineCore  # noqa: E402
+from services.worker.attention import get_attention_backend  # noqa: E402
+from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for_budget  # noqa: E402
+from services.worker.model_runner import ModelRunner  # noqa: E402
+from services.worker.models.llama import LlamaForCausalLM, head_size_of  # noqa: E402
+
+
+class Sizes(NamedTuple):
+    """What --smoke shrinks."""
+
+    pytest_args: list[str]
+    copy_bytes: int
+    heads: tuple[int, int, int]  # num_heads, num_kv_heads, head_size
+    decode_cases: list[tuple[int, int]]  # (batch, context)
+    prefill_cases: list[tuple[int, int]]  # (batch, prompt length)
+    iters: int
+    model: dict  # LlamaConfig arguments
+    engine_batches: list[int]
+    prompt_len: int
+    output_len: int
+    kv_cache_bytes: int
+
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                 rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
+
+FULL = Sizes(
+    pytest_args=["tests/kernels/test_paged_attention.py", "tests/kernels/test_reshape_and_cache.py"],
+    copy_bytes=2**30,
+    heads=(32, 8, 128),
+    decode_cases=[(1, 4096), (1, 32768), (32, 1024), (32, 4096), (256, 1024), (256, 4096)],
+    prefill_cases=[(1, 8192), (4, 2048), (32, 512)],
+    iters=20,
+    model=LLAMA3_8B,
+    engine_batches=[1, 32, 256],
+    prompt_len=128,
+    output_len=128,
+    kv_cache_bytes=16 * 2**30,
+)
+SMOKE = Sizes(
+    pytest_args=["tests/kernels/test_reshape_and_cache.py", "-k", "padding"],
+    copy_bytes=16 * 2**20,
+    heads=(4, 2, 64),
+    decode_cases=[(2, 64), (1, 300)],
+    prefill_cases=[(1, 48)],
+    iters=2,
+    model=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False),
+    engine_batches=[1, 4],
+    prompt_len=12,
+    output_len=4,
+    kv_cache_bytes=8 * 2**20,
+)
+DTYPE = torch.bfloat16
+BLOCK_SIZE = 16
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Median of `iters` timed calls after one warm-up (which also compiles the kernels)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# --- sections: each returns Markdown lines ------------------------------------------------------------
+
+def environment(device: torch.device, smoke: bool) -> list[str]:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+    lines = [f"- device: {name}, {device_num_sms(device)} SMs" if device.type == "cuda" else f"- device: {name}",
+             f"- torch {torch.__version__}, triton {triton.__version__}, mode: {'smoke' if smoke else 'full'}"]
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        lines.append(f"- memory: {total / 2**30:.0f} GiB ({free / 2**30:.0f} GiB free)")
+    return lines
+
+
+def kernel_tests(sizes: Sizes) -> list[str]:
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *sizes.pytest_args],
+                            cwd=REPO, env=os.environ.copy(), capture_output=True, text=True, timeout=420)
+    summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
+    if result.returncode != 0:
+        raise RuntimeError(f"kernel tests failed: {summary}\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}")
+    return [f"- `pytest {' '.join(sizes.pytest_args)}`: {summary} ({time.perf_counter() - start:.0f} s wall)"]
+
+
+def copy_bandwidth(device: torch.device, sizes: Sizes) -> float:
+    """Bytes read + written per second by a plain device copy."""
+    src = torch.empty(sizes.copy_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * sizes.copy_bytes / median_seconds(lambda: dst.copy_(src), device, sizes.iters)
+
+
+def paged_inputs(batch: int, seq_len: int, q_len: int, sizes: Sizes, device: torch.device):
+    """Random K/V for `batch` sequences of `seq_len` tokens in shuffled blocks, the last `q_len` of
+    each the new tokens; also the same K/V contiguous ([batch, num_kv_heads, seq_len, head_size])
+    for scaled_dot_product_attention."""
+    num_heads, num_kv_heads, head_size = sizes.heads
+    blocks_per_seq = triton.cdiv(seq_len, BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq
+    kv_cache = torch.randn((2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size), dtype=DTYPE, device=device)
+    block_table = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
+    q = torch.randn((batch * q_len, num_heads, head_size), dtype=DTYPE, device=device)
+    paged = PagedBatch(
+        query_start_loc=torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=device),
+        seq_lens=torch.full((batch,), seq_len, dtype=torch.int32, device=device),
+        block_table=block_table, max_query_len=q_len, max_seq_len=seq_len,
+    )
+
+    def contiguous(i: int) -> torch.Tensor:
+        rows = kv_cache[i][block_table.long()].view(batch, blocks_per_seq * BLOCK_SIZE, num_kv_heads, head_size)
+        return rows[:, :seq_len].transpose(1, 2).contiguous()
+
+    return q, kv_cache, paged, contiguous(0), contiguous(1)
+
+
+def decode_attention(device: torch.device, sizes: Sizes, copy_bw: float) -> list[str]:
+    num_heads, num_kv_heads, head_size = sizes.heads
+    params = AttentionParams(scale=head_size**-0.5)
+    lines = ["| batch | context | splits | Triton µs | GB/s | % of copy | SDPA µs | SDPA / Triton | max abs diff |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for batch, context in sizes.decode_cases:
+        q, kv_cache, paged, k, v = paged_inputs(batch, context, 1, sizes, device)
+        out = torch.empty_like(q)
+        splits = choose_num_splits(batch, num_kv_heads, 1, context, device_num_sms(device))
+        ours = median_seconds(lambda: paged_attention(q, kv_cache, out, paged, params), device, sizes.iters)
+        qs = q.view(batch, num_heads, 1, head_size)
+        sdpa = median_seconds(lambda: F.scaled_dot_product_attention(qs, k, v, scale=params.scale, enable_gqa=True),
+                              device, sizes.iters)
+        expected = F.scaled_dot_product_attention(qs, k, v, scale=params.scale, enable_gqa=True)
+        diff = (out.float() - expected.view_as(out).float()).abs().max().item()
+        moved = 2 * batch * context * num_kv_heads * head_size * kv_cache.element_size()  # K and V, read once
+        lines.append(f"| {batch} | {context} | {splits} | {ours * 1e6:.0f} | {moved / ours / 1e9:.0f} | "
+                     f"{100 * moved / ours / copy_bw:.0f} | {sdpa * 1e6:.0f} | {sdpa / ours:.2f} | {diff:.1e} |")
+        del q, kv_cache, paged, k, v, out
+    return lines
+
+
+def prefill_attention(device: torch.device, sizes: Sizes) -> list[str]:
+    num_heads, num_kv_heads, head_size = sizes.heads
+    params = AttentionParams(scale=head_size**-0.5)
+    lines = ["| batch | prompt | Triton ms | TFLOP/s | SDPA ms | SDPA TFLOP/s | max abs diff |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for batch, length in sizes.prefill_cases:
+        q, kv_cache, paged, k, v = paged_inputs(batch, length, length, sizes, device)
+        out = torch.empty_like(q)
+        ours = median_seconds(lambda: paged_attention(q, kv_cache, out, paged, params), device, sizes.iters)
+        qs = q.view(batch, length, num_heads, head_size).transpose(1, 2)
+
+        def sdpa_call() -> torch.Tensor:
+            return F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=params.scale, enable_gqa=True)
+
+        sdpa = median_seconds(sdpa_call, device, sizes.iters)
+        diff = (out.float() - sdpa_call().transpose(1, 2).reshape_as(out).float()).abs().max().item()
+        flops = 4 * batch * num_heads * head_size * length * (length + 1) / 2  # causal: half the scores
+        lines.append(f"| {batch} | {length} | {ours * 1e3:.2f} | {flops / ours / 1e12:.1f} | {sdpa * 1e3:.2f} | "
+                     f"{flops / sdpa / 1e12:.1f} | {diff:.1e} |")
+        del q, kv_cache, paged, k, v, out
+    return lines
+
+
+def random_model(sizes: Sizes, device: torch.device) -> tuple[LlamaForCausalLM, LlamaConfig]:
+    config = LlamaConfig(**sizes.model)
+    with torch.device(device):
+        model = LlamaForCausalLM(config, DTYPE)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.02)  # Llama's initializer_range: activations stay finite
+    return model.eval(), config
+
+
+def engine_end_to_end(device: torch.device, sizes: Sizes) -> list[str]:
+    model, config = random_model(sizes, device)
+    spec = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, head_size_of(config), BLOCK_SIZE, DTYPE)
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=sizes.kv_cache_bytes,
+                               enable_prefix_caching=False)
+    num_blocks = num_blocks_for_budget(spec, cache_config.kv_cache_memory, cache_config.memory_fraction, device)
+    max_batch = max(sizes.engine_batches)
+    max_model_len = sizes.prompt_len + sizes.output_len
+    runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device), get_attention_backend("triton", device),
+                         BLOCK_SIZE, max_batch, max_model_len, config.vocab_size)
+    scheduler_config = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max_batch)
+    engine = EngineCore(runner, num_blocks, max_model_len, "random-llama", cache_config, scheduler_config)
+    params = SamplingParams(temperature=0.0, max_tokens=sizes.output_len, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    ids = iter(range(10**9))
+
+    def run(batch: int) -> tuple[float, list[float], int]:
+        for _ in range(batch):
+            prompt = torch.randint(0, config.vocab_size, (sizes.prompt_len,), generator=gen).tolist()
+            engine.add_request(EngineCoreRequest(str(next(ids)), prompt, params))
+        step_times, tokens = [], 0
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            tokens += sum(len(o.new_token_ids) for o in engine.step())
+            step_times.append(time.perf_counter() - t0)
+        wall = time.perf_counter() - start
+        engine.step()  # an empty step: the worker drops the finished requests
+        return wall, step_times, tokens
+
+    run(min(sizes.engine_batches))  # warm-up: kernel compilation, allocator
+    lines = ["| batch | output tokens | wall s | output tokens/s | median decode step ms |",
+             "| ---: | ---: | ---: | ---: | ---: |"]
+    for batch in sizes.engine_batches:
+        wall, step_times, tokens = run(batch)
+        assert tokens == batch * sizes.output_len, f"{tokens} tokens, expected {batch * sizes.output_len}"
+        decode_steps = step_times[len(step_times) // 2 :]  # the second half: every request decoding
+        lines.append(f"| {batch} | {tokens} | {wall:.2f} | {tokens / wall:.0f} | "
+                     f"{1e3 * statistics.median(decode_steps):.1f} |")
+    engine.kv_cache_manager.check_integrity()
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreter")
+    parser.add_argument("--out", type=Path, default=Path("gpu_check.md"), help="where to write the report")
+    args = parser.parse_args()
+    sizes = SMOKE if args.smoke else FULL
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: run with --smoke on a CPU")
+    torch.manual_seed(0)
+
+    report = [f"# gpu_check ({'smoke' if args.smoke else 'full'})", ""]
+    failed: list[str] = []
+    started = time.perf_counter()
+
+    def section(title: str, fn: Callable[[], list[str]]) -> None:
+        t0 = time.perf_counter()
+        print(f"== {title}", flush=True)
+        try:
+            lines = fn()
+        except Exception:
+            failed.append(title)
+            lines = ["FAILED:", "```", traceback.format_exc().rstrip(), "```"]
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        report.extend([f"## {title} ({time.perf_counter() - t0:.0f} s)", "", *lines, ""])
+        print("\n".join(lines), flush=True)
+
+    copy_bw: list[float] = []
+    section("Environment", lambda: environment(device, args.smoke))
+    section("Kernel tests", lambda: kernel_tests(sizes))
+
+    def copy_section() -> list[str]:
+        copy_bw.append(copy_bandwidth(device, sizes))
+        return [f"- device copy of {sizes.copy_bytes / 2**20:.0f} MiB: {copy_bw[0] / 1e9:.0f} GB/s (read + write)"]
+
+    section("Copy bandwidth", copy_section)
+    section("Decode attention (bf16, one token per sequence)",
+            lambda: decode_attention(device, sizes, copy_bw[0] if copy_bw else float("nan")))
+    section("Prefill attention (bf16, causal)", lambda: prefill_attention(device, sizes))
+    section("Engine end to end (random Llama, bf16)", lambda: engine_end_to_end(device, sizes))
+    report.append(f"Total {time.perf_counter() - started:.0f} s; "
+                  + (f"FAILED: {', '.join(failed)}" if failed else "all sections passed."))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(report) + "\n")
+    print(report[-1])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

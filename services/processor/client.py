@@ -16,7 +16,7 @@ from services.common.clients import EngineInfo, GenerateDelta, GenerateRequest
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
 from services.common.rpc.server import GRPC_OPTIONS, SERVING, service_name
-from services.processor.convert import generate_delta_from_proto, generate_request_to_proto
+from services.common.rpc.convert import generate_delta_from_proto, generate_request_to_proto
 
 SERVICE_NAME = service_name(processor_pb2.DESCRIPTOR, "Processor")
 

@@ -26,7 +26,7 @@ from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
 from services.common.rpc.server import RpcServer, flag_default, service_name
 from services.engine.client import GrpcEngineClient
 from services.processor.async_processor import AsyncProcessor
-from services.processor.convert import generate_delta_to_proto, generate_request_from_proto
+from services.common.rpc.convert import generate_delta_to_proto, generate_request_from_proto
 from services.processor.processor import Processor
 from services.processor.tokenizer import TokenizerInfo, load_tokenizer
 from services.worker.loader import model_id_of, resolve_model

@@ -8,7 +8,7 @@ from services.common.clients import ChoiceDelta, GenerateDelta, GenerateRequest
 from services.common.model_runner_output import TokenLogprobs
 from services.common.rpc.kvmesh.v1 import processor_pb2
 from services.common.sampling_params import SamplingParams
-from services.processor.convert import (
+from services.common.rpc.convert import (
     generate_delta_from_proto,
     generate_delta_to_proto,
     generate_request_from_proto,

@@ -179,7 +179,8 @@ def notes(summaries: Sequence[Summary], max_tokens: int) -> list[str]:
         if s.wrong_length:
             lines.append(f"- {s.target} {s.scenario} {s.mode}: {s.wrong_length} output(s) not {max_tokens} tokens long")
         if s.first_error:
-            lines.append(f"- {s.target} {s.scenario} {s.mode}: {s.requests - s.ok} error(s), the first: {s.first_error}")
+            lines.append(f"- {s.target} {s.scenario} {s.mode}: {s.requests - s.ok} error(s); the first: "
+                         f"{s.first_error}")
     return lines
 
 
@@ -230,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"))
     group.add_argument("--max-num-seqs", type=int, default=128)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--threads", type=int, default=None,
+                       help="OMP_NUM_THREADS of every server (default: torch's own); 1 steadies a shared machine")
     group.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server may take to start")
     group.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a new temporary folder)")
     group.add_argument("--url", default=None, help="the server of --target url, e.g. http://127.0.0.1:8000")
@@ -240,28 +243,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def plan_runs(args: argparse.Namespace) -> list[Run]:
+    """Every scenario under every load, in that order, each with its prompts built once for all targets."""
+    scenarios = list(SCENARIOS) if "all" in args.scenarios else list(dict.fromkeys(args.scenarios))
+    loads = [Load(concurrency=c) for c in args.concurrency] + [Load(rate=r, seed=args.seed) for r in args.rate]
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    lengths = ScenarioLengths(args.long_prompt_tokens, args.shared_prefix_tokens, args.turns)
+    runs: list[Run] = []
+    for scenario in scenarios:
+        for load in loads or [Load(concurrency=RATIO_CONCURRENCY)]:
+            number = len(runs) + 1
+            runs.append(Run(number, scenario, load,
+                            build_sessions(scenario, args.num_requests, number, tokenizer, lengths)))
+    return runs
+
+
+def report(args: argparse.Namespace, summaries: Sequence[Summary], unavailable: dict[str, str]) -> str:
+    threads = args.threads if args.threads is not None else "torch default"
+    parts = [f"Serving benchmark: {args.max_tokens} output tokens per request, EOS ignored, greedy; "
+             f"{args.num_requests} requests per run; model {args.model}, {args.dtype} on {args.device}, "
+             f"KV cache {args.kv_cache_memory / 2**30:g} GiB; server threads: {threads}.",
+             table(summaries, unavailable)]
+    parts += ["\n".join(block) for block in (ratios(summaries), notes(summaries, args.max_tokens)) if block]
+    parts += [f"{target} not run: {reason}" for target, reason in unavailable.items()]
+    return "\n\n".join(parts)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.num_requests < 1 or args.max_tokens < 1 or args.turns < 1:
         raise SystemExit("serving_bench: --num-requests, --max-tokens and --turns must be positive")
-    scenarios = list(SCENARIOS) if "all" in args.scenarios else list(dict.fromkeys(args.scenarios))
-    loads = [Load(concurrency=c) for c in args.concurrency] + [Load(rate=r, seed=args.seed) for r in args.rate]
-    loads = loads or [Load(concurrency=RATIO_CONCURRENCY)]
-    tokenizer = load_tokenizer(resolve_model(args.model))
-    lengths = ScenarioLengths(args.long_prompt_tokens, args.shared_prefix_tokens, args.turns)
-    runs = []
-    for scenario in scenarios:
-        for load in loads:
-            runs.append(Run(len(runs) + 1, scenario, load,
-                            build_sessions(scenario, args.num_requests, len(runs) + 1, tokenizer, lengths)))
+    runs = plan_runs(args)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="serving_bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     config = ServerConfig(args.model, args.dtype, args.device, args.kv_cache_memory, args.max_num_seqs,
-                          args.max_num_batched_tokens, args.startup_timeout, log_dir)
+                          args.max_num_batched_tokens, args.startup_timeout, log_dir, args.threads)
 
-    load_before = os.getloadavg()
-    started_at = time.time()
+    load_before, started_at = os.getloadavg()[0], time.time()
     summaries: list[Summary] = []
     unavailable: dict[str, str] = {}
     for target in dict.fromkeys(args.targets):
@@ -273,18 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"serving_bench: {target} not run: {exc}", file=sys.stderr, flush=True)
             unavailable[target] = str(exc)
 
-    print(f"\nServing benchmark: {args.max_tokens} output tokens per request, EOS ignored, greedy; "
-          f"{args.num_requests} requests per run; model {args.model}, {args.dtype} on {args.device}, "
-          f"KV cache {args.kv_cache_memory / 2**30:g} GiB.\n")
-    print(table(summaries, unavailable))
-    for block in (ratios(summaries), notes(summaries, args.max_tokens)):
-        if block:
-            print("\n" + "\n".join(block))
-    for target, reason in unavailable.items():
-        print(f"\n{target} not run: {reason}")
-    load_after = os.getloadavg()
-    print(f"\nMachine: {machine()}. Load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after; "
-          f"{time.time() - started_at:.0f}s in all.")
+    print("\n" + report(args, summaries, unavailable))
+    print(f"\nMachine: {machine()}. Load average (1 min) {load_before:.1f} before, {os.getloadavg()[0]:.1f} "
+          f"after; {time.time() - started_at:.0f}s in all.")
     print(f"Command: {command_line(argv)}")
     if args.json:
         args.json.write_text(json.dumps({"command": command_line(argv), "machine": machine(),

@@ -7,8 +7,9 @@
 
 Every started server gets the same model folder, dtype, device and KV cache size; kvmesh and
 inprocess also the same scheduler limits. transformers serve takes its KV cache as a number of
-blocks, so it gets the blocks that fit in the same bytes (`--cb-num-blocks`), and kvmesh's token
-budget per step (`--cb-max-batch-tokens`). Making every answer exactly max_tokens long takes
+blocks of its default page size (256 tokens, all layers), so it gets the blocks that fit in the same
+bytes (`--cb-num-blocks`), and kvmesh's token budget per step (`--cb-max-batch-tokens`); its page
+size stays its own default. Making every answer exactly max_tokens long takes
 `ignore_eos` on kvmesh (vLLM's extra); transformers serve refuses unknown fields, so it gets a
 `generation_config` whose eos id is -1 (none), which its continuous batching reads per request.
 
@@ -40,8 +41,9 @@ from services.worker.loader import resolve_model
 
 TARGETS = ("kvmesh", "inprocess", "transformers", "url")
 LOOPBACK = "127.0.0.1"
+URL_WAIT = 30.0  # seconds a --url server (already started) may take to answer /health
 STOP_TIMEOUT = 30.0  # seconds a server gets to stop after SIGTERM (kvmesh serve needs about 10)
-BLOCK_SIZE = 16  # kvmesh's default, given to transformers serve as well
+TRANSFORMERS_PAGE_SIZE = 256  # tokens per KV block of transformers' continuous batching (its default)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 VLLM_EXTRAS = {"ignore_eos": True, "stream_options": {"include_usage": True}}
 
@@ -62,6 +64,7 @@ class ServerConfig:
     max_num_batched_tokens: int
     startup_timeout: float  # seconds
     log_dir: Path
+    threads: int | None = None  # OMP_NUM_THREADS of every server; None: torch's default
 
 
 @contextmanager
@@ -72,16 +75,19 @@ def started(target: str, config: ServerConfig, url: str | None = None,
         if not url:
             raise TargetUnavailable("--target url needs --url http://127.0.0.1:PORT")
         url = url.rstrip("/")
-        wait_healthy(url, None, config.startup_timeout, None)
+        wait_healthy(url, None, min(config.startup_timeout, URL_WAIT), None)
         yield Endpoint(url, served_model(url), VLLM_EXTRAS if url_api == "vllm" else _transformers_extras())
         return
     port = free_port()
     url = f"http://{LOOPBACK}:{port}"
     command = server_command(target, config, port)
     log_path = config.log_dir / f"{target}.log"
+    env = dict(os.environ)
+    if config.threads is not None:
+        env.update(OMP_NUM_THREADS=str(config.threads), MKL_NUM_THREADS=str(config.threads))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                env=env, start_new_session=True)
     try:
         wait_healthy(url, proc, config.startup_timeout, log_path)
         extras = _transformers_extras() if target == "transformers" else VLLM_EXTRAS
@@ -93,8 +99,8 @@ def started(target: str, config: ServerConfig, url: str | None = None,
 def server_command(target: str, config: ServerConfig, port: int) -> list[str]:
     common = ["--host", LOOPBACK, "--port", str(port), "--dtype", config.dtype, "--device", config.device]
     if target in ("kvmesh", "inprocess"):
-        module = ["services.cli", "serve", "--print-addresses"] if target == "kvmesh" else ["loadtests.inprocess_server"]
-        return [sys.executable, "-m", *module, "--model", config.model, *common,
+        entry = ["services.cli", "serve", "--print-addresses"] if target == "kvmesh" else ["loadtests.inprocess_server"]
+        return [sys.executable, "-m", *entry, "--model", config.model, *common,
                 "--kv-cache-memory", str(config.kv_cache_memory), "--max-num-seqs", str(config.max_num_seqs),
                 "--max-num-batched-tokens", str(config.max_num_batched_tokens)]
     if target == "transformers":
@@ -106,18 +112,18 @@ def server_command(target: str, config: ServerConfig, port: int) -> list[str]:
             raise TargetUnavailable("no `transformers` command next to this Python or on PATH")
         model_path = resolve_model(config.model)
         return [exe, "serve", str(model_path), "--continuous-batching", *common,
-                "--cb-block-size", str(BLOCK_SIZE), "--cb-num-blocks", str(kv_blocks(model_path, config)),
+                "--cb-num-blocks", str(kv_blocks(model_path, config)),
                 "--cb-max-batch-tokens", str(config.max_num_batched_tokens), "--log-level", "warning"]
     raise ValueError(f"unknown target {target!r}; choose from {TARGETS}")
 
 
 def kv_blocks(model_path: Path, config: ServerConfig) -> int:
-    """KV blocks of BLOCK_SIZE tokens that fit in config.kv_cache_memory bytes for this model."""
+    """transformers' KV blocks (TRANSFORMERS_PAGE_SIZE tokens) that fit in config.kv_cache_memory bytes."""
     hf = AutoConfig.from_pretrained(model_path)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     # K and V, for every layer and KV head: bytes per token
     per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * DTYPE_BYTES[config.dtype]
-    return config.kv_cache_memory // (per_token * BLOCK_SIZE)
+    return config.kv_cache_memory // (per_token * TRANSFORMERS_PAGE_SIZE)
 
 
 def _transformers_extras() -> dict[str, object]:
@@ -148,7 +154,10 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log_pa
 
 
 def served_model(url: str) -> str:
-    models = httpx.get(f"{url}/v1/models", timeout=10.0).json().get("data") or []
+    try:
+        models = httpx.get(f"{url}/v1/models", timeout=10.0).json().get("data") or []
+    except (httpx.HTTPError, ValueError) as exc:
+        raise TargetUnavailable(f"{url}/v1/models: {type(exc).__name__}: {exc}") from exc
     if not models:
         raise TargetUnavailable(f"{url}/v1/models lists no model")
     return models[0]["id"]
@@ -195,7 +204,7 @@ def _is_kvmesh_service(pid: int) -> bool:
 
 
 def _tail(log_path: Path | None, lines: int = 15) -> str:
-    if log_path is None or not log_path.exists():
-        return "no log"
+    if log_path is None:
+        return "not started here"
     text = log_path.read_text(errors="replace").splitlines()[-lines:]
     return f"the last lines of {log_path}:\n    " + "\n    ".join(text)

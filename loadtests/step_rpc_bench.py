@@ -40,7 +40,7 @@ from services.worker.worker import ModelInfo
 class InstantCore:
     """Stands in for services.worker.worker.Worker: answers each step without computing."""
 
-    info = ModelInfo("instant", "/nowhere", 49152, 8192)
+    info = ModelInfo("instant", "/nowhere", 49152, 8192, 16)
 
     def determine_num_blocks(self) -> int:
         return 4096

@@ -31,7 +31,7 @@ class InProcessWorkerClient:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
 
     async def get_info(self) -> WorkerInfo:
-        return WorkerInfo(*self.worker.info, self.worker.cache_config.block_size)
+        return WorkerInfo(*self.worker.info)
 
     async def initialize_cache(self, max_num_reqs: int) -> int:
         if max_num_reqs < 1:

@@ -28,6 +28,7 @@ class ModelInfo(NamedTuple):
     model_path: str
     vocab_size: int
     max_model_len: int
+    block_size: int
 
 
 class Worker:
@@ -45,7 +46,7 @@ class Worker:
                 raise ValueError(f"max_model_len {model_config.max_model_len} exceeds the model's {max_len}")
             max_len = model_config.max_model_len
         self.info = ModelInfo(model_id_of(self.model_path), str(self.model_path),
-                              self.hf_config.vocab_size, max_len)
+                              self.hf_config.vocab_size, max_len, cache_config.block_size)
         self.runner: ModelRunner | None = None
 
     @property

@@ -131,7 +131,6 @@ def test_chunked_prefill_matches_hf(model_path, hf_model, prompt_token_ids):
 
 def test_preemption_matches_hf(model_path, hf_model, prompt_token_ids):
     # Room for the longest prompt and its output, far less than all prompts together.
-    spec = LLM.__new__(LLM)  # noqa: F841 (documentation: the budget below is in bytes)
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # layers, block size, kv heads, head size, fp32
     num_blocks = -(-(max(map(len, prompt_token_ids)) + MAX_NEW_TOKENS) // 16) + 8
     llm = LLM(model=str(model_path), kv_cache_memory=num_blocks * block_bytes)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import signal
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack

@@ -1,8 +1,9 @@
 """Engine<->worker step RPC latency: ExecuteModel round trips over loopback, model compute excluded.
 
 A worker server runs in a subprocess with a stand-in core whose execute_model returns a ready
-answer at once, behind the real stack (WorkerServicer -> InProcessWorkerClient, whose thread hop
-is included). The client is the engine's GrpcWorkerClient, so each round trip counts everything
+answer at once, behind the real stack (WorkerServicer, with its hop to the step thread, ->
+InProcessWorkerClient). The client is the engine's GrpcWorkerClient, called with blocking calls from a plain
+thread as the engine-loop thread calls it, so each round trip counts everything
 the engine pays per step besides the model: SchedulerOutput -> proto, serialization, loopback,
 proto -> SchedulerOutput, the thread hop, and the same for ModelRunnerOutput on the way back.
 The first row, an empty health Check on the same server, is the transport's floor on the machine;
@@ -73,12 +74,12 @@ def prefill_step(num_reqs: int, prompt_len: int) -> SchedulerOutput:
     return SchedulerOutput(new, [], {r.req_id: prompt_len for r in new}, num_reqs * prompt_len)
 
 
-async def time_round_trips(call, make_arg, iters: int, warmup: int) -> list[float]:
+def time_round_trips(call, make_arg, iters: int, warmup: int) -> list[float]:
     samples = []
     for i in range(warmup + iters):
         arg = make_arg(i)
         start = time.perf_counter()
-        await call(arg)
+        call(arg)
         if i >= warmup:
             samples.append(time.perf_counter() - start)
     return samples
@@ -92,23 +93,18 @@ def codec_round_trip(step: SchedulerOutput) -> None:
     convert.model_runner_output_from_proto(worker_pb2.ModelRunnerOutput.FromString(answer))
 
 
-async def time_codec(make_step, iters: int, warmup: int) -> list[float]:
-    async def call(step):
-        codec_round_trip(step)
-    return await time_round_trips(call, make_step, iters, warmup)
-
-
 def percentiles(samples: list[float]) -> tuple[float, float, float]:
     q = statistics.quantiles(samples, n=100, method="inclusive")
     return q[49] * 1e6, q[89] * 1e6, q[98] * 1e6
 
 
-async def bench(address: str, args: argparse.Namespace) -> None:
+def bench(address: str, args: argparse.Namespace) -> None:
+    """Runs on a plain thread with blocking calls, as the engine's engine-loop thread does."""
     client = GrpcWorkerClient(address, timeout=30)
-    await client.get_info()  # waits for the server
-    await client.initialize_cache(args.decode_reqs)
+    client.get_info()  # waits for the server
+    client.initialize_cache(args.decode_reqs)
     # The transport's floor on this machine: the standard health Check, an empty unary call.
-    channel = grpc.aio.insecure_channel(address)
+    channel = grpc.insecure_channel(address)
     health = health_pb2_grpc.HealthStub(channel)
     cases = [
         ("floor: grpc.health.v1 Check", lambda i: health_pb2.HealthCheckRequest()),
@@ -120,13 +116,13 @@ async def bench(address: str, args: argparse.Namespace) -> None:
     print(f"{'case':<44} {'p50 us':>8} {'p90 us':>8} {'p99 us':>8}   ({args.iters} round trips each)")
     for name, make_arg in cases:
         call = health.Check if name.startswith("floor") else client.execute_model
-        p50, p90, p99 = percentiles(await time_round_trips(call, make_arg, args.iters, args.warmup))
+        p50, p90, p99 = percentiles(time_round_trips(call, make_arg, args.iters, args.warmup))
         print(f"{name:<44} {p50:8.0f} {p90:8.0f} {p99:8.0f}")
     for name, make_arg in cases[1:]:
-        p50, p90, p99 = percentiles(await time_codec(make_arg, args.iters, args.warmup))
+        p50, p90, p99 = percentiles(time_round_trips(codec_round_trip, make_arg, args.iters, args.warmup))
         print(f"{'codec only: ' + name:<44} {p50:8.0f} {p90:8.0f} {p99:8.0f}")
-    await client.close()
-    await channel.close()
+    client.close()
+    channel.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     server = subprocess.Popen([sys.executable, "-m", "loadtests.step_rpc_bench", "--serve", "--port", str(args.port)],
                               start_new_session=True)
     try:
-        asyncio.run(bench(f"127.0.0.1:{args.port}", args))
+        bench(f"127.0.0.1:{args.port}", args)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(10)

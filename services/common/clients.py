@@ -29,10 +29,13 @@ class WorkerInfo:
 
 
 class WorkerClient(Protocol):
-    async def get_info(self) -> WorkerInfo: ...
-    async def initialize_cache(self, max_num_reqs: int) -> int:
+    """Blocking: the engine calls it from its engine-loop thread (services/engine/async_engine.py)."""
+
+    def get_info(self) -> WorkerInfo: ...
+    def initialize_cache(self, max_num_reqs: int) -> int:
         """Size the KV cache from the worker's memory budget, allocate it; returns num_blocks."""
-    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def close(self) -> None: ...
 
 
 # ----------------------------------------------------------------------------- processor <- engine
@@ -84,6 +87,8 @@ class GenerateRequest:
     add_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    echo: bool = False  # the first delta carries the prompt's text
 
 
 @dataclass(slots=True)
@@ -108,11 +113,38 @@ class GenerateDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
+    prompt_text: str | None = None  # in the first delta, when the request asked for echo
+    # When the request asked for prompt logprobs, once (with the first token): one entry per prompt
+    # token, None for the first (nothing precedes it), as vLLM's RequestOutput.prompt_logprobs.
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprob_tokens: list[list[str]] = field(default_factory=list)  # their texts; [first token] first
+
+
+@dataclass(slots=True)
+class TokenizeRequest:
+    """A prompt to tokenize only: text or chat messages (exactly one)."""
+
+    prompt: str | None = None
+    messages: list[Mapping[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    return_token_strs: bool = False
+
+
+@dataclass(slots=True)
+class Tokenized:
+    token_ids: list[int]
+    max_model_len: int
+    token_strs: list[str] | None = None  # the vocabulary's strings of the ids, when asked for
 
 
 class ProcessorClient(Protocol):
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """Deltas until every choice finished. Closing early aborts the engine request(s).
         Invalid input raises ValueError (in-process) or INVALID_ARGUMENT (gRPC)."""
+    async def tokenize(self, request: TokenizeRequest) -> Tokenized: ...
+    async def detokenize(self, token_ids: Sequence[int]) -> str: ...
     async def model_info(self) -> EngineInfo: ...
     async def is_healthy(self) -> bool: ...

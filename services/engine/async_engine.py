@@ -1,22 +1,30 @@
-"""AsyncEngine: the in-process EngineClient. An EngineCore driven by an asyncio task that awaits
-its worker (a WorkerClient: in this process or over gRPC) once per step.
+"""AsyncEngine: the in-process EngineClient. An EngineCore driven by its engine-loop thread, which
+calls its worker (a blocking WorkerClient: in this process or over gRPC) once per step; the asyncio
+side only queues work for it and hands its outputs to the streams.
 
-    loop task:  apply aborts -> schedule() -> await worker.execute_model() -> update_from_output()
-                -> each output to its request's queue
-    generate(): add the request, then yield from its queue; closing early (the caller was
-                cancelled, or stopped reading) aborts the request before the next step.
+    engine-loop thread: take the inbox (new requests, aborts) -> schedule() -> worker.execute_model()
+                        -> update_from_output() -> the step's outputs to the event loop in one call
+    event loop:         generate() checks the request, puts it in the inbox, then yields from its
+                        queue; closing early (the caller was cancelled, or stopped reading) puts an
+                        abort in the inbox, applied before the next step.
 
-Aborts made while a step is in flight wait for the step to end (the scheduler's running set is
-only changed between steps); new requests join the waiting queue at once, which a step in flight
-never reads. A failed step (the worker died, or answered an error) is fatal: every
-open stream raises EngineDeadError, the engine reports unhealthy and refuses new requests, and a
-supervisor restarts it (its worker's state is gone or suspect; recovering it is not a local decision).
+Why a thread: the step RPC is on the critical path of every token, and a blocking gRPC call from a
+plain thread is ~0.3 ms cheaper per round trip than awaiting it on the event loop (and the loop
+stays free for the streams). Only the engine-loop thread changes the core's state while it runs;
+the event loop reads its counters (`stats()`), which the GIL keeps whole. New requests are admitted
+in arrival order at the start of a step, so `add_request`'s checks that depend on the queue (the
+waiting-queue limit) see every earlier request already queued; a refusal there reaches the caller
+as the exception its stream raises first. A failed step (the worker died, or answered an error) is
+fatal: every open stream raises EngineDeadError, the engine reports unhealthy and refuses new
+requests, and a supervisor restarts it (its worker's state is gone or suspect; recovering it is not
+a local decision).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Iterable, Sequence
 
 from services.common.clients import EngineInfo, EngineStats, WorkerClient
@@ -26,9 +34,15 @@ from services.engine.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
+IDLE_SCHEDULE_WAIT = 0.001  # seconds; see _step
+
 
 class EngineDeadError(RuntimeError):
     """The engine has stopped serving (its worker failed, or it shut down)."""
+
+
+# What the engine-loop thread hands a stream: an output, or the exception it ends with.
+Item = EngineCoreOutput | BaseException
 
 
 class AsyncEngine:
@@ -36,22 +50,26 @@ class AsyncEngine:
         self.core = core
         self.worker = worker
         self._info = info
-        self._queues: dict[str, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
-        self._pending_aborts: set[str] = set()
-        self._has_work = asyncio.Event()
+        self._queues: dict[str, asyncio.Queue[Item]] = {}  # event loop only
+        self._inbox_lock = threading.Lock()
+        self._new_requests: list[EngineCoreRequest] = []
+        self._aborts: set[str] = set()
+        self._wake = threading.Event()
+        self._stopping = False
         self._error: EngineDeadError | None = None
         self._dead = asyncio.Event()
-        self._loop_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
 
     @classmethod
     async def create(cls, worker: WorkerClient, cache_config: CacheConfig,
                      scheduler_config: SchedulerConfig) -> AsyncEngine:
         """Ask the worker for its model and KV-cache size, build the core, start the loop."""
-        worker_info = await worker.get_info()
+        worker_info = await asyncio.to_thread(worker.get_info)
         if worker_info.block_size != cache_config.block_size:
             raise ValueError(f"the engine's block size {cache_config.block_size} differs from its worker's "
                              f"{worker_info.block_size}; start both with the same --block-size")
-        num_blocks = await worker.initialize_cache(scheduler_config.max_num_seqs)
+        num_blocks = await asyncio.to_thread(worker.initialize_cache, scheduler_config.max_num_seqs)
         core = EngineCore(None, num_blocks, worker_info.max_model_len, worker_info.model_id,
                           cache_config, scheduler_config)
         info = EngineInfo(worker_info.model_id, worker_info.model_path, core.max_model_len, core.block_size)
@@ -60,17 +78,17 @@ class AsyncEngine:
         return engine
 
     def start(self) -> None:
-        assert self._loop_task is None, "already started"
-        self._loop_task = asyncio.create_task(self._run(), name="engine-loop")
+        assert self._thread is None, "already started"
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
 
     async def shutdown(self) -> None:
-        """Stop the loop; streams still open end with EngineDeadError."""
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
+        """Stop the loop (after the step in flight); streams still open end with EngineDeadError."""
+        if self._thread is not None:
+            self._stopping = True
+            self._wake.set()
+            await asyncio.to_thread(self._thread.join)
         self._fail(EngineDeadError("the engine is shutting down"))
 
     # ------------------------------------------------------------------ EngineClient
@@ -83,16 +101,18 @@ class AsyncEngine:
             raise self._error
         if request.request_id in self._queues:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.core.add_request(request)  # validates: ValueError for the caller
-        queue: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
+        self.core.check_request(request)  # ValueError for the caller, before anything is queued
+        queue: asyncio.Queue[Item] = asyncio.Queue()
         self._queues[request.request_id] = queue
-        self._has_work.set()
+        with self._inbox_lock:
+            self._new_requests.append(request)
+        self._wake.set()
         finished = False
         try:
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    finished = True  # nothing left to abort: the engine is dead
+                    finished = True  # refused at admission, or the engine died: nothing to abort
                     raise item
                 finished = item.finished
                 yield item
@@ -114,59 +134,84 @@ class AsyncEngine:
     async def wait_until_unhealthy(self) -> None:
         await self._dead.wait()
 
-    # ------------------------------------------------------------------ the loop
-
     def _abort_soon(self, request_ids: Iterable[str]) -> None:
         if self._error is None:
-            self._pending_aborts.update(request_ids)
-            self._has_work.set()
+            with self._inbox_lock:
+                self._aborts.update(request_ids)
+            self._wake.set()
 
-    def _apply_aborts(self) -> None:
-        request_ids, self._pending_aborts = self._pending_aborts, set()
-        self.core.abort_requests(request_ids)
-        for request_id in request_ids:
-            queue = self._queues.get(request_id)
-            if queue is not None:
-                queue.put_nowait(EngineCoreOutput(request_id, [], finish_reason="abort"))
+    # ------------------------------------------------------------------ the engine-loop thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._wake.clear()  # before taking the inbox: a later put sets it again
+                items = self._take_inbox()
+                if not self._has_pending_work():
+                    if items:
+                        self._send(items)
+                    self._wake.wait()
+                    continue
+                items += self._step()
+                self._send(items)
+        except Exception as exc:  # the worker died or failed a step: fatal, see the module docstring
+            logger.exception("engine step failed")
+            error = EngineDeadError(f"engine step failed: {_describe(exc)}")
+            self._loop.call_soon_threadsafe(self._fail, error)
+
+    def _take_inbox(self) -> list[tuple[str, Item]]:
+        """Admit new requests (a refusal goes to its stream) and apply aborts."""
+        with self._inbox_lock:
+            new_requests, self._new_requests = self._new_requests, []
+            aborts, self._aborts = self._aborts, set()
+        items: list[tuple[str, Item]] = []
+        for request in new_requests:
+            if request.request_id in aborts:
+                continue  # its stream is already closed
+            try:
+                self.core.add_request(request)
+            except Exception as exc:  # ValueError, or a refusal such as a full waiting queue
+                items.append((request.request_id, exc))
+        if aborts:
+            self.core.abort_requests(aborts)
+            items += [(request_id, EngineCoreOutput(request_id, [], finish_reason="abort")) for request_id in aborts]
+        return items
 
     def _has_pending_work(self) -> bool:
         # Finished ids alone still need a step: the worker must drop their state.
-        return bool(self._pending_aborts or self.core.has_unfinished_requests()
-                    or self.core.scheduler.finished_req_ids)
+        return self.core.has_unfinished_requests() or bool(self.core.scheduler.finished_req_ids)
 
-    async def _run(self) -> None:
-        try:
-            while True:
-                if not self._has_pending_work():
-                    self._has_work.clear()
-                    await self._has_work.wait()
-                    continue
-                self._apply_aborts()
-                await self._step()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the worker died or failed a step: fatal, see the module docstring
-            logger.exception("engine step failed")
-            self._fail(EngineDeadError(f"engine step failed: {_describe(exc)}"))
-
-    async def _step(self) -> None:
+    def _step(self) -> list[tuple[str, Item]]:
         scheduler_output = self.core.schedule()
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             # Nothing could be scheduled this time (cannot last: running requests free their
-            # blocks as they finish); yield so the event loop is not starved.
-            await asyncio.sleep(0.001)
-            return
-        runner_output = await self.worker.execute_model(scheduler_output)
-        for output in self.core.update_from_output(scheduler_output, runner_output):
-            queue = self._queues.get(output.request_id)
+            # blocks as they finish); wait a little, or until new work arrives.
+            self._wake.wait(IDLE_SCHEDULE_WAIT)
+            return []
+        runner_output = self.worker.execute_model(scheduler_output)
+        outputs = self.core.update_from_output(scheduler_output, runner_output)
+        return [(output.request_id, output) for output in outputs]
+
+    def _send(self, items: list[tuple[str, Item]]) -> None:
+        if items:
+            self._loop.call_soon_threadsafe(self._deliver, items)
+
+    # ------------------------------------------------------------------ back on the event loop
+
+    def _deliver(self, items: list[tuple[str, Item]]) -> None:
+        for request_id, item in items:
+            queue = self._queues.get(request_id)
             if queue is not None:
-                queue.put_nowait(output)
+                queue.put_nowait(item)
 
     def _fail(self, error: EngineDeadError) -> None:
+        """Called once the engine-loop thread has ended (or never ran): the core is ours now."""
         if self._error is None:
             self._error = error
             self._dead.set()
-        self._pending_aborts.clear()
+        with self._inbox_lock:
+            self._new_requests.clear()
+            self._aborts.clear()
         self.core.abort_requests(list(self.core.scheduler.requests))
         for queue in self._queues.values():
             queue.put_nowait(self._error)

@@ -25,8 +25,8 @@ class Executor(Protocol):
 
 class EngineCore:
     """`step()` runs schedule() -> executor.execute_model() -> update_from_output() synchronously.
-    An engine whose worker is remote (services/engine/async_engine.py) passes executor=None and
-    awaits its worker between `schedule()` and `update_from_output()` itself."""
+    AsyncEngine (services/engine/async_engine.py) passes executor=None and calls its worker between
+    `schedule()` and `update_from_output()` itself, on its engine-loop thread."""
 
     def __init__(
         self,
@@ -49,9 +49,12 @@ class EngineCore:
             max_num_seqs=scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
             policy=scheduler_config.policy,
+            max_num_waiting=scheduler_config.max_num_waiting,
         )
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def check_request(self, request: EngineCoreRequest) -> None:
+        """ValueError unless the request fits this engine. Reads nothing that changes: safe from
+        any thread."""
         num_prompt = len(request.prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt is empty")
@@ -60,7 +63,10 @@ class EngineCore:
                 f"the prompt has {num_prompt} tokens; this model's context is {self.max_model_len} tokens, "
                 "and at least one must be left to generate"
             )
-        limit = self.max_model_len - num_prompt
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.check_request(request)
+        limit = self.max_model_len - len(request.prompt_token_ids)
         max_tokens = request.sampling_params.max_tokens
         self.scheduler.add_request(Request(
             request.request_id,

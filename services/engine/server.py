@@ -2,9 +2,9 @@
 
     python -m services.engine.server --worker-address 127.0.0.1:50053 --port 50052
 
-config -> GrpcWorkerClient -> AsyncEngine -> EngineServicer -> grpc.aio server (+ health,
-reflection) -> SIGTERM -> NOT_SERVING -> drain -> stop(grace) -> engine shutdown. Health follows
-the engine: NOT_SERVING as soon as its worker fails. Every flag falls back to
+config -> GrpcWorkerClient (blocking; the engine-loop thread calls it) -> AsyncEngine ->
+EngineServicer -> grpc.aio server (+ health, reflection) -> SIGTERM -> NOT_SERVING -> drain ->
+stop(grace) -> engine shutdown. Health follows the engine: NOT_SERVING as soon as its worker fails. Every flag falls back to
 KVMESH_ENGINE_<FLAG> (KVMESH_ENGINE_PORT, KVMESH_ENGINE_WORKER_ADDRESS, ...).
 """
 
@@ -18,7 +18,8 @@ import sys
 import grpc
 
 from services.common.clients import EngineClient
-from services.common.config import POLICIES, CacheConfig, SchedulerConfig
+from services.common.config import DEFAULT_MAX_NUM_WAITING, POLICIES, CacheConfig, SchedulerConfig
+from services.common.errors import EngineOverloadedError
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.common.rpc.server import RpcServer, ServingConfig, flag_default, service_name
@@ -33,7 +34,7 @@ SERVICE_NAME = service_name(engine_pb2.DESCRIPTOR, "Engine")
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     """Converts proto <-> core and calls the engine; maps its errors to status codes:
-    ValueError -> INVALID_ARGUMENT, EngineDeadError -> UNAVAILABLE."""
+    ValueError -> INVALID_ARGUMENT, EngineOverloadedError -> RESOURCE_EXHAUSTED, EngineDeadError -> UNAVAILABLE."""
 
     def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
@@ -51,6 +52,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 yield convert.engine_output_to_proto(output)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineOverloadedError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
@@ -98,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=flag("port", DEFAULT_PORT))
     parser.add_argument("--max-num-batched-tokens", type=int, default=flag("max_num_batched_tokens", 2048))
     parser.add_argument("--max-num-seqs", type=int, default=flag("max_num_seqs", 128))
+    parser.add_argument("--max-num-waiting", type=int, default=flag("max_num_waiting", DEFAULT_MAX_NUM_WAITING),
+                        help="requests held beyond the --max-num-seqs running ones; more are refused "
+                             "(RESOURCE_EXHAUSTED), never queued without bound")
     parser.add_argument("--scheduling-policy", default=flag("scheduling_policy", "fcfs"), choices=POLICIES)
     parser.add_argument("--block-size", type=int, default=flag("block_size", 16),
                         help="must equal the worker's --block-size")
@@ -126,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     cache_config = CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching)
     scheduler_config = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                       max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy)
+                                       max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy,
+                                       max_num_waiting=args.max_num_waiting)
     serving = ServingConfig(args.host, args.port, args.grace, args.drain)
 
     async def run() -> None:
@@ -134,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             await serve(worker, cache_config, scheduler_config, serving)
         finally:
-            await worker.close()
+            worker.close()
 
     asyncio.run(run())
     return 0

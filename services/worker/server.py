@@ -12,7 +12,10 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
@@ -27,22 +30,29 @@ from services.worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50053
+T = TypeVar("T")
 SERVICE_NAME = service_name(worker_pb2.DESCRIPTOR, "Worker")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Converts proto <-> core and calls the in-process worker client; nothing else."""
+    """Converts proto <-> core and calls the in-process worker client. Its blocking calls run on
+    one dedicated thread (always the same one, so steps never overlap and the thread stays warm)
+    while the event loop keeps answering health checks during a long step."""
 
     def __init__(self, worker: WorkerClient) -> None:
         self.worker = worker
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
+
+    async def _call(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def GetInfo(self, request: worker_pb2.GetWorkerInfoRequest, context) -> worker_pb2.WorkerInfo:
-        return convert.worker_info_to_proto(await self.worker.get_info())
+        return convert.worker_info_to_proto(self.worker.get_info())
 
     async def InitializeCache(self, request: worker_pb2.InitializeCacheRequest,
                               context) -> worker_pb2.InitializeCacheResponse:
         try:
-            num_blocks = await self.worker.initialize_cache(request.max_num_reqs)
+            num_blocks = await self._call(self.worker.initialize_cache, request.max_num_reqs)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return worker_pb2.InitializeCacheResponse(num_blocks=num_blocks)
@@ -53,7 +63,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            runner_output = await self.worker.execute_model(scheduler_output)
+            runner_output = await self._call(self.worker.execute_model, scheduler_output)
         except Exception as exc:  # the boundary: the engine gets the reason, the log the traceback
             logger.exception("step failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")

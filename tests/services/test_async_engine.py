@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -26,20 +27,24 @@ class ScriptedWorker:
         self.requests: dict[str, list[int]] = {}  # req_id -> [num_tokens, num_computed_tokens]
         self.steps: list[SchedulerOutput] = []
         self.fail_with: Exception | None = None
-        self.gate: asyncio.Event | None = None  # when set, each step waits for it
-        self.in_step = asyncio.Event()
+        self.gate: threading.Event | None = None  # when set, each step waits for it
+        self.in_step = threading.Event()
 
-    async def get_info(self) -> WorkerInfo:
+    def close(self) -> None:
+        pass
+
+    def get_info(self) -> WorkerInfo:
         return WorkerInfo("scripted", "/nowhere", 1000, 4096, 4)
 
-    async def initialize_cache(self, max_num_reqs: int) -> int:
+    def initialize_cache(self, max_num_reqs: int) -> int:
         return self.num_blocks
 
-    async def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        # Runs on the engine-loop thread, as a real worker client does.
         self.steps.append(out)
         self.in_step.set()
         if self.gate is not None:
-            await self.gate.wait()
+            assert self.gate.wait(5), "the test never opened the gate"
         self.in_step.clear()
         if self.fail_with is not None:
             raise self.fail_with
@@ -56,7 +61,6 @@ class ScriptedWorker:
             if state[1] == state[0]:
                 req_ids.append(req_id)
                 state[0] += 1
-        await asyncio.sleep(0)
         return ModelRunnerOutput(req_ids, [TOKEN] * len(req_ids))
 
 
@@ -107,7 +111,7 @@ def test_closing_a_stream_aborts_between_steps_and_frees_every_block():
         stream = engine.generate(request("r", max_tokens=1000))
         got = [await anext(stream), await anext(stream)]
         assert [o.new_token_ids for o in got] == [[TOKEN], [TOKEN]]
-        worker.gate = asyncio.Event()
+        worker.gate = threading.Event()
         await until(worker.in_step.is_set)
         await stream.aclose()  # mid-step: the abort waits for the step to end
         assert "r" in engine.core.scheduler.requests

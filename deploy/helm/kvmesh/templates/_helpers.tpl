@@ -1,0 +1,234 @@
+{{/* Names, labels and the pieces every kvmesh pod shares. */}}
+
+{{- define "kvmesh.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The release's full name; component objects are "<fullname>-<component>". */}}
+{{- define "kvmesh.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A component's object name. Usage: include "kvmesh.componentName" (list . "engine") */}}
+{{- define "kvmesh.componentName" -}}
+{{- $root := index . 0 }}
+{{- printf "%s-%s" (include "kvmesh.fullname" $root) (index . 1) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvmesh.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels of a component's objects. Usage: include "kvmesh.labels" (list . "engine") */}}
+{{- define "kvmesh.labels" -}}
+{{- $root := index . 0 -}}
+helm.sh/chart: {{ include "kvmesh.chart" $root }}
+{{ include "kvmesh.selectorLabels" . }}
+app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+{{- end }}
+
+{{/* The labels a component's selectors match (never change them: selectors are immutable). */}}
+{{- define "kvmesh.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "kvmesh.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{- define "kvmesh.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvmesh.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The image of a flavour (cpu or cuda). Usage: include "kvmesh.image" (list . "cpu") */}}
+{{- define "kvmesh.image" -}}
+{{- $root := index . 0 }}
+{{- $tag := default $root.Chart.AppVersion $root.Values.image.tag }}
+{{- printf "%s:%s-%s" $root.Values.image.repository $tag (index . 1) }}
+{{- end }}
+
+{{/* The worker's flavour: cuda with GPUs, cpu without. */}}
+{{- define "kvmesh.workerFlavor" -}}
+{{- if gt (int .Values.worker.gpus) 0 }}cuda{{ else }}cpu{{ end }}
+{{- end }}
+
+{{- define "kvmesh.servedModelName" -}}
+{{- default .Values.model.name .Values.model.servedModelName }}
+{{- end }}
+
+{{- define "kvmesh.modelClaimName" -}}
+{{- default (include "kvmesh.componentName" (list . "models")) .Values.model.storage.pvc.existingClaim }}
+{{- end }}
+
+{{/* Empty when no Redis is configured. */}}
+{{- define "kvmesh.redisUrl" -}}
+{{- if .Values.redis.enabled }}
+{{- printf "redis://%s:%d/0" (include "kvmesh.componentName" (list . "redis")) (int .Values.redis.port) }}
+{{- else }}
+{{- .Values.redis.url }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-level settings every kvmesh pod shares. Usage: include "kvmesh.podCommon" (list . .Values.engine) */}}
+{{- define "kvmesh.podCommon" -}}
+{{- $root := index . 0 }}
+{{- $component := index . 1 -}}
+securityContext:
+  {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
+{{- with $root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $component.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $component.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $component.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The model storage volume (workers and processors). */}}
+{{- define "kvmesh.modelVolume" -}}
+- name: models
+  {{- $storage := .Values.model.storage }}
+  {{- if eq $storage.type "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ include "kvmesh.modelClaimName" . }}
+  {{- else if eq $storage.type "hostPath" }}
+  hostPath:
+    path: {{ $storage.hostPath.path }}
+    type: {{ $storage.hostPath.type }}
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
+{{- end }}
+
+{{- define "kvmesh.modelVolumeMount" -}}
+- name: models
+  mountPath: {{ .Values.model.storage.mountPath }}
+{{- end }}
+
+{{/* Environment shared by the services that touch models or the prefix index. */}}
+{{- define "kvmesh.modelEnv" -}}
+- name: KVMESH_CACHE_DIR
+  value: {{ .Values.model.storage.cacheDir | quote }}
+{{- end }}
+
+{{- define "kvmesh.redisEnv" -}}
+{{- with include "kvmesh.redisUrl" . -}}
+- name: KVMESH_REDIS_URL
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/* A component's PodDisruptionBudget. Usage: include "kvmesh.pdb" (list . "engine" .Values.engine) */}}
+{{- define "kvmesh.pdb" -}}
+{{- $root := index . 0 }}
+{{- $name := index . 1 }}
+{{- $component := index . 2 }}
+{{- if $component.pdb.enabled }}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "kvmesh.componentName" (list $root $name) }}
+  labels:
+    {{- include "kvmesh.labels" (list $root $name) | nindent 4 }}
+spec:
+  maxUnavailable: {{ $component.pdb.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "kvmesh.selectorLabels" (list $root $name) | nindent 6 }}
+{{- end }}
+{{- end }}
+
+{{/* A Deployment's CPU HorizontalPodAutoscaler. Usage: include "kvmesh.hpa" (list . "gateway" .Values.gateway) */}}
+{{- define "kvmesh.hpa" -}}
+{{- $root := index . 0 }}
+{{- $name := index . 1 }}
+{{- $scaling := (index . 2).autoscaling }}
+{{- if $scaling.enabled }}
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ include "kvmesh.componentName" (list $root $name) }}
+  labels:
+    {{- include "kvmesh.labels" (list $root $name) | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ include "kvmesh.componentName" (list $root $name) }}
+  minReplicas: {{ $scaling.minReplicas }}
+  maxReplicas: {{ $scaling.maxReplicas }}
+  metrics:
+    - type: Resource
+      resource:
+        name: cpu
+        target:
+          type: Utilization
+          averageUtilization: {{ $scaling.targetCPUUtilizationPercentage }}
+{{- end }}
+{{- end }}
+
+{{/* KEDA's ScaledObject for one half of the model replicas (engine or worker StatefulSet): both
+get the same trigger and bounds, so the pairs scale together. Usage: include "kvmesh.scaledObject" (list . "engine") */}}
+{{- define "kvmesh.scaledObject" -}}
+{{- $root := index . 0 }}
+{{- $name := index . 1 }}
+{{- $keda := $root.Values.keda }}
+{{- if $keda.enabled }}
+apiVersion: keda.sh/v1alpha1
+kind: ScaledObject
+metadata:
+  name: {{ include "kvmesh.componentName" (list $root $name) }}
+  labels:
+    {{- include "kvmesh.labels" (list $root $name) | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: StatefulSet
+    name: {{ include "kvmesh.componentName" (list $root $name) }}
+  minReplicaCount: {{ $keda.minReplicas }}
+  maxReplicaCount: {{ $keda.maxReplicas }}
+  pollingInterval: {{ $keda.pollingInterval }}
+  cooldownPeriod: {{ $keda.cooldownPeriod }}
+  triggers:
+    - type: prometheus
+      metadata:
+        serverAddress: {{ $keda.prometheusAddress | quote }}
+        query: {{ printf "sum(vllm:num_requests_waiting{namespace=%q,model_name=%q})" $root.Release.Namespace (include "kvmesh.servedModelName" $root) | quote }}
+        threshold: {{ $keda.waitingRequestsPerReplica | toString | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Probe timings (the handler is the template's). */}}
+{{- define "kvmesh.readinessTimings" -}}
+periodSeconds: 5
+timeoutSeconds: 2
+failureThreshold: 2
+{{- end }}
+
+{{- define "kvmesh.livenessTimings" -}}
+periodSeconds: 10
+timeoutSeconds: 5
+failureThreshold: 3
+{{- end }}

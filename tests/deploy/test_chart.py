@@ -1,0 +1,244 @@
+"""The Helm chart: rendered offline for the example values and compared with the checked-in
+output, linted, validated against Kubernetes' schemas, and its schema's typo check."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import referencing
+from kubernetes_validate.utils import schema_contents
+
+from services.cli import SERVICES
+from tests.deploy.chart import CHART_DIR, EXAMPLES, GOLDEN_DIR, NAMESPACE, example_values, find, golden_manifest, manifest, objects, render
+
+UPDATE_GOLDEN = os.environ.get("KVMESH_UPDATE_GOLDEN") == "1"
+# The chart's oldest supported Kubernetes (Chart.yaml kubeVersion) and the newest schemas at hand.
+KUBE_VERSIONS = ["1.30", kubernetes_validate.utils.latest_version()]
+# Custom resources: kubernetes-validate has no schema for them (they come from the Prometheus
+# Operator's and KEDA's CRDs, not from Kubernetes). For these the test validates what Kubernetes
+# defines (apiVersion, kind, metadata as a strict ObjectMeta) and what the chart must get right
+# (the ports, Services and StatefulSets they name exist in the same render).
+CUSTOM_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1", "PodMonitor": "monitoring.coreos.com/v1",
+                "ScaledObject": "keda.sh/v1alpha1"}
+COMPONENTS = ("gateway", "processor", "engine", "worker")
+
+
+@pytest.fixture(scope="module", params=list(EXAMPLES))
+def example(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:
+    return request.param, render(example_values(request.param))
+
+
+def test_render_matches_golden(example: tuple[str, dict[str, str]]) -> None:
+    name, rendered = example
+    golden = GOLDEN_DIR / f"{name}.yaml"
+    text = golden_manifest(rendered)
+    if UPDATE_GOLDEN:
+        golden.write_text(text)
+    assert golden.exists(), f"{golden} is missing; create it with KVMESH_UPDATE_GOLDEN=1"
+    expected = golden.read_text()
+    if text != expected:
+        diff = "".join(difflib.unified_diff(expected.splitlines(True), text.splitlines(True),
+                                            f"golden/{name}.yaml", f"rendered/{name}.yaml"))
+        pytest.fail(f"the chart renders differently from {golden.relative_to(CHART_DIR.parents[2])}; if the change is "
+                    f"intended, regenerate with: KVMESH_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/deploy/test_chart.py"
+                    f"\n{diff[:6000]}")
+
+
+@pytest.mark.parametrize("example_name", list(EXAMPLES))
+def test_lint_is_clean(example_name: str) -> None:
+    report = helm.lint(CHART_DIR, example_values(example_name), strict=True, namespace=NAMESPACE)
+    # Severity 1 is informational (e.g. "icon is recommended"); warnings and errors fail.
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["total_charts_linted"] == 1
+    assert not problems and not report["errors"], problems or report["errors"]
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_objects_validate_strictly(example: tuple[str, dict[str, str]], kube_version: str) -> None:
+    _, rendered = example
+    objs = objects(rendered)
+    assert objs
+    for obj in objs:
+        where = f"{obj['kind']} {obj['metadata']['name']}"
+        if obj["kind"] in CUSTOM_KINDS:
+            assert obj["apiVersion"] == CUSTOM_KINDS[obj["kind"]], where
+            validate_object_meta(obj["metadata"], kube_version)
+            continue
+        try:
+            kubernetes_validate.validate(obj, kube_version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{where} against Kubernetes {kube_version}: {'.'.join(map(str, e.path))}: {e.message}")
+
+
+def validate_object_meta(metadata: dict[str, Any], kube_version: str) -> None:
+    """Custom resources carry Kubernetes' ObjectMeta: validate it strictly with the same schemas."""
+    version = [v for v in kubernetes_validate.utils.all_versions()
+               if kubernetes_validate.utils.major_minor(v) <= kube_version][-1]
+    definitions = schema_contents(f"kubernetes-json-schema/v{version}-local-strict/_definitions.json", kube_version)
+    registry = referencing.Registry().with_resource(definitions["$id"], referencing.Resource.from_contents(definitions))
+    schema = {"$schema": definitions["$schema"],
+              "$ref": f"{definitions['$id']}#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"}
+    jsonschema.Draft202012Validator(schema, registry=registry).validate(metadata)
+
+
+def test_custom_resources_point_at_what_the_chart_renders(example: tuple[str, dict[str, str]]) -> None:
+    _, rendered = example
+    objs = objects(rendered)
+    for obj in objs:
+        kind, spec = obj["kind"], obj.get("spec", {})
+        if kind in ("ServiceMonitor", "PodMonitor"):
+            component = spec["selector"]["matchLabels"]["app.kubernetes.io/component"]
+            endpoints = spec.get("endpoints") or spec.get("podMetricsEndpoints")
+            if kind == "ServiceMonitor":
+                ports = [p["name"] for p in find(objs, "Service", obj["metadata"]["name"])["spec"]["ports"]]
+            else:
+                ports = [p["name"] for p in pod_spec(objs, component)["containers"][0]["ports"]]
+            assert [e["port"] for e in endpoints if e["port"] not in ports] == [], obj["metadata"]["name"]
+            assert spec["jobLabel"] == "app.kubernetes.io/component"  # the dashboards group by job
+        if kind == "ScaledObject":
+            target = spec["scaleTargetRef"]
+            find(objs, target["kind"], target["name"])
+            assert "vllm:num_requests_waiting" in spec["triggers"][0]["metadata"]["query"]
+
+
+def pod_spec(objs: list[dict[str, Any]], component: str) -> dict[str, Any]:
+    [workload] = [o for o in objs if o["kind"] in ("Deployment", "StatefulSet")
+                  and o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == component]
+    return workload["spec"]["template"]["spec"]
+
+
+def args_of(objs: list[dict[str, Any]], component: str) -> dict[str, str]:
+    """A service's `--flag=value` arguments (bare flags map to "")."""
+    args = pod_spec(objs, component)["containers"][0]["args"]
+    assert args[0] == component  # the image's entry point is `kvmesh`: the first argument picks the service
+    return dict(a.removeprefix("--").partition("=")[::2] for a in args[1:])
+
+
+def test_engine_finds_its_worker(example: tuple[str, dict[str, str]]) -> None:
+    """engine-<i> looks for the worker whose hostname is its own with -engine- -> -worker-, in the
+    worker Service's EndpointSlices: the names, the headless Service and the replica counts must
+    line up for that."""
+    _, rendered = example
+    objs = objects(rendered)
+    engine, worker = (next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"].endswith(f"-{c}"))
+                      for c in ("engine", "worker"))
+    assert engine["metadata"]["name"].replace("-engine", "-worker") == worker["metadata"]["name"]
+    assert args_of(objs, "engine")["worker-service"] == worker["spec"]["serviceName"]
+    assert find(objs, "Service", worker["spec"]["serviceName"])["spec"]["clusterIP"] == "None"
+    assert engine["spec"].get("replicas") == worker["spec"].get("replicas")
+    assert args_of(objs, "processor")["engine-service"] == engine["spec"]["serviceName"]
+    engine_ports = find(objs, "Service", engine["spec"]["serviceName"])["spec"]["ports"]
+    assert "grpc" in [p["name"] for p in engine_ports]
+    assert args_of(objs, "engine")["block-size"] == args_of(objs, "worker")["block-size"]
+
+
+def test_every_service_reports_the_served_model_name(example: tuple[str, dict[str, str]]) -> None:
+    """model_name on the metrics is what clients send, everywhere: the dashboards and KEDA filter on it."""
+    _, rendered = example
+    objs = objects(rendered)
+    served = args_of(objs, "gateway")["served-model-name"]
+    assert [args_of(objs, c)["served-model-name"] for c in ("processor", "engine", "worker")] == [served] * 3
+    for o in objs:
+        if o["kind"] == "ScaledObject":
+            assert f'model_name="{served}"' in o["spec"]["triggers"][0]["metadata"]["query"]
+
+
+def test_probes_use_grpc_health_and_the_configured_ports() -> None:
+    """Ports come from values: move every one of them and nothing keeps the old number."""
+    ports = {"processor": 41001, "engine": 41002, "worker": 41003}
+    values = {c: {"port": p, "metricsPort": p + 100} for c, p in ports.items()}
+    values["gateway"] = {"port": 41000, "service": {"type": "ClusterIP", "port": 80}}
+    rendered = render(values)
+    text = manifest(rendered)
+    for default in ("8000", "50051", "50052", "50053", "9051", "9052", "9053"):
+        assert f": {default}\n" not in text and f"={default}\n" not in text and f":{default}\n" not in text, default
+    objs = objects(rendered)
+    for component, port in ports.items():
+        container = pod_spec(objs, component)["containers"][0]
+        assert args_of(objs, component)["port"] == str(port)
+        assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": port, "metrics": port + 100}
+        assert container["readinessProbe"]["grpc"]["port"] == port
+    assert args_of(objs, "gateway")["processor-address"].endswith(f":{ports['processor']}")
+    assert pod_spec(objs, "gateway")["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_gpu_and_cpu_workers() -> None:
+    gpu = objects(render(example_values("gpu")))
+    cpu = objects(render(example_values("cpu")))
+    gpu_worker = pod_spec(gpu, "worker")["containers"][0]
+    assert gpu_worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert gpu_worker["image"].endswith("-cuda") and args_of(gpu, "worker")["device"] == "cuda"
+    cpu_worker = pod_spec(cpu, "worker")["containers"][0]
+    assert "nvidia.com/gpu" not in str(cpu)
+    assert cpu_worker["image"].endswith("-cpu") and args_of(cpu, "worker")["device"] == "cpu"
+    # Only the workers need the CUDA image.
+    assert all(pod_spec(gpu, c)["containers"][0]["image"].endswith("-cpu") for c in ("gateway", "processor", "engine"))
+
+
+def test_api_key_comes_from_the_secret() -> None:
+    env = pod_spec(objects(render(example_values("gpu"))), "gateway")["containers"][0]["env"]
+    assert {"name": "KVMESH_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "kvmesh-api-key", "key": "api-key"}}} in env
+    assert "env" not in pod_spec(objects(render()), "gateway")["containers"][0]
+
+
+@pytest.mark.parametrize("values, key", [
+    ({"gateway": {"replica": 3}}, "replica"),
+    ({"monitorng": {}}, "monitorng"),
+    ({"worker": {"gpu": 1}}, "gpu"),
+    ({"model": {"storage": {"hostpath": {"path": "/x"}}}}, "hostpath"),
+])
+def test_schema_rejects_a_misspelled_key(values: dict[str, Any], key: str) -> None:
+    with pytest.raises(helm.HelmValuesError, match=f"additional properties '{key}' not allowed"):
+        render(values)
+
+
+@pytest.mark.parametrize("values", [
+    {"worker": {"dtype": "fp16"}},
+    {"engine": {"port": 70000}},
+    {"model": {"storage": {"type": "nfs"}}},
+    {"keda": {"waitingRequestsPerReplica": 0}},
+])
+def test_schema_rejects_bad_values(values: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmValuesError):
+        render(values)
+
+
+def test_one_monitor_kind_at_a_time() -> None:
+    both = {"monitoring": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}}
+    with pytest.raises(helm.HelmRenderError, match="serviceMonitor or podMonitor, not both"):
+        render(both)
+
+
+def test_every_component_has_a_pdb_and_the_scalers_their_targets() -> None:
+    objs = objects(render(example_values("gpu")))
+    pdbs = {o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] for o in objs
+            if o["kind"] == "PodDisruptionBudget"}
+    assert pdbs == set(COMPONENTS)
+    hpas = {o["spec"]["scaleTargetRef"]["name"] for o in objs if o["kind"] == "HorizontalPodAutoscaler"}
+    assert hpas == {"kvmesh-gateway", "kvmesh-processor"}
+    scaled = {o["spec"]["scaleTargetRef"]["name"] for o in objs if o["kind"] == "ScaledObject"}
+    assert scaled == {"kvmesh-engine", "kvmesh-worker"}
+    # Autoscaled workloads leave replicas to their scaler (a fixed count would fight it).
+    for o in objs:
+        if o["kind"] in ("Deployment", "StatefulSet") and o["metadata"]["name"] in hpas | scaled:
+            assert "replicas" not in o["spec"], o["metadata"]["name"]
+
+
+def test_the_services_accept_the_chart_arguments(example: tuple[str, dict[str, str]]) -> None:
+    """Each pod's command line parses with that service's own parser (flags renamed in the code
+    would otherwise surface only as crash-looping pods)."""
+    _, rendered = example
+    objs = objects(rendered)
+    for component in COMPONENTS:
+        args = pod_spec(objs, component)["containers"][0]["args"]
+        parser = importlib.import_module(SERVICES[component]).build_parser()
+        parsed = parser.parse_args(args[1:])
+        assert parsed.port == int(args_of(objs, component)["port"])

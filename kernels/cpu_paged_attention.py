@@ -1,53 +1,28 @@
 """Paged decode attention for the CPU: a small C kernel (kernels/cpu/paged_decode_attention.c)
-compiled once with the system's C compiler and called through ctypes.
+compiled once with the system's C compiler (kernels/native.py) and called through ctypes.
 
 Gathering each sequence's blocks into a dense tensor and calling SDPA costs more than the whole
 MLP at decode batch sizes on a CPU; reading the paged cache in place removes that copy.
-The shared library is cached under the kvmesh cache dir, keyed by the source's hash.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from services.common.config import default_cache_dir
+from kernels.native import NativeKernelUnavailable, load
 
-_SOURCE = Path(__file__).parent / "cpu" / "paged_decode_attention.c"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+__all__ = ["NativeKernelUnavailable", "build", "is_available", "paged_decode_attention"]
+
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-class NativeKernelUnavailable(RuntimeError):
-    pass
 
 
 @cache
 def _library() -> ctypes.CDLL:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise NativeKernelUnavailable("no C compiler (gcc or cc) on PATH for the CPU decode-attention kernel")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
-    target = default_cache_dir() / "native" / f"paged_decode_attention-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE)],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                raise NativeKernelUnavailable(f"compiling {_SOURCE.name} failed:\n{result.stderr}")
-            os.replace(built, target)  # atomic: a concurrent build never sees half a file
-    lib = ctypes.CDLL(str(target))
+    lib = load("paged_decode_attention", _FLAGS)
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_float,

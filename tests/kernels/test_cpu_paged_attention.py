@@ -16,7 +16,7 @@ SEQ_LENS = [1, 15, 16, 17, 100, 257]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
-@pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 32), (64, 32)])
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 32), (64, 32), (80, 8), (40, 16)])
 def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_size, block_size, gen):
     case = make_case(Shape(num_heads, num_kv_heads, head_size, block_size, dtype), [1] * len(SEQ_LENS),
                      SEQ_LENS, torch.device("cpu"), gen)

@@ -1,7 +1,8 @@
 """Paged attention in plain torch, batched, for the CPU (and as a fallback anywhere).
 
 Per step, `plan()` turns the metadata into gather indices once; every layer then
-  1. writes the step's K/V into the paged cache (one index_copy_ per K and V),
+  1. writes the step's K/V into the paged cache (one index_copy_ per K and V; "cpu": one native
+     call, kernels/cpu_fused_ops.py),
   2. attends all single-token decodes in ONE batched call: SDPA over their gathered blocks
      ("torch"), or the native CPU kernel reading the paged cache in place ("cpu"),
   3. attends each prefill chunk with one SDPA call per chunk (compute-bound; no per-token loop).
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_fused_ops
 from kernels.cpu_paged_attention import paged_decode_attention
 from services.worker.attention.metadata import AttentionMetadata
 
@@ -30,6 +32,7 @@ class _Prefill:
 
 @dataclass(slots=True)
 class TorchAttentionPlan:
+    slot_mapping: torch.Tensor  # [n] int64, -1 = padding
     write_slots: torch.Tensor  # [n] valid slots
     write_rows: torch.Tensor | None  # [n] tokens that have them; None: every token
     decode_rows: torch.Tensor  # [num_decodes] token index of each decode
@@ -83,7 +86,7 @@ class TorchAttentionBackend:
         else:
             rows = blocks = q_pos = mask = table = seq_lens_i32 = torch.empty(0, dtype=torch.long, device=device)
         all_decodes = len(decode_reqs) == meta.num_tokens
-        return TorchAttentionPlan(write_slots, write_rows, rows, blocks, q_pos, mask, table, seq_lens_i32,
+        return TorchAttentionPlan(meta.slot_mapping, write_slots, write_rows, rows, blocks, q_pos, mask, table, seq_lens_i32,
                                   all_decodes, prefills)
 
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -92,7 +95,9 @@ class TorchAttentionBackend:
         num_kv_heads, head_size = kv_cache.shape[-2:]
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_size)
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_size)
-        if plan.write_rows is None:
+        if self.native_decode and cpu_fused_ops.usable(k):
+            cpu_fused_ops.kv_write(kv_cache[0], kv_cache[1], k, v, plan.slot_mapping)  # one call, pads skipped
+        elif plan.write_rows is None:
             k_flat.index_copy_(0, plan.write_slots, k)
             v_flat.index_copy_(0, plan.write_slots, v)
         else:

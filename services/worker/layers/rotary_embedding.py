@@ -1,7 +1,8 @@
 """Rotary position embedding (RoPE), neox style (rotate halves), from a precomputed cache.
 
 The cos/sin cache covers every position up to `max_position` and is computed once in float32, so a
-step costs one gather by `positions` (shared by all layers) and a few elementwise ops per layer.
+step costs one gather by `positions` (shared by all layers) and, per layer, one native call on the
+CPU or a few elementwise ops elsewhere.
 Supported scalings: none (`default`), `linear` (positions divided by a factor) and `llama3`
 (Llama 3.1's frequency-dependent interpolation).
 """
@@ -14,6 +15,8 @@ import math
 import torch
 from torch import nn
 import transformers
+
+from kernels import cpu_fused_ops
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -77,13 +80,29 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype),
                              persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [num_tokens] -> cos, sin: [num_tokens, 1, head_size // 2], broadcast over heads
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        # positions: [num_tokens] -> cos | sin: [num_tokens, head_size], shared by all layers
+        return self.cos_sin_cache[positions]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, num_heads, head_size]; rotates the pairs (i, i + head_size/2)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def split_and_rotate_qkv(qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                         head_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused projection's output [n, (H + 2 Hkv) D] -> q [n, H, D], k [n, Hkv, D] rotated, and
+    v [n, Hkv * D]. On the CPU q and k are rotated in place, together, by one native call (same
+    rounding as `apply_rotary`); elsewhere by torch ops."""
+    n = qkv.shape[0]
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    if cpu_fused_ops.usable(qkv):
+        cpu_fused_ops.rope_inplace(qkv, cos_sin, num_heads + num_kv_heads, head_size)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        return q.view(n, num_heads, head_size), k.view(n, num_kv_heads, head_size), v
+    cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [n, 1, head_size // 2], broadcast over heads
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return (apply_rotary(q.view(n, num_heads, head_size), cos, sin),
+            apply_rotary(k.view(n, num_kv_heads, head_size), cos, sin), v)

@@ -25,7 +25,7 @@ from services.worker.attention import Attention
 from services.worker.layers.activation import SiluAndMul
 from services.worker.layers.linear import MergedLinear
 from services.worker.layers.rmsnorm import RMSNorm
-from services.worker.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_parameters_of
+from services.worker.layers.rotary_embedding import RotaryEmbedding, rope_parameters_of, split_and_rotate_qkv
 
 # (our fused module, the checkpoint's module, the shard it fills)
 _STACKED_PARAMS = (
@@ -85,12 +85,11 @@ class LlamaAttention(nn.Module):
             sliding_window=sliding_window_of(config, layer_idx),
         )
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         n = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(n, self.num_heads, self.head_size), cos, sin)  # [n, H, D]
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_size), cos, sin)  # [n, Hkv, D]
-        out = self.attn(q.view(n, self.q_size), k.view(n, self.kv_size), v)  # [n, H * D]
+        q, k, v = split_and_rotate_qkv(self.qkv_proj(hidden_states), cos_sin, self.num_heads,
+                                       self.num_kv_heads, self.head_size)  # [n, H, D], [n, Hkv, D], [n, Hkv * D]
+        out = self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v)  # [n, H * D]
         return self.o_proj(out)
 
 
@@ -103,8 +102,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin)
+    def forward(self, hidden_states: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos_sin)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
@@ -124,9 +123,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        cos, sin = self.rotary_emb(positions)  # [num_tokens, 1, head_size // 2] each
+        cos_sin = self.rotary_emb(positions)  # [num_tokens, head_size]
         for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, sin)
+            hidden_states = layer(hidden_states, cos_sin)
         return self.norm(hidden_states)
 
 

@@ -1,0 +1,95 @@
+/*
+ * Small fused CPU ops for the model's per-layer glue: each replaces several torch ops (and their
+ * dispatch, temporaries and passes over memory) with one call, at the same rounding as the torch
+ * code it replaces: every intermediate that torch rounds to bfloat16 is rounded here too, and
+ * float32 products are never contracted into FMAs (this file is built with -ffp-contract=off).
+ * dtype: 0 = float32, 1 = bfloat16.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7FFF + ((u >> 16) & 1); /* round to nearest even, as torch does */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* KV-cache write: row i of k and v goes to slot slots[i] of each cache ([num_slots, row] rows);
+ * slot < 0 is padding, skipped. Plain copies: exact in any dtype. */
+void kv_write(char *k_cache, char *v_cache, const char *k, const char *v, const int64_t *slots,
+              int64_t num_tokens, int64_t row_bytes, int64_t k_stride_bytes, int64_t v_stride_bytes)
+{
+    for (int64_t i = 0; i < num_tokens; i++) {
+        const int64_t slot = slots[i];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * row_bytes, k + i * k_stride_bytes, row_bytes);
+        memcpy(v_cache + slot * row_bytes, v + i * v_stride_bytes, row_bytes);
+    }
+}
+
+/* Neox-style RoPE in place on `num_heads` consecutive heads of each token's row of x (q and k
+ * side by side in the qkv projection): (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), with c | s the
+ * token's row of cos_sin (head_size values: cos then sin). */
+void rope_inplace(void *x, int64_t x_stride, const void *cos_sin, int64_t cs_stride, int64_t num_tokens,
+                  int num_heads, int head_size, int dtype, int num_threads)
+{
+    const int half = head_size / 2;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens >= 64)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (dtype == 0) {
+            const float *c = (const float *)cos_sin + t * cs_stride, *s = c + half;
+            for (int h = 0; h < num_heads; h++) {
+                float *x1 = (float *)x + t * x_stride + (int64_t)h * head_size, *x2 = x1 + half;
+                for (int i = 0; i < half; i++) {
+                    const float a = x1[i], b = x2[i];
+                    const float ac = a * c[i], bs = b * s[i], bc = b * c[i], as = a * s[i];
+                    x1[i] = ac - bs;
+                    x2[i] = bc + as;
+                }
+            }
+        } else {
+            const uint16_t *c = (const uint16_t *)cos_sin + t * cs_stride, *s = c + half;
+            for (int h = 0; h < num_heads; h++) {
+                uint16_t *x1 = (uint16_t *)x + t * x_stride + (int64_t)h * head_size, *x2 = x1 + half;
+                for (int i = 0; i < half; i++) {
+                    const float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
+                    const float ci = bf16_to_f32(c[i]), si = bf16_to_f32(s[i]);
+                    x1[i] = f32_to_bf16(round_bf16(a * ci) - round_bf16(b * si));
+                    x2[i] = f32_to_bf16(round_bf16(b * ci) + round_bf16(a * si));
+                }
+            }
+        }
+    }
+}
+
+/* bfloat16 RMSNorm as the model's reference computes it: normalise in float32, round to
+ * bfloat16, then scale by the bfloat16 weight (rounded again). */
+void rms_norm_bf16(uint16_t *out, const uint16_t *x, const uint16_t *weight, int64_t num_tokens,
+                   int hidden, float eps, int num_threads)
+{
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens >= 64)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const uint16_t *row = x + t * hidden;
+        uint16_t *dst = out + t * hidden;
+        float sum = 0.f;
+        for (int i = 0; i < hidden; i++) {
+            const float v = bf16_to_f32(row[i]);
+            sum += v * v;
+        }
+        const float inv = 1.f / sqrtf(sum / hidden + eps);
+        for (int i = 0; i < hidden; i++)
+            dst[i] = f32_to_bf16(bf16_to_f32(weight[i]) * round_bf16(bf16_to_f32(row[i]) * inv));
+    }
+}

@@ -1,0 +1,58 @@
+"""Builds the small C kernels under kernels/cpu/ once with the system's C compiler and loads them
+with ctypes. A library is cached under the kvmesh cache dir, keyed by its source, compiler, flags
+and the CPU's features (it is built with -march=native, and a cache dir may be shared by nodes
+with other CPUs), so a changed source is rebuilt and concurrent builds never see half a file."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+from services.common.config import default_cache_dir
+
+SOURCES = Path(__file__).parent / "cpu"
+# After the source: -ffast-math may turn math calls into glibc's vector versions (libmvec).
+_LIBS = ["-lmvec", "-lm"]
+
+
+class NativeKernelUnavailable(RuntimeError):
+    pass
+
+
+@cache
+def load(name: str, flags: tuple[str, ...]) -> ctypes.CDLL:
+    """kernels/cpu/{name}.c compiled with `flags` (plus -shared -fPIC), loaded."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise NativeKernelUnavailable(f"no C compiler (gcc or cc) on PATH for the CPU kernels ({name}.c)")
+    source_path = SOURCES / f"{name}.c"
+    command = [compiler, *flags, "-shared", "-fPIC"]
+    key_text = " ".join([*command, *_LIBS, _cpu_features()])
+    key = hashlib.sha256(source_path.read_bytes() + key_text.encode()).hexdigest()[:16]
+    target = default_cache_dir() / "native" / f"{name}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            result = subprocess.run([*command, "-o", str(built), str(source_path), *_LIBS],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                raise NativeKernelUnavailable(f"compiling {source_path.name} failed:\n{result.stderr}")
+            os.replace(built, target)  # atomic
+    return ctypes.CDLL(str(target))
+
+
+def _cpu_features() -> str:
+    """The CPU's model and feature flags (what -march=native compiles for), or "" when unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        return ""
+    return "".join(lines)

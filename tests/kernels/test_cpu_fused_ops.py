@@ -1,0 +1,74 @@
+"""The fused CPU ops against the torch code they replace: RoPE and the KV write bit-exact in both
+dtypes (float32 outputs must stay token-identical to transformers), bfloat16 RMSNorm within one
+bfloat16 rounding step (only its sum's order differs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_fused_ops
+from services.worker.layers.rotary_embedding import apply_rotary, split_and_rotate_qkv
+
+N, H, HKV, D = 37, 6, 2, 64
+
+
+@pytest.fixture(autouse=True)
+def _need_compiler():
+    assert cpu_fused_ops.available(), "the fused CPU ops did not build (is gcc installed?)"
+
+
+def cos_sin(dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    positions = torch.randint(0, 4096, (N,), generator=gen)
+    freqs = torch.outer(positions.float(), 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D))
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_equals_the_torch_rotation_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(N, (H + 2 * HKV) * D, generator=gen).to(dtype)
+    cs = cos_sin(dtype, gen)
+    cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)
+    want_q = apply_rotary(qkv[:, : H * D].reshape(N, H, D), cos, sin)
+    want_k = apply_rotary(qkv[:, H * D : (H + HKV) * D].reshape(N, HKV, D), cos, sin)
+    want_v = qkv[:, (H + HKV) * D :].clone()
+    q, k, v = split_and_rotate_qkv(qkv, cs, H, HKV, D)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_equals_index_copy_and_skips_padding(dtype):
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(N, (H + 2 * HKV) * D, generator=gen).to(dtype)
+    k = qkv[:, H * D : (H + HKV) * D].view(N, HKV, D)  # strided rows, as the model passes them
+    v = qkv[:, (H + HKV) * D :].view(N, HKV, D)
+    slots = torch.randperm(8 * 16, generator=gen)[:N]
+    slots[[3, 10]] = -1
+    k_cache, v_cache = torch.full((2, 8, 16, HKV, D), 7.0, dtype=dtype).unbind(0)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    valid = slots >= 0
+    want_k.view(-1, HKV, D).index_copy_(0, slots[valid], k[valid])
+    want_v.view(-1, HKV, D).index_copy_(0, slots[valid], v[valid])
+    cpu_fused_ops.kv_write(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_bf16_rms_norm_matches_the_reference_rounding():
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(N, 576, generator=gen) * 3).bfloat16()
+    weight = (torch.randn(576, generator=gen) * 0.1 + 1).bfloat16()
+    want = weight * F.rms_norm(x.float(), (576,), None, 1e-5).to(torch.bfloat16)
+    got = cpu_fused_ops.rms_norm_bf16(x, weight, 1e-5)
+    torch.testing.assert_close(got, want, atol=0, rtol=2**-7)  # one bf16 ulp at most
+    assert (got != want).float().mean() < 0.01
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="int64"):
+        k = torch.zeros(4, HKV, D)
+        cpu_fused_ops.kv_write(torch.zeros(2, 16, HKV, D), torch.zeros(2, 16, HKV, D), k, k,
+                               torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_fused_ops.rms_norm_bf16(torch.zeros(2, 8), torch.zeros(8), 1e-5)

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.config import ATTENTION_BACKENDS, DTYPES
+from services.common.config import ATTENTION_BACKENDS, DEFAULT_MAX_NUM_WAITING, DTYPES
+from services.gateway.limits import Limits
 
 SERVICES = {
     "worker": "services.worker.server",
@@ -97,6 +98,12 @@ def build_serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-waiting", type=int, default=DEFAULT_MAX_NUM_WAITING,
+                        help="requests the engine holds beyond --max-num-seqs; more get a 503 with Retry-After")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="a key clients must send as `Authorization: Bearer <key>` (repeatable; default: "
+                             "KVMESH_API_KEY's comma-separated keys; none: no authentication)")
+    Limits.add_flags(parser, lambda name, default: default)
     parser.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds each service may take to become healthy")
@@ -197,7 +204,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, supervisor: Supervisor) -> int:
-    worker_port, engine_port, processor_port = free_ports(3)
+    worker_port, engine_port, processor_port, *metrics_ports = free_ports(6)
     worker, engine, processor = (f"{LOOPBACK}:{p}" for p in (worker_port, engine_port, processor_port))
     served_model_name = args.served_model_name or args.model
     model_flags = ["--model", args.model] + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
@@ -210,12 +217,23 @@ def _serve(args: argparse.Namespace, supervisor: Supervisor) -> int:
         worker_argv += ["--max-model-len", str(args.max_model_len)]
     engine_argv = ["--worker-address", worker, "--host", LOOPBACK, "--port", str(engine_port),
                    "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-                   str(args.max_num_batched_tokens), "--grace", str(INTERNAL_GRACE)]
+                   str(args.max_num_batched_tokens), "--max-num-waiting", str(args.max_num_waiting),
+                   "--grace", str(INTERNAL_GRACE)]
     processor_argv = [*model_flags, "--engine-address", engine, "--host", LOOPBACK, "--port",
                       str(processor_port), "--grace", str(INTERNAL_GRACE)]
     gateway_argv = ["--processor-address", processor, "--served-model-name", served_model_name,
-                    "--host", args.host, "--port", str(args.port), "--grace", str(GATEWAY_GRACE)]
+                    "--host", args.host, "--port", str(args.port), "--grace", str(GATEWAY_GRACE),
+                    *Limits.from_args(args).to_argv()]
+    for key in args.api_key or []:  # else the gateway reads KVMESH_API_KEY, which it inherits
+        gateway_argv += ["--api-key", key]
     api = f"http://{_url_host(args.host)}:{args.port}"
+    # Each internal service's /metrics on a free loopback port; the gateway's /metrics merges them.
+    metrics = {"worker": f"http://{LOOPBACK}:{metrics_ports[0]}/metrics", "gateway": f"{api}/metrics",
+               "engine": f"http://{LOOPBACK}:{metrics_ports[1]}/metrics",
+               "processor": f"http://{LOOPBACK}:{metrics_ports[2]}/metrics"}
+    for service_argv, port in zip((worker_argv, engine_argv, processor_argv), metrics_ports):
+        service_argv += ["--metrics-port", str(port), "--served-model-name", served_model_name]
+    gateway_argv += ["--aggregate-metrics", ",".join(metrics[name] for name in ("worker", "engine", "processor"))]
     steps = [
         ("worker", worker_argv, worker, lambda: grpc_serving(worker)),
         ("engine", engine_argv, engine, lambda: grpc_serving(engine)),
@@ -227,7 +245,8 @@ def _serve(args: argparse.Namespace, supervisor: Supervisor) -> int:
             return 0 if supervisor.stop_requested else 1
     print(f"kvmesh: serving {served_model_name} at {api}/v1 (Ctrl-C to stop)", flush=True)
     if args.print_addresses:
-        services = {c.name: {"address": c.address, "pid": c.proc.pid} for c in supervisor.children}
+        services = {c.name: {"address": c.address, "pid": c.proc.pid, "metrics": metrics[c.name]}
+                    for c in supervisor.children}
         print(json.dumps({"kvmesh": "ready", "api": f"{api}/v1", "services": services}), flush=True)
     died = supervisor.wait()
     if died is not None:

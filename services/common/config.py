@@ -13,6 +13,7 @@ import os
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 POLICIES = ("fcfs", "priority")
+DEFAULT_MAX_NUM_WAITING = 1024  # the engine service's bound on its queue (SchedulerConfig.max_num_waiting)
 
 
 def default_cache_dir() -> Path:
@@ -57,8 +58,14 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
+    # Requests the engine may hold beyond its max_num_seqs running slots; a new one past that is
+    # refused (EngineOverloadedError) rather than queued without bound. None: no limit (the offline
+    # LLM queues a whole batch); the engine service defaults to DEFAULT_MAX_NUM_WAITING.
+    max_num_waiting: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_num_waiting is not None and self.max_num_waiting < 0:
+            raise ValueError(f"max_num_waiting must be non-negative, got {self.max_num_waiting}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:

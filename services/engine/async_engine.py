@@ -25,12 +25,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import replace
 
 from services.common.clients import EngineInfo, EngineStats, WorkerClient
 from services.common.config import CacheConfig, SchedulerConfig
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.engine.engine_core import EngineCore
+from services.engine.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +49,10 @@ Item = EngineCoreOutput | BaseException
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, worker: WorkerClient, info: EngineInfo) -> None:
+    def __init__(self, core: EngineCore, worker: WorkerClient, info: EngineInfo,
+                 metrics: EngineMetrics | None = None) -> None:
         self.core = core
+        self.metrics = metrics  # fed on the engine-loop thread only
         self.worker = worker
         self._info = info
         self._queues: dict[str, asyncio.Queue[Item]] = {}  # event loop only
@@ -62,9 +67,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    async def create(cls, worker: WorkerClient, cache_config: CacheConfig,
-                     scheduler_config: SchedulerConfig) -> AsyncEngine:
-        """Ask the worker for its model and KV-cache size, build the core, start the loop."""
+    async def create(cls, worker: WorkerClient, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                     metrics: Callable[[EngineCore], EngineMetrics] | None = None) -> AsyncEngine:
+        """Ask the worker for its model and KV-cache size, build the core (and its metrics, which
+        need the core's sizes), start the loop."""
         worker_info = await asyncio.to_thread(worker.get_info)
         if worker_info.block_size != cache_config.block_size:
             raise ValueError(f"the engine's block size {cache_config.block_size} differs from its worker's "
@@ -73,7 +79,7 @@ class AsyncEngine:
         core = EngineCore(None, num_blocks, worker_info.max_model_len, worker_info.model_id,
                           cache_config, scheduler_config)
         info = EngineInfo(worker_info.model_id, worker_info.model_path, core.max_model_len, core.block_size)
-        engine = cls(core, worker, info)
+        engine = cls(core, worker, info, metrics(core) if metrics is not None else None)
         engine.start()
         return engine
 
@@ -102,6 +108,8 @@ class AsyncEngine:
         if request.request_id in self._queues:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.core.check_request(request)  # ValueError for the caller, before anything is queued
+        if request.arrival_time is None:  # arrival is now, not when the engine-loop thread admits it
+            request = replace(request, arrival_time=time.monotonic())
         queue: asyncio.Queue[Item] = asyncio.Queue()
         self._queues[request.request_id] = queue
         with self._inbox_lock:
@@ -172,8 +180,13 @@ class AsyncEngine:
                 self.core.add_request(request)
             except Exception as exc:  # ValueError, or a refusal such as a full waiting queue
                 items.append((request.request_id, exc))
+                continue
+            if self.metrics is not None:
+                self.metrics.add_request(request)
         if aborts:
             self.core.abort_requests(aborts)
+            if self.metrics is not None:
+                self.metrics.record_aborted(aborts)
             items += [(request_id, EngineCoreOutput(request_id, [], finish_reason="abort")) for request_id in aborts]
         return items
 
@@ -182,14 +195,19 @@ class AsyncEngine:
         return self.core.has_unfinished_requests() or bool(self.core.scheduler.finished_req_ids)
 
     def _step(self) -> list[tuple[str, Item]]:
+        start = time.perf_counter()
         scheduler_output = self.core.schedule()
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             # Nothing could be scheduled this time (cannot last: running requests free their
             # blocks as they finish); wait a little, or until new work arrives.
             self._wake.wait(IDLE_SCHEDULE_WAIT)
             return []
+        rpc_start = time.perf_counter()
         runner_output = self.worker.execute_model(scheduler_output)
+        rpc_seconds = time.perf_counter() - rpc_start
         outputs = self.core.update_from_output(scheduler_output, runner_output)
+        if self.metrics is not None:
+            self.metrics.record_step(scheduler_output, outputs, time.perf_counter() - start, rpc_seconds)
         return [(output.request_id, output) for output in outputs]
 
     def _send(self, items: list[tuple[str, Item]]) -> None:

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.clients import EngineInfo, EngineStats
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.common.metrics import GrpcMetrics
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.common.rpc.server import GRPC_OPTIONS, SERVING
@@ -24,11 +25,13 @@ class GrpcEngineClient:
     (the whole generation). Closing a generate() iterator early cancels the call, which aborts the
     request in the engine. Construct inside the running event loop."""
 
-    def __init__(self, address: str, timeout: float = 10.0, stream_timeout: float = 3600.0) -> None:
+    def __init__(self, address: str, timeout: float = 10.0, stream_timeout: float = 3600.0,
+                 metrics: GrpcMetrics | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.stream_timeout = stream_timeout
-        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(
+            address, options=GRPC_OPTIONS, interceptors=metrics.aio_client_interceptors() if metrics else None)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -40,6 +40,7 @@ class EngineCore:
         self.executor = executor
         self.block_size = cache_config.block_size
         self.model_id = model_id
+        self.scheduling_policy = scheduler_config.policy
         # A context longer than the whole KV cache could never be scheduled.
         self.max_model_len = min(max_model_len, num_blocks * self.block_size)
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
@@ -58,6 +59,10 @@ class EngineCore:
         num_prompt = len(request.prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt is empty")
+        if request.priority and self.scheduling_policy != "priority":
+            # As vLLM: a priority the scheduler would ignore is the caller's mistake, said at once.
+            raise ValueError(f"priority is not supported by the {self.scheduling_policy!r} scheduling policy; "
+                             "start the engine with --scheduling-policy priority")
         if num_prompt >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {num_prompt} tokens; this model's context is {self.max_model_len} tokens, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from services.common.engine_output import EngineCoreOutput
+from services.common.errors import EngineOverloadedError
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from services.engine.kv_cache_manager import KVCacheManager
@@ -26,10 +27,14 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         policy: str = "fcfs",
+        max_num_waiting: int | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        # Counted over every request held (running or not), so that how many are admitted does not
+        # depend on whether a step ran in between: exactly max_num_seqs + max_num_waiting.
+        self.max_num_requests = None if max_num_waiting is None else max_num_seqs + max_num_waiting
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(policy)
@@ -45,6 +50,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.max_num_requests is not None and len(self.requests) >= self.max_num_requests:
+            raise EngineOverloadedError(
+                f"the engine is full ({self.num_running} running, {self.num_waiting} waiting; at most "
+                f"{self.max_num_seqs} running and {self.max_num_requests - self.max_num_seqs} more waiting); "
+                "try again later")
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -229,3 +239,4 @@ class Scheduler:
         assert running_ids | waiting_ids == set(self.requests), "requests lost or leaked"
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
         assert len(self.running) <= self.max_num_seqs
+        assert self.max_num_requests is None or len(self.requests) <= self.max_num_requests

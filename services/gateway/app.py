@@ -12,51 +12,82 @@ import importlib.metadata
 import re
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.clients import GenerateRequest, ProcessorClient
+from services.common.errors import EngineOverloadedError
 from services.common.sampling_params import SamplingParams
-from services.gateway.chat import chat_chunks, chat_response
-from services.gateway.completion import completion_chunks, completion_response
-from services.gateway.errors import APIError, error_of, model_not_found
+from services.gateway.auth import APIKeyMiddleware
+from services.gateway.chat import chat_chunks, chat_response, generate_request
+from services.gateway.completion import completion_chunks, completion_response, generate_requests
+from services.gateway.errors import OPENAPI_ERRORS, APIError, api_error_of, model_not_found
 from services.gateway.generation import Generation
+from services.gateway.limits import BodyLimitMiddleware, Limits
+from services.gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
     SamplingRequest,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from services.gateway.sampling import to_sampling_params
+from services.gateway.tokenization import to_tokenize_request
 from services.gateway.sse import sse_stream
 
 REQUEST_ID_HEADER = "X-Request-Id"
+# A generating route answers JSON, or with stream=true server-sent events (each a JSON chunk or
+# an error in `data`, then `data: [DONE]`).
+STREAMED: dict[int | str, dict] = {200: {"content": {"text/event-stream": {"schema": {
+    "type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}}}
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away; nobody reads it
 T = TypeVar("T")
 
 
-def create_app(processor: ProcessorClient, served_model_name: str, health_timeout: float = 5.0) -> FastAPI:
-    """The gateway app. `health_timeout` bounds /health's question to the processor (seconds)."""
-    app = FastAPI(title="kvmesh", version=_version(), docs_url=None, redoc_url=None)
+def create_app(processor: ProcessorClient, served_model_name: str, health_timeout: float = 5.0,
+               limits: Limits = Limits(), api_keys: Sequence[str] = (),
+               metrics: GatewayMetrics | None = None) -> FastAPI:
+    """The gateway app. `health_timeout` bounds /health's question to the processor (seconds);
+    with `api_keys`, every path but the public ones needs one of them (services/gateway/auth.py).
+    /metrics serves `metrics` (default: a registry of this app's own)."""
+    app = FastAPI(title="kvmesh", version=_version(), docs_url=None, redoc_url=None, responses=OPENAPI_ERRORS)
+    # Outermost last: request id, then the key (no body of an unauthenticated client is read), then
+    # the body's size, then routing.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     app.add_middleware(RequestIdMiddleware)
+    # Outermost of all: it counts what the ones inside refuse (401, the body-size 400) too.
+    metrics = metrics or GatewayMetrics()
+    app.add_middleware(HttpMetricsMiddleware, metrics=metrics, routes=app.router.routes)
     app.add_exception_handler(RequestValidationError, _validation_error)
     # The errors a request can meet are answered here; any other exception is a bug of ours and
     # goes to Starlette's last-resort handler too (a 500 in our shape, and a logged traceback).
-    for kind in (APIError, ValueError, ConnectionError, TimeoutError, Exception):
+    for kind in (APIError, HTTPException, EngineOverloadedError, ValueError, ConnectionError, TimeoutError, Exception):
         app.add_exception_handler(kind, _error)
-    api = app.state.api = _API(processor, served_model_name)
+    api = app.state.api = _API(processor, served_model_name, limits)
 
-    @app.get("/health")
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics_page() -> Response:
+        return Response(await metrics.page(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/health", response_class=Response)  # 200 with no body
     async def health() -> Response:
         try:
             healthy = await asyncio.wait_for(processor.is_healthy(), health_timeout)
@@ -78,13 +109,21 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
         info = await processor.model_info()
         return ModelList(data=[ModelCard(id=served_model_name, root=info.model_path, max_model_len=info.max_model_len)])
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=STREAMED)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await api.completions(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=STREAMED)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await api.chat_completions(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return _json(await api.tokenize(body))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return _json(await api.detokenize(body))
 
     return app
 
@@ -92,48 +131,45 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
 class _API:
     """The generating endpoints: request → processor requests → a response or an SSE stream."""
 
-    def __init__(self, processor: ProcessorClient, served_model_name: str) -> None:
+    def __init__(self, processor: ProcessorClient, served_model_name: str, limits: Limits) -> None:
         self.processor = processor
         self.served_model_name = served_model_name
+        self.limits = limits
         self.generations: set[Generation] = set()  # in flight
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         params = self._params(body)
-        response_id, engine_id = _ids("cmpl", request)
-        prompts = body.prompts()
-        requests = [
-            GenerateRequest(
-                request_id=engine_id if len(prompts) == 1 else f"{engine_id}-p{i}", params=params,
-                prompt=prompt if isinstance(prompt, str) else None,
-                prompt_token_ids=None if isinstance(prompt, str) else prompt,
-                add_special_tokens=body.add_special_tokens,
-            )
-            for i, prompt in enumerate(prompts)
-        ]
+        response_id, engine_id = _ids("cmpl", request, body.request_id)
+        requests = generate_requests(body, engine_id, params)
         return await self._respond(request, requests, body.stream,
                                    lambda g: completion_chunks(g, body, response_id, self.served_model_name),
                                    lambda g: completion_response(g, body, response_id, self.served_model_name))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         params = self._params(body)
-        response_id, engine_id = _ids("chatcmpl", request)
-        try:
-            messages = [m.to_template() for m in body.messages]
-        except ValueError as e:
-            raise APIError(400, str(e), "invalid_request_error", "messages") from None
-        requests = [GenerateRequest(
-            request_id=engine_id, params=params, messages=messages,
-            add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-            chat_template_kwargs=body.chat_template_kwargs or {},
-        )]
+        response_id, engine_id = _ids("chatcmpl", request, body.request_id)
+        requests = [generate_request(body, engine_id, params)]
         return await self._respond(request, requests, body.stream,
                                    lambda g: chat_chunks(g, body, response_id, self.served_model_name),
                                    lambda g: chat_response(g, body, response_id, self.served_model_name))
 
     def _params(self, body: SamplingRequest) -> SamplingParams:
-        if body.model is not None and body.model != self.served_model_name:
-            raise model_not_found(body.model)
-        return to_sampling_params(body)
+        self._check_model(body.model)
+        return self.limits.check(body, to_sampling_params(body))
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise model_not_found(model)
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self._check_model(body.model)
+        tokenized = await self.processor.tokenize(to_tokenize_request(body))
+        return TokenizeResponse(count=len(tokenized.token_ids), max_model_len=tokenized.max_model_len,
+                                tokens=tokenized.token_ids, token_strs=tokenized.token_strs)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(body.model)
+        return DetokenizeResponse(prompt=await self.processor.detokenize(body.tokens))
 
     async def _respond(
         self,
@@ -207,12 +243,14 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _ids(prefix: str, request: Request) -> tuple[str, str]:
-    """(the response's id, the id of its engine requests). A client's X-Request-Id names both; the
-    engine's gets a random suffix, since two clients may send the same one."""
-    request_id: str = request.state.request_id
+def _ids(prefix: str, request: Request, body_request_id: str | None = None) -> tuple[str, str]:
+    """(the response's id, the id of its engine requests). A client's X-Request-Id (or else the
+    body's `request_id`, vLLM's field) names both; the engine's gets a random suffix, since two
+    clients may send the same one."""
+    given = request.state.request_id_given
+    request_id: str = request.state.request_id if given or body_request_id is None else body_request_id
     response_id = f"{prefix}-{request_id}"
-    if request.state.request_id_given:
+    if given or body_request_id is not None:
         return response_id, f"{response_id}-{secrets.token_hex(4)}"
     return response_id, response_id
 
@@ -260,8 +298,13 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
         if part != "body":
             path.append(str(part))
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-    if path:
+    if first.get("type") == "json_invalid":
+        path = []  # its location is a character position, not a field
+        message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}"
+    elif path:
         message = f"{'.'.join(path)}: {message}"
+    elif tuple(first.get("loc", ())) == ("body",) and first.get("type") != "value_error":  # not an object, or none
+        message = f"the body must be a JSON object, sent as Content-Type: application/json ({message})"
     return _error_response(400, ErrorInfo(message=message, type="invalid_request_error",
                                           param=path[0] if path else None))
 
@@ -270,8 +313,7 @@ _UNION_MEMBER = re.compile(r"^(str|int|float|bool|[A-Z]\w*|\w+\[.*\])$")
 
 
 async def _error(request: Request, exc: Exception) -> Response:
-    status, body = error_of(exc)
-    return _json(body, status)
+    return api_error_of(exc).response()
 
 
 def _version() -> str:

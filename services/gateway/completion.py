@@ -1,14 +1,18 @@
 """/v1/completions: processor deltas to a `text_completion` response or its stream of chunks.
 
-Choice `i` of prompt `p` is choice `p * n + i` of the response, as OpenAI numbers them.
+Choice `i` of prompt `p` is choice `p * n + i` of the response, as OpenAI numbers them. With `echo`
+each choice starts with its prompt (and, with `logprobs`, the prompt tokens' logprobs, the first
+token's None); `echo` with `max_tokens` 0 answers the prompt alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from services.common.clients import ChoiceDelta
+from services.common.clients import GenerateDelta, GenerateRequest
+from services.common.sampling_params import SamplingParams
 from services.gateway.generation import Generation
+from services.gateway.logprobs import completion_logprobs, extend, output_entries, prompt_entries, prompt_logprobs
 from services.gateway.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -19,54 +23,87 @@ from services.gateway.protocol import (
 )
 
 
-def add_logprobs(logprobs: CompletionLogprobs, choice: ChoiceDelta, offset: int) -> int:
-    """Appends `choice`'s token logprobs; `offset` is the text length before them. Returns the
-    offset after them. The top-logprobs map holds the sampled token first, then the top-N."""
-    for lp, texts in zip(choice.logprobs, choice.logprob_tokens):
-        logprobs.tokens.append(texts[0])
-        logprobs.token_logprobs.append(lp.logprobs[0])
-        top: dict[str, float] = {}
-        for text, logprob in zip(texts, lp.logprobs):
-            top.setdefault(text, logprob)
-        logprobs.top_logprobs.append(top)
-        logprobs.text_offset.append(offset)
-        offset += len(texts[0])
-    return offset
+def generate_requests(body: CompletionRequest, request_id: str, params: SamplingParams) -> list[GenerateRequest]:
+    """One processor request per prompt: `request_id` for a single prompt, else `{request_id}-p{i}`."""
+    prompts = body.prompts()
+    return [
+        GenerateRequest(
+            request_id=request_id if len(prompts) == 1 else f"{request_id}-p{i}", params=params,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=None if isinstance(prompt, str) else prompt,
+            add_special_tokens=body.add_special_tokens, priority=body.priority, cache_salt=body.cache_salt,
+            truncate_prompt_tokens=body.truncate_prompt_tokens, echo=body.echo,
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+
+
+def _echo(request: CompletionRequest, delta: GenerateDelta) -> tuple[str, CompletionLogprobs | None, int]:
+    """A choice's opening from its prompt's first delta: (text, logprobs, text offset after them)."""
+    if not request.echo:
+        return "", CompletionLogprobs() if request.logprobs is not None else None, 0
+    text = delta.prompt_text or ""
+    if request.logprobs is None:
+        return text, None, len(text)
+    logprobs, offset = completion_logprobs(prompt_entries(delta, request.logprobs))
+    return text, logprobs, offset
 
 
 async def completion_response(generation: Generation, request: CompletionRequest, response_id: str,
                               model: str) -> CompletionResponse:
     n = request.n
-    choices = [CompletionChoice(index=i, text="",
-                                logprobs=CompletionLogprobs() if request.logprobs is not None else None)
-               for i in range(generation.num_prompts * n)]
+    choices: list[CompletionChoice | None] = [None] * (generation.num_prompts * n)
     offsets = [0] * len(choices)
+    firsts: dict[int, GenerateDelta] = {}  # per prompt: its first delta (the prompt's text and logprobs)
     async for p, delta in generation.deltas():
+        first = firsts.setdefault(p, delta)
         for c in delta.choices:
-            choice = choices[p * n + c.index]
-            choice.text += c.text
-            if choice.logprobs is not None:
-                offsets[choice.index] = add_logprobs(choice.logprobs, c, offsets[choice.index])
+            index = p * n + c.index
+            choice = choices[index]
+            if choice is None:
+                text, logprobs, offsets[index] = _echo(request, first)
+                choice = choices[index] = CompletionChoice(index=index, text=text, logprobs=logprobs)
+            if not request.echo_only:
+                choice.text += c.text
+                if choice.logprobs is not None:
+                    more, offsets[index] = completion_logprobs(output_entries(c), offsets[index])
+                    extend(choice.logprobs, more)
             if c.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+    for index, choice in enumerate(choices):
+        assert choice is not None, f"choice {index} got no output"
+        if request.prompt_logprobs is not None:
+            choice.prompt_logprobs = prompt_logprobs(firsts[index // n])
     return CompletionResponse(id=response_id, model=model, choices=choices, usage=generation.usage())
 
 
 async def completion_chunks(generation: Generation, request: CompletionRequest, response_id: str,
                             model: str) -> AsyncIterator[CompletionChunk]:
     n, created = request.n, now()
-    offsets = [0] * (generation.num_prompts * n)
+    offsets: dict[int, int] = {}  # per choice that has started: the length of its text so far
+    firsts: dict[int, GenerateDelta] = {}
     async for p, delta in generation.deltas():
+        first = firsts.setdefault(p, delta)
+        usage = generation.usage() if request.continuous_usage_stats else None
         for c in delta.choices:
-            if not (c.text or c.finish_reason or c.logprobs):
-                continue
             index = p * n + c.index
-            logprobs = None
-            if request.logprobs is not None:
-                logprobs = CompletionLogprobs()
-                offsets[index] = add_logprobs(logprobs, c, offsets[index])
-            yield CompletionChunk(id=response_id, created=created, model=model, choices=[CompletionChoice(
-                index=index, text=c.text, logprobs=logprobs, finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason)])
+            text, logprobs = "", None
+            if index not in offsets:
+                text, logprobs, offsets[index] = _echo(request, first)
+            if not request.echo_only:
+                text += c.text
+                if request.logprobs is not None:
+                    more, offsets[index] = completion_logprobs(output_entries(c), offsets[index])
+                    logprobs = more if logprobs is None else _joined(logprobs, more)
+            if not (text or c.finish_reason or (logprobs and logprobs.tokens)):
+                continue
+            yield CompletionChunk(id=response_id, created=created, model=model, usage=usage, choices=[
+                CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                                 stop_reason=c.stop_reason)])
     if request.include_usage:
         yield CompletionChunk(id=response_id, created=created, model=model, choices=[], usage=generation.usage())
+
+
+def _joined(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    extend(first, second)
+    return first

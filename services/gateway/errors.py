@@ -4,20 +4,33 @@ from what the processor client raises to an HTTP status."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
+from services.common.errors import EngineOverloadedError
 from services.gateway.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
+
+RETRY_AFTER = 1  # seconds a client refused for overload is asked to wait (Retry-After)
 
 
 class APIError(Exception):
     """An error the gateway answers as it is (unknown model, a request it refuses)."""
 
     def __init__(self, status: int, message: str, type: str, param: str | None = None,
-                 code: int | str | None = None) -> None:
+                 code: int | str | None = None, headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = dict(headers or {})
+
+    def response(self) -> Response:
+        """The JSON response; also an ASGI app, for middleware that answers before routing."""
+        return Response(ErrorResponse(error=self.info).model_dump_json(), self.status, self.headers,
+                        media_type="application/json")
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -29,21 +42,41 @@ def model_not_found(model: str) -> APIError:
 
 
 def error_of(exc: BaseException) -> tuple[int, ErrorResponse]:
-    """The status and body for `exc`. The processor client raises ValueError for invalid input,
-    ConnectionError when a service behind the gateway is unreachable or not serving, TimeoutError
-    for a deadline that passed; anything else is a failure of ours."""
+    """The status and body for `exc` (api_error_of)."""
+    error = api_error_of(exc)
+    return error.status, ErrorResponse(error=error.info)
+
+
+def api_error_of(exc: BaseException) -> APIError:
+    """What the client gets for `exc`. The processor client raises ValueError for invalid input,
+    EngineOverloadedError when the engine's queue is full, ConnectionError when a service behind the
+    gateway is unreachable or not serving, TimeoutError for a deadline that passed; Starlette raises
+    HTTPException for an unknown path or method; anything else is a failure of ours."""
     if isinstance(exc, APIError):
-        status, info = exc.status, exc.info
-    elif isinstance(exc, ValueError):
-        status, info = 400, ErrorInfo(message=str(exc), type="invalid_request_error")
-    elif isinstance(exc, ConnectionError):
-        status, info = 503, ErrorInfo(message=f"the model is not available: {exc}", type="service_unavailable",
-                                      code="service_unavailable")
-    elif isinstance(exc, TimeoutError):
-        status, info = 504, ErrorInfo(message=f"the model did not answer in time: {exc}", type="timeout",
-                                      code="timeout")
-    else:
-        logger.error("request failed: %r", exc, exc_info=exc)
-        status, info = 500, ErrorInfo(message=f"internal error: {exc}", type="internal_error",
-                                      code="internal_error")
-    return status, ErrorResponse(error=info)
+        return exc
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(503, f"the model is overloaded, try again later: {exc}", "service_unavailable",
+                        code="overloaded", headers={"Retry-After": str(RETRY_AFTER)})
+    if isinstance(exc, HTTPException):
+        return APIError(exc.status_code, str(exc.detail),
+                        "invalid_request_error" if exc.status_code < 500 else "internal_error",
+                        headers=exc.headers)
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc), "invalid_request_error")
+    if isinstance(exc, ConnectionError):
+        return APIError(503, f"the model is not available: {exc}", "service_unavailable", code="service_unavailable")
+    if isinstance(exc, TimeoutError):
+        return APIError(504, f"the model did not answer in time: {exc}", "timeout", code="timeout")
+    logger.error("request failed: %r", exc, exc_info=exc)
+    return APIError(500, f"internal error: {exc}", "internal_error", code="internal_error")
+
+
+# Declared on every route of the OpenAPI schema; "default" also keeps FastAPI from declaring its
+# 422, which the gateway never sends (validation errors are 400s).
+OPENAPI_ERRORS: dict[int | str, dict] = {
+    400: {"model": ErrorResponse, "description": "Invalid request (validation, limits, unknown token ids)"},
+    401: {"model": ErrorResponse, "description": "Missing or incorrect API key"},
+    404: {"model": ErrorResponse, "description": "Unknown model or path"},
+    503: {"model": ErrorResponse, "description": "Overloaded (with Retry-After) or not serving"},
+    "default": {"model": ErrorResponse, "description": "Any other error, in OpenAI's shape"},
+}

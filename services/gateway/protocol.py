@@ -10,7 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 
 
 class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict: a wrong type is a 400, never coerced ("3" is not n=3, 1 is not stream=true); a JSON
+    # integer still passes for a float.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class OpenAIResponse(BaseModel):
@@ -22,6 +24,7 @@ class OpenAIResponse(BaseModel):
 
 class StreamOptions(OpenAIRequest):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
 
 
 class SamplingRequest(OpenAIRequest):
@@ -49,16 +52,31 @@ class SamplingRequest(OpenAIRequest):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context length)
+    priority: int = 0  # lower runs first, under the engine's priority policy
+    request_id: str | None = None  # names the request, unless X-Request-Id does
+    cache_salt: str | None = None  # prefix-cache blocks are shared only between requests of one salt
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> SamplingRequest:
+    def _check_sampling_request(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt must be a non-empty string if given")
+        if self.request_id is not None and not self.request_id:
+            raise ValueError("request_id must be a non-empty string if given")
         return self
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage_stats(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -66,9 +84,22 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 with echo: score the prompt only
     logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
     add_special_tokens: bool = True  # vLLM's extra
+
+    @model_validator(mode="after")
+    def _check_completion_request(self) -> CompletionRequest:
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        return self
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) only, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: each a string or a list of token ids."""
@@ -109,22 +140,60 @@ class ChatMessage(OpenAIRequest):
         return message
 
 
+class ResponseFormat(OpenAIRequest):
+    type: Literal["text", "json_object", "json_schema"]
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens; None: the rest of the context
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's extras
+    echo: bool = False  # the answer starts with the last message's content when it has the answer's role
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+    def _check_chat_request(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs can only be set when logprobs is true")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format {self.response_format.type!r} is not supported (structured "
+                             "outputs are not implemented); use {'type': 'text'}")
         return self
+
+    @property
+    def role(self) -> str:
+        """The answer's role: the assistant's, or, continuing a conversation as it is, the last speaker's."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+
+class TokenizeRequest(OpenAIRequest):
+    """vLLM's /tokenize: a completion prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: True for a prompt; False for messages (the template has them)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(OpenAIRequest):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ----------------------------------------------------------------------------- responses
@@ -152,12 +221,24 @@ class CompletionLogprobs(OpenAIResponse):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class Logprob(OpenAIResponse):
+    """vLLM's prompt logprob of one token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, Logprob] | None]  # per prompt token: token id -> logprob; None for the first
+
+
 class CompletionChoice(OpenAIResponse):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIResponse):
@@ -184,7 +265,7 @@ class ChatChoiceLogprobs(OpenAIResponse):
 
 
 class AssistantMessage(OpenAIResponse):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # the last speaker's when continuing without a generation prompt
     content: str | None = None
 
 
@@ -203,12 +284,13 @@ class ChatCompletionResponse(OpenAIResponse):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(OpenAIResponse):
     """A streamed message piece: only the fields it carries are sent ({} for the last one)."""
 
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
 
     @model_serializer(mode="wrap")
@@ -240,6 +322,17 @@ class CompletionChunk(OpenAIResponse):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class TokenizeResponse(OpenAIResponse):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(OpenAIResponse):
+    prompt: str
 
 
 class ModelCard(OpenAIResponse):

@@ -8,13 +8,18 @@ from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
     """Raises ValueError (answered with 400) for values SamplingParams refuses."""
+    prompt_logprobs = request.prompt_logprobs
     if isinstance(request, ChatCompletionRequest):
         # Chat defaults to the rest of the context (None), completions to 16 (the request's default).
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
-        max_tokens = request.max_tokens
+        # echo with max_tokens 0 scores the prompt: the engine generates one token, the answer drops it
+        # (as vLLM does); echo with logprobs needs the prompt's logprobs too.
+        max_tokens = 1 if request.echo_only else request.max_tokens
         logprobs = request.logprobs
+        if request.echo and logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = logprobs
     return SamplingParams(
         n=request.n,
         temperature=1.0 if request.temperature is None else request.temperature,
@@ -33,6 +38,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
         include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
     )

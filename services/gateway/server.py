@@ -14,13 +14,18 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Sequence
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 
 from services.common.rpc.server import flag_default
+from services.common.metrics import GrpcMetrics
 from services.gateway.app import create_app, end_requests
+from services.gateway.auth import API_KEY_ENV, api_keys_from
+from services.gateway.limits import Limits
+from services.gateway.metrics import GatewayMetrics
 from services.processor.client import GrpcProcessorClient
 
 logger = logging.getLogger("uvicorn.error")  # uvicorn configures its own loggers only
@@ -57,9 +62,14 @@ class GatewayServer(uvicorn.Server):
 
 
 async def serve(processor_address: str, served_model_name: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                timeout: float = 10.0, grace: float = 5.0, access_log: bool = True, log_level: str = "info") -> None:
-    processor = GrpcProcessorClient(processor_address, timeout=timeout)
-    app = create_app(processor, served_model_name, health_timeout=timeout)
+                timeout: float = 10.0, grace: float = 5.0, access_log: bool = True, log_level: str = "info",
+                aggregate_metrics: Sequence[str] = (), limits: Limits = Limits(),
+                api_keys: Sequence[str] = ()) -> None:
+    metrics = GatewayMetrics(aggregate_metrics)
+    processor = GrpcProcessorClient(processor_address, timeout=timeout,
+                                    metrics=GrpcMetrics(metrics.registry, "gateway"))
+    app = create_app(processor, served_model_name, health_timeout=timeout, metrics=metrics, limits=limits,
+                     api_keys=api_keys)
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=grace, access_log=access_log,
                             log_level=log_level)
     try:
@@ -84,13 +94,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds for in-flight requests at shutdown")
     parser.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--log-level", default=flag("log_level", "info"))
+    parser.add_argument("--api-key", action="append", default=None,
+                        help=f"a key clients must send as `Authorization: Bearer <key>` (repeatable; default: "
+                             f"the comma-separated keys in {API_KEY_ENV}; none: no authentication)")
+    Limits.add_flags(parser, flag)
+    parser.add_argument("--aggregate-metrics", type=_urls, default=flag("aggregate_metrics", ""),
+                        help="comma-separated /metrics URLs of local services to merge into this /metrics "
+                             "(set by `kvmesh serve`; never in a pod, where each is scraped on its own)")
     return parser
+
+
+def _urls(text: str) -> list[str]:
+    urls = [url.strip() for url in text.split(",") if url.strip()]
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise argparse.ArgumentTypeError(f"not an http(s) URL: {url!r}")
+    return urls
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     asyncio.run(serve(args.processor_address, args.served_model_name, args.host, args.port, args.timeout,
-                      args.grace, args.access_log, args.log_level))
+                      args.grace, args.access_log, args.log_level, args.aggregate_metrics, Limits.from_args(args),
+                      api_keys_from(args.api_key)))
     return 0
 
 

@@ -17,13 +17,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from services.common.clients import ChoiceDelta, EngineClient, EngineInfo, GenerateDelta, GenerateRequest
+from services.common.clients import (
+    ChoiceDelta,
+    EngineClient,
+    EngineInfo,
+    GenerateDelta,
+    GenerateRequest,
+    Tokenized,
+    TokenizeRequest,
+)
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.common.model_runner_output import TokenLogprobs
 from services.common.sampling_params import SamplingParams
+from services.processor.metrics import ProcessorMetrics
 from services.processor.output_processor import FINISH_STOP, RequestOutputState
 from services.processor.processor import Processor
 
@@ -44,9 +55,10 @@ class _Choice:
 class AsyncProcessor:
     """Implements `ProcessorClient` in-process over an `EngineClient`."""
 
-    def __init__(self, processor: Processor, engine: EngineClient) -> None:
+    def __init__(self, processor: Processor, engine: EngineClient, metrics: ProcessorMetrics | None = None) -> None:
         self.processor = processor
         self.engine = engine
+        self.metrics = metrics
         self._cleanups: set[asyncio.Task[None]] = set()  # strong references until they finish
 
     async def model_info(self) -> EngineInfo:
@@ -56,9 +68,10 @@ class AsyncProcessor:
         """Healthy only while the engine (and through it, its workers) answers."""
         return await self.engine.is_healthy()
 
-    def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
+    def prompt_token_ids(self, request: GenerateRequest | TokenizeRequest) -> list[int]:
         """Tokenizes the one prompt form `request` carries; raises ValueError on bad input."""
-        forms = [request.prompt is not None, request.prompt_token_ids is not None, request.messages is not None]
+        token_ids = request.prompt_token_ids if isinstance(request, GenerateRequest) else None
+        forms = [request.prompt is not None, token_ids is not None, request.messages is not None]
         if sum(forms) != 1:
             raise ValueError("exactly one of prompt, prompt_token_ids and messages must be given")
         if request.messages is not None:
@@ -66,7 +79,15 @@ class AsyncProcessor:
                                                 request.continue_final_message, request.chat_template_kwargs)
         if request.prompt is not None:
             return self.processor.tokenize(request.prompt, request.add_special_tokens)
-        return self.processor.tokenize(request.prompt_token_ids)
+        return self.processor.tokenize(token_ids)
+
+    async def tokenize(self, request: TokenizeRequest) -> Tokenized:
+        token_ids = self.prompt_token_ids(request)
+        return Tokenized(token_ids, self.processor.max_model_len,
+                         self.processor.token_strs(token_ids) if request.return_token_strs else None)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.processor.detokenize(token_ids)
 
     def validate_params(self, params: SamplingParams) -> None:
         """Token ids in the parameters must be in the vocabulary (the sampler indexes logits by them)."""
@@ -79,7 +100,10 @@ class AsyncProcessor:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """Deltas until every choice finished; the first carries the prompt. Raises ValueError for
         invalid input (before any delta), and the engine client's errors as they come."""
-        prompt_token_ids = self.prompt_token_ids(request)
+        start = time.perf_counter()
+        prompt_token_ids = self.processor.truncate(self.prompt_token_ids(request), request.truncate_prompt_tokens)
+        if self.metrics is not None:
+            self.metrics.tokenize_seconds.observe(time.perf_counter() - start)
         self.validate_params(request.params)
         engine_requests = self.processor.make_requests(request.request_id, prompt_token_ids, request.params,
                                                        request.priority, request.cache_salt)
@@ -89,6 +113,8 @@ class AsyncProcessor:
         pumps = [asyncio.create_task(self._pump(c, queue), name=f"pump-{c.request.request_id}") for c in choices]
         num_unfinished = len(choices)
         first = True
+        # Every choice's engine request computes the prompt logprobs; the first to arrive are sent.
+        prompt_logprobs_sent = request.params.prompt_logprobs is None
         try:
             while num_unfinished:
                 batch = [await queue.get()]
@@ -100,24 +126,51 @@ class AsyncProcessor:
                         continue  # sent by the engine before it saw our abort
                     if isinstance(item, Exception):
                         raise item
+                    start = time.perf_counter()
                     delta, abort_engine = self._apply(choice, item)
+                    if self.metrics is not None:
+                        self.metrics.detokenize_seconds.observe(time.perf_counter() - start)
                     deltas.append(delta)
                     num_unfinished -= choice.finished
                     if abort_engine:  # a stop string ended the choice; the engine does not know
                         pumps[choice.index].cancel()  # closes its stream, which aborts it
                         self._abort_soon([pumps[choice.index]], [choice.request.request_id])
+                if not num_unfinished and self.metrics is not None:
+                    self.metrics.observe_finished([c.state.num_output_tokens for c in choices])
                 if not deltas:
                     continue
-                yield GenerateDelta(
+                delta = GenerateDelta(
                     choices=deltas,
                     prompt_token_ids=list(prompt_token_ids) if first else None,
                     num_prompt_tokens=len(prompt_token_ids),
                     num_cached_tokens=max(c.num_cached_tokens for c in choices),
                     num_generated_tokens=sum(c.state.num_output_tokens for c in choices),
+                    prompt_text=self._prompt_text(request, prompt_token_ids) if first and request.echo else None,
                 )
+                prompt_logprobs = next((out.new_prompt_logprobs for _, out in batch
+                                        if isinstance(out, EngineCoreOutput) and out.new_prompt_logprobs), None)
+                if not prompt_logprobs_sent and prompt_logprobs is not None:
+                    self._add_prompt_logprobs(delta, prompt_token_ids, prompt_logprobs)
+                    prompt_logprobs_sent = True
+                yield delta
                 first = False
         finally:
             await self._release(pumps, [c.request.request_id for c in choices if not c.finished])
+
+    def _prompt_text(self, request: GenerateRequest, prompt_token_ids: list[int]) -> str:
+        """The prompt as the user wrote it, or as its (maybe truncated) token ids read."""
+        if request.prompt is not None and request.truncate_prompt_tokens is None:
+            return request.prompt
+        return self.processor.tokenizer.decode(prompt_token_ids)
+
+    def _add_prompt_logprobs(self, delta: GenerateDelta, prompt_token_ids: list[int],
+                             logprobs: list[TokenLogprobs]) -> None:
+        """Entry i is about prompt token i + 1: the first prompt token has none."""
+        assert len(logprobs) == len(prompt_token_ids) - 1, (len(logprobs), len(prompt_token_ids))
+        decode = self.processor.decode_token
+        delta.prompt_logprobs = [None, *logprobs]
+        delta.prompt_logprob_tokens = [[decode(prompt_token_ids[0])],
+                                       *([decode(t) for t in lp.token_ids] for lp in logprobs)]
 
     def _apply(self, choice: _Choice, out: EngineCoreOutput) -> tuple[ChoiceDelta, bool]:
         """The choice's delta for one engine output, and whether the engine request must be aborted."""

@@ -1,22 +1,25 @@
 """ProcessorClient over gRPC (the in-process one is services.processor.async_processor.AsyncProcessor).
 
 Status codes become the exceptions the gateway maps to HTTP: INVALID_ARGUMENT -> ValueError (400),
-UNAVAILABLE / CANCELLED -> ConnectionError (503), DEADLINE_EXCEEDED -> TimeoutError (504), any
-other -> RuntimeError (500); each with the server's message.
+UNAVAILABLE / CANCELLED -> ConnectionError (503), RESOURCE_EXHAUSTED -> EngineOverloadedError (503 with
+Retry-After), DEADLINE_EXCEEDED -> TimeoutError (504), any other -> RuntimeError (500); each with the
+server's message.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.clients import EngineInfo, GenerateDelta, GenerateRequest
+from services.common.clients import EngineInfo, GenerateDelta, GenerateRequest, Tokenized, TokenizeRequest
+from services.common.errors import EngineOverloadedError
+from services.common.metrics import GrpcMetrics
 from services.common.rpc import convert
+from services.common.rpc.convert import generate_delta_from_proto, generate_request_to_proto
 from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
 from services.common.rpc.server import GRPC_OPTIONS, SERVING, service_name
-from services.common.rpc.convert import generate_delta_from_proto, generate_request_to_proto
 
 SERVICE_NAME = service_name(processor_pb2.DESCRIPTOR, "Processor")
 
@@ -27,6 +30,8 @@ def error_of(exc: grpc.aio.AioRpcError) -> Exception:
         return ValueError(details)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return ConnectionError(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return EngineOverloadedError(details)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TimeoutError(details)
     return RuntimeError(f"{code.name}: {details}")
@@ -37,11 +42,13 @@ class GrpcProcessorClient:
     each Generate stream (the whole generation). Closing a generate() iterator early cancels the
     call, which aborts its engine requests. Construct inside the running event loop."""
 
-    def __init__(self, address: str, timeout: float = 10.0, stream_timeout: float = 3600.0) -> None:
+    def __init__(self, address: str, timeout: float = 10.0, stream_timeout: float = 3600.0,
+                 metrics: GrpcMetrics | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.stream_timeout = stream_timeout
-        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(
+            address, options=GRPC_OPTIONS, interceptors=metrics.aio_client_interceptors() if metrics else None)
         self._stub = processor_pb2_grpc.ProcessorStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -54,6 +61,21 @@ class GrpcProcessorClient:
             raise error_of(exc) from None
         finally:
             call.cancel()  # a no-op once the stream has ended
+
+    async def tokenize(self, request: TokenizeRequest) -> Tokenized:
+        try:
+            reply = await self._stub.Tokenize(convert.tokenize_request_to_proto(request), timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise error_of(exc) from None
+        return convert.tokenized_from_proto(reply)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        try:
+            reply = await self._stub.Detokenize(processor_pb2.DetokenizeRequest(token_ids=token_ids),
+                                                timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise error_of(exc) from None
+        return reply.text
 
     async def model_info(self) -> EngineInfo:
         try:

@@ -13,9 +13,18 @@ from transformers import PreTrainedTokenizerBase
 from services.common.engine_output import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
 from services.processor.output_processor import RequestOutputState
-from services.processor.tokenizer import TokenizerInfo, apply_chat_template
+from services.processor.tokenizer import TokenizerInfo, apply_chat_template, chat_template_variables
 
 Prompt = str | Sequence[int]
+
+# Our own arguments of the template call (or of how it is rendered): a request may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
+    "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+    "return_assistant_tokens_mask",
+})
+# apply_chat_template's own inputs that reach the template as variables of the same name.
+TEMPLATE_INPUTS = frozenset({"tools", "documents"})
 
 
 class Processor:
@@ -23,6 +32,10 @@ class Processor:
         self.tokenizer = tokenizer
         self.info = info
         self.max_model_len = max_model_len
+        # The chat_template_kwargs a request may set: the variables the template reads, and nothing
+        # of ours (vLLM's rule too; it keeps a template from being fed arguments it never declared).
+        variables = chat_template_variables(tokenizer) if info.has_chat_template else frozenset()
+        self.template_kwargs = (variables | TEMPLATE_INPUTS) - RESERVED_TEMPLATE_KWARGS
 
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
@@ -41,7 +54,40 @@ class Processor:
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt, continue_final_message,
-                                   **(chat_template_kwargs or {}))
+                                   **self.template_kwargs_of(chat_template_kwargs or {}))
+
+    def template_kwargs_of(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The kwargs the template reads; a reserved key is an error, any other is dropped (as vLLM
+        does: a client may send `enable_thinking` to every model, whether its template reads it or not)."""
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}; "
+                             f"this model's template reads {sorted(self.template_kwargs) or 'none'}")
+        return {k: v for k, v in kwargs.items() if k in self.template_kwargs}
+
+    def truncate(self, prompt_token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """The last `truncate_prompt_tokens` ids (all of them for None; -1 means the context length)."""
+        if truncate_prompt_tokens is None:
+            return prompt_token_ids
+        k = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if not 1 <= k <= self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}] (the maximum "
+                             f"context length), got {truncate_prompt_tokens}")
+        return prompt_token_ids[-k:]
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids`, special tokens included; ValueError for ids out of the vocabulary."""
+        self.check_vocabulary(token_ids)
+        return self.tokenizer.decode(list(token_ids))
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """The vocabulary's string of each id (byte-level pieces such as `Ġworld`, not decoded text)."""
+        return [str(t) for t in self.tokenizer.convert_ids_to_tokens(list(token_ids))]
+
+    def check_vocabulary(self, token_ids: Sequence[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of vocabulary (size {self.info.vocab_size})")
 
     def validate(self, prompt_token_ids: Sequence[int]) -> None:
         if not prompt_token_ids:
@@ -51,9 +97,7 @@ class Processor:
                 f"the prompt has {len(prompt_token_ids)} tokens; this model's maximum context length is "
                 f"{self.max_model_len} tokens, and at least one must be left to generate"
             )
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.info.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of vocabulary (size {self.info.vocab_size})")
+        self.check_vocabulary(prompt_token_ids)
 
     def make_requests(
         self,

@@ -2,11 +2,16 @@
 engine reached by gRPC.
 
     python -m services.processor.server --model smollm2 --engine-address 127.0.0.1:50052 --port 50051
+    python -m services.processor.server --model smollm2 --engine-service kvmesh-engine   # in Kubernetes
 
-config -> tokenizer (no weights) + GrpcEngineClient -> AsyncProcessor -> ProcessorServicer ->
+config -> tokenizer (no weights) + engines -> AsyncProcessor -> ProcessorServicer ->
 grpc.aio server (+ health, reflection) -> SIGTERM -> NOT_SERVING -> drain -> stop(grace). Health
 follows the engine's, checked every second. Every flag falls back to KVMESH_PROCESSOR_<FLAG>
 (KVMESH_PROCESSOR_PORT, KVMESH_PROCESSOR_ENGINE_ADDRESS, ...).
+
+The engines: one GrpcEngineClient at --engine-address (off Kubernetes), or with --engine-service an
+EngineSet over the Service's ready endpoints, followed through the Kubernetes API (EndpointWatcher);
+then the processor is SERVING while at least one of them is ready and healthy.
 """
 
 from __future__ import annotations
@@ -16,16 +21,23 @@ import asyncio
 import logging
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
 
-from services.common.clients import EngineInfo, ProcessorClient
+from services.common.clients import EngineClient, EngineInfo, ProcessorClient
+from services.common.discovery import EndpointWatcher, kube_configuration
+from services.common.errors import EngineOverloadedError
+from services.common.metrics import GrpcMetrics, MetricsEndpoint, ServiceMetrics
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
 from services.common.rpc.server import RpcServer, flag_default, service_name
 from services.engine.client import GrpcEngineClient
 from services.processor.async_processor import AsyncProcessor
+from services.processor.engine_set import EngineSet
+from services.processor.metrics import ProcessorMetrics
 from services.common.rpc.convert import generate_delta_to_proto, generate_request_from_proto
 from services.processor.processor import Processor
 from services.processor.tokenizer import TokenizerInfo, load_tokenizer
@@ -34,6 +46,8 @@ from services.worker.loader import model_id_of, resolve_model
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9051
+DEFAULT_ENGINE_ADDRESS = "127.0.0.1:50052"
 SERVICE_NAME = service_name(processor_pb2.DESCRIPTOR, "Processor")
 HEALTH_INTERVAL = 1.0  # seconds between checks of the engine's health
 
@@ -42,6 +56,8 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
     """The status a failed Generate ends with: the engine's own status passes through."""
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, EngineOverloadedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code(), f"engine: {exc.details()}"
     if isinstance(exc, ConnectionError):
@@ -68,11 +84,23 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                 yield generate_delta_to_proto(delta)
         except Exception as exc:
             code, message = status_of(exc)
-            if code != grpc.StatusCode.INVALID_ARGUMENT:
+            if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):  # not ours
                 logger.warning("request %s failed: %s %s", core_request.request_id, code.name, message)
             await context.abort(code, message)
         finally:
             await stream.aclose()
+
+    async def Tokenize(self, request: processor_pb2.TokenizeRequest, context):
+        try:
+            return convert.tokenized_to_proto(await self.processor.tokenize(convert.tokenize_request_from_proto(request)))
+        except Exception as exc:
+            await context.abort(*status_of(exc))
+
+    async def Detokenize(self, request: processor_pb2.DetokenizeRequest, context):
+        try:
+            return processor_pb2.DetokenizeResponse(text=await self.processor.detokenize(list(request.token_ids)))
+        except Exception as exc:
+            await context.abort(*status_of(exc))
 
     async def GetModelInfo(self, request: processor_pb2.GetModelInfoRequest, context):
         try:
@@ -82,18 +110,44 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         return convert.engine_info_to_proto(info)
 
 
-async def wait_for_engine(engine: GrpcEngineClient, timeout: float) -> EngineInfo:
-    """The engine's info, once it answers (it may come up after us); TimeoutError after `timeout` s."""
+async def wait_for_engine(engine: EngineClient, timeout: float) -> EngineInfo:
+    """The engine's info, once one answers (it may come up, or be discovered, after us); TimeoutError
+    after `timeout` s."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             return await engine.info()
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        except (grpc.aio.AioRpcError, ConnectionError) as exc:  # ConnectionError: none discovered yet
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                                                           grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the engine at {engine.address} did not answer in {timeout}s") from exc
+                raise TimeoutError(f"no engine answered in {timeout}s: {exc}") from exc
         await asyncio.sleep(0.5)
+
+
+@asynccontextmanager
+async def open_engines(args: argparse.Namespace, metrics: GrpcMetrics | None = None) -> AsyncIterator[EngineClient]:
+    """The one engine at --engine-address, or the ready engines of --engine-service as they come and go."""
+    def connect(address: str) -> GrpcEngineClient:
+        return GrpcEngineClient(address, timeout=args.engine_timeout, metrics=metrics)
+
+    if args.engine_service is None:
+        engine = connect(args.engine_address)
+        try:
+            yield engine
+        finally:
+            await engine.close()
+        return
+    engines = EngineSet(args.engine_service, connect)
+    watcher = EndpointWatcher(args.engine_service, kube_configuration(), args.namespace)
+    watcher.subscribe(engines.update)
+    watcher.start()
+    try:
+        yield engines
+    finally:
+        await watcher.close()
+        await engines.close()
 
 
 async def follow_engine_health(processor: AsyncProcessor, server: RpcServer, interval: float) -> None:
@@ -108,27 +162,30 @@ async def follow_engine_health(processor: AsyncProcessor, server: RpcServer, int
             serving = healthy
 
 
-async def serve(model: str, engine_address: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                cache_dir: Path | None = None, engine_timeout: float = 10.0, startup_timeout: float = 300.0,
-                grace: float = 5.0, drain: float = 0.0) -> None:
-    """Serve until SIGTERM/SIGINT. The model is resolved for its tokenizer only; no weights load."""
+async def serve(model: str, engine: EngineClient, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+                cache_dir: Path | None = None, startup_timeout: float = 300.0, grace: float = 5.0,
+                drain: float = 0.0, metrics: Callable[[int], ProcessorMetrics] | None = None) -> None:
+    """Serve until SIGTERM/SIGINT. The model is resolved for its tokenizer only; no weights load.
+    The caller owns `engine` (open_engines). `metrics` makes this processor's metrics once the
+    engine's context length (their token buckets' top) is known."""
     model_path = resolve_model(model, cache_dir)
     tokenizer = load_tokenizer(model_path)
-    engine = GrpcEngineClient(engine_address, timeout=engine_timeout)
     engine_info = await wait_for_engine(engine, startup_timeout)
     if engine_info.model_id != model_id_of(model_path):
         logger.warning("the engine serves %s, this processor tokenizes for %s", engine_info.model_id,
                        model_id_of(model_path))
+    processor_metrics = metrics(engine_info.max_model_len) if metrics is not None else None
     processor = AsyncProcessor(
-        Processor(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, model_path), engine_info.max_model_len), engine)
-    server = RpcServer(host, port, [SERVICE_NAME])
+        Processor(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, model_path), engine_info.max_model_len), engine,
+        processor_metrics)
+    interceptors = [processor_metrics.service.grpc.server_interceptor()] if processor_metrics is not None else []
+    server = RpcServer(host, port, [SERVICE_NAME], interceptors)
     processor_pb2_grpc.add_ProcessorServicer_to_server(ProcessorServicer(processor), server.server)
     await server.start()
     health = asyncio.create_task(follow_engine_health(processor, server, HEALTH_INTERVAL))
     await server.wait_for_termination_signal()
     health.cancel()
     await server.shutdown(grace, drain)
-    await engine.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,7 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
         return flag_default("KVMESH_PROCESSOR", name, default)
 
     parser = argparse.ArgumentParser(prog="kvmesh processor", description="The kvmesh processor service.")
-    parser.add_argument("--engine-address", default=flag("engine_address", "127.0.0.1:50052"))
+    parser.add_argument("--engine-address", default=flag("engine_address", None),
+                        help=f"the one engine, off Kubernetes (default {DEFAULT_ENGINE_ADDRESS})")
+    parser.add_argument("--engine-service", default=flag("engine_service", None),
+                        help="the engines' Kubernetes Service: route to its ready endpoints (port named grpc); "
+                             "excludes --engine-address")
+    parser.add_argument("--namespace", default=flag("namespace", None),
+                        help="the Service's namespace (default: this pod's, else $KVMESH_NAMESPACE, else default)")
     parser.add_argument("--model", default=flag("model", "smollm2"),
                         help="the engine's model (name, path or GGUF file): its tokenizer is loaded")
     parser.add_argument("--cache-dir", type=Path, default=flag("cache_dir", None))
@@ -150,14 +213,44 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds for in-flight streams at shutdown")
     parser.add_argument("--drain", type=float, default=flag("drain", 0.0),
                         help="seconds between NOT_SERVING and refusing new calls at shutdown")
+    parser.add_argument("--metrics-port", type=int, default=flag("metrics_port", DEFAULT_METRICS_PORT),
+                        help="port of /metrics on --host (0: none)")
+    parser.add_argument("--served-model-name", default=flag("served_model_name", None),
+                        help="the model_name label of vLLM's metrics (default: --model)")
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.engine_service is not None and args.engine_address is not None:
+        parser.error("--engine-address and --engine-service exclude each other")
+    if args.engine_service is None and args.engine_address is None:
+        args.engine_address = DEFAULT_ENGINE_ADDRESS
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s processor: %(message)s")
-    asyncio.run(serve(args.model, args.engine_address, args.host, args.port, args.cache_dir, args.engine_timeout,
-                      args.startup_timeout, args.grace, args.drain))
+
+    service_metrics = ServiceMetrics.create("processor")
+    model_name = args.served_model_name or args.model
+
+    def metrics(max_model_len: int) -> ProcessorMetrics:
+        return ProcessorMetrics(service_metrics, model_name, max_model_len)
+
+    async def run() -> None:
+        async with open_engines(args, service_metrics.grpc) as engine:
+            await serve(args.model, engine, args.host, args.port, args.cache_dir, args.startup_timeout, args.grace,
+                        args.drain, metrics)
+
+    endpoint = MetricsEndpoint.start(service_metrics.registry, args.host, args.metrics_port)
+    try:
+        asyncio.run(run())
+    finally:
+        if endpoint is not None:
+            endpoint.close()
     return 0
 
 

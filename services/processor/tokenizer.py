@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2
+import jinja2.meta
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -38,20 +40,33 @@ def apply_chat_template(
 
     `template_kwargs` go to `tokenizer.apply_chat_template` (`tools`, `documents`, `chat_template`,
     or variables the template reads). The template writes the special tokens itself, so none are
-    added around it. Raises ValueError when the tokenizer has no chat template.
+    added around it. Raises ValueError when the tokenizer has no chat template, or when the template
+    fails on these messages (a message without content, say).
     """
-    out = tokenizer.apply_chat_template(
-        list(messages),
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        tokenize=True,
-        return_dict=False,
-        **template_kwargs,
-    )
+    try:
+        out = tokenizer.apply_chat_template(
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=True,
+            return_dict=False,
+            **template_kwargs,
+        )
+    except (jinja2.TemplateError, TypeError) as e:  # the messages are not what the template expects
+        raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
     # transformers 5 returns a BatchEncoding when return_dict is left at its default; older ones a list.
     if isinstance(out, Mapping):
         out = out["input_ids"]
     return [int(t) for t in out]
+
+
+def chat_template_variables(tokenizer: PreTrainedTokenizerBase) -> frozenset[str]:
+    """The variables the tokenizer's chat template reads from outside (`messages`, `tools`, ...)."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # several named templates: the default one is used
+        template = template.get("default", "")
+    environment = jinja2.Environment()
+    return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(template or "")))
 
 
 def eos_token_ids(

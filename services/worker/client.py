@@ -14,6 +14,7 @@ import grpc
 
 from services.common.clients import WorkerInfo
 from services.common.model_runner_output import ModelRunnerOutput
+from services.common.metrics import GrpcMetrics
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.rpc.server import GRPC_OPTIONS
@@ -60,11 +61,13 @@ class GrpcWorkerClient:
     ExecuteModel (a long prefill on a CPU takes seconds). A lost worker fails the call at once with
     UNAVAILABLE (no waiting for ready), so the engine notices within one step."""
 
-    def __init__(self, address: str, timeout: float = 60.0, step_timeout: float = 60.0) -> None:
+    def __init__(self, address: str, timeout: float = 60.0, step_timeout: float = 60.0,
+                 metrics: GrpcMetrics | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.step_timeout = step_timeout
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = metrics.intercept_channel(channel) if metrics else channel
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
     def get_info(self) -> WorkerInfo:

@@ -202,3 +202,14 @@ def test_a_failed_step_fails_every_stream_and_every_later_request():
 def test_an_engine_block_size_other_than_its_workers_is_refused():
     with pytest.raises(ValueError, match="block size"):
         asyncio.run(AsyncEngine.create(ScriptedWorker(), CacheConfig(block_size=16), SchedulerConfig()))
+
+
+def test_a_priority_under_the_fcfs_policy_is_refused():
+    async def main():
+        engine = await make_engine(ScriptedWorker())
+        prioritized = EngineCoreRequest("p", [1, 2, 3], SamplingParams(max_tokens=2), eos_token_ids=(2,), priority=3)
+        with pytest.raises(ValueError, match="scheduling policy"):
+            await anext(engine.generate(prioritized))
+        await engine.shutdown()
+
+    asyncio.run(main())

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.clients import ChoiceDelta, GenerateDelta, GenerateRequest
+from services.common.clients import ChoiceDelta, GenerateDelta, GenerateRequest, Tokenized, TokenizeRequest
 from services.common.model_runner_output import TokenLogprobs
-from services.common.rpc.kvmesh.v1 import processor_pb2
-from services.common.sampling_params import SamplingParams
 from services.common.rpc.convert import (
     generate_delta_from_proto,
     generate_delta_to_proto,
     generate_request_from_proto,
     generate_request_to_proto,
+    tokenize_request_from_proto,
+    tokenize_request_to_proto,
+    tokenized_from_proto,
+    tokenized_to_proto,
 )
+from services.common.rpc.kvmesh.v1 import processor_pb2
+from services.common.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(n=2, temperature=0.5, seed=3, stop=("a", "bc"), logit_bias={5: -1.5}, max_tokens=None,
                         logprobs=2, stop_token_ids=(7,))
@@ -26,6 +30,7 @@ PARAMS = SamplingParams(n=2, temperature=0.5, seed=3, stop=("a", "bc"), logit_bi
                                             {"role": "user", "content": "Hi", "name": "ann"}],
                     add_generation_prompt=False, continue_final_message=True,
                     chat_template_kwargs={"enable_thinking": False, "tools": [{"name": "f"}]}, cache_salt="salt"),
+    GenerateRequest("r4", SamplingParams(prompt_logprobs=3), prompt="Hi", truncate_prompt_tokens=5, echo=True),
 ])
 def test_generate_request_round_trip(request_: GenerateRequest):
     assert generate_request_from_proto(generate_request_to_proto(request_)) == request_
@@ -40,6 +45,11 @@ def test_generate_request_round_trip(request_: GenerateRequest):
                    ChoiceDelta(0, " end", [3], finish_reason="stop", stop_reason=7)],
                   num_prompt_tokens=2, num_generated_tokens=6),
     GenerateDelta([ChoiceDelta(0, "", [], finish_reason="length")], num_prompt_tokens=4, num_generated_tokens=16),
+    GenerateDelta([ChoiceDelta(0, "x", [4])], prompt_token_ids=[1, 2, 3], num_prompt_tokens=3, prompt_text="a b",
+                  prompt_logprobs=[None, TokenLogprobs([2, 7], [-1.0, -0.5], 2), TokenLogprobs([3, 3], [-0.125, -0.125], 1)],
+                  prompt_logprob_tokens=[["a"], [" b", "c"], ["", ""]]),
+    GenerateDelta([ChoiceDelta(0, "x", [4])], prompt_token_ids=[1], num_prompt_tokens=1,
+                  prompt_logprobs=[None], prompt_logprob_tokens=[["a"]]),
 ])
 def test_generate_delta_round_trip(delta: GenerateDelta):
     assert generate_delta_from_proto(generate_delta_to_proto(delta)) == delta
@@ -52,3 +62,22 @@ def test_a_request_without_prompt_is_refused():
         generate_request_from_proto(message)
     with pytest.raises(ValueError, match="request_id"):
         generate_request_from_proto(processor_pb2.GenerateRequest())
+
+
+@pytest.mark.parametrize("request_", [
+    TokenizeRequest(prompt="Hello", return_token_strs=True),
+    TokenizeRequest(messages=[{"role": "user", "content": "Hi"}], add_special_tokens=False,
+                    add_generation_prompt=False, continue_final_message=True, chat_template_kwargs={"x": [1, "y"]}),
+])
+def test_tokenize_request_round_trip(request_: TokenizeRequest):
+    assert tokenize_request_from_proto(tokenize_request_to_proto(request_)) == request_
+
+
+@pytest.mark.parametrize("tokenized", [Tokenized([1, 2], 256), Tokenized([5], 8, ["Ġa"]), Tokenized([], 8, [])])
+def test_tokenized_round_trip(tokenized: Tokenized):
+    assert tokenized_from_proto(tokenized_to_proto(tokenized)) == tokenized
+
+
+def test_a_tokenize_request_without_prompt_is_refused():
+    with pytest.raises(ValueError, match="no prompt"):
+        tokenize_request_from_proto(processor_pb2.TokenizeRequest())

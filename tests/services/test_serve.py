@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,14 +77,17 @@ class Serve:
         self.proc.wait()
 
 
-def start_serve(model_path: Path, timeout: float = 600.0) -> Serve:
+def start_serve(model_path: Path, timeout: float = 600.0, extra_args: Sequence[str] = (),
+                env: Mapping[str, str] | None = None) -> Serve:
+    """`extra_args` go to `kvmesh serve`; `env` is added to the environment of every service."""
     port = free_port()
     # stdout to a file, not a pipe: children share it, and a pipe nobody reads blocks them.
     stdout = tempfile.NamedTemporaryFile(prefix="kvmesh-serve-", suffix=".out", delete=False)
     stderr = tempfile.NamedTemporaryFile(prefix="kvmesh-serve-", suffix=".err", delete=False)
     proc = subprocess.Popen([PYTHON, "-m", "services.cli", "serve", "--model", str(model_path), "--port", str(port),
-                             "--kv-cache-memory", KV_CACHE, "--print-addresses"],
-                            cwd=REPO_ROOT, stdout=stdout, stderr=stderr, start_new_session=True)
+                             "--kv-cache-memory", KV_CACHE, "--print-addresses", *extra_args],
+                            cwd=REPO_ROOT, stdout=stdout, stderr=stderr, start_new_session=True,
+                            env={**os.environ, **(env or {})})
     deadline = time.monotonic() + timeout
     out_path = Path(stdout.name)
     while True:
@@ -94,7 +97,10 @@ def start_serve(model_path: Path, timeout: float = 600.0) -> Serve:
                 assert ready["api"] == f"http://127.0.0.1:{port}/v1"
                 return Serve(proc, ready["api"], ready["services"], Path(stderr.name))
         if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # it died by itself: say why below
             raise RuntimeError(f"kvmesh serve did not come up (exit {proc.poll()}):\n"
                                f"{Path(stderr.name).read_text(errors='replace')[-6000:]}")
         time.sleep(0.5)

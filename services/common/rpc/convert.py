@@ -12,7 +12,16 @@ import itertools
 
 from google.protobuf import json_format, struct_pb2
 
-from services.common.clients import ChoiceDelta, EngineInfo, EngineStats, GenerateDelta, GenerateRequest, WorkerInfo
+from services.common.clients import (
+    ChoiceDelta,
+    EngineInfo,
+    EngineStats,
+    GenerateDelta,
+    GenerateRequest,
+    Tokenized,
+    TokenizeRequest,
+    WorkerInfo,
+)
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput, TokenLogprobs
 from services.common.rpc.kvmesh.v1 import common_pb2, engine_pb2, processor_pb2, worker_pb2
@@ -239,6 +248,7 @@ def generate_request_to_proto(r: GenerateRequest) -> processor_pb2.GenerateReque
         request_id=r.request_id, params=sampling_params_to_proto(r.params),
         add_generation_prompt=r.add_generation_prompt, continue_final_message=r.continue_final_message,
         add_special_tokens=r.add_special_tokens, priority=r.priority, cache_salt=r.cache_salt,
+        truncate_prompt_tokens=r.truncate_prompt_tokens, echo=r.echo,
     )
     if r.prompt is not None:
         msg.text = r.prompt
@@ -272,6 +282,8 @@ def generate_request_from_proto(m: processor_pb2.GenerateRequest) -> GenerateReq
         add_special_tokens=m.add_special_tokens,
         priority=m.priority,
         cache_salt=m.cache_salt if m.HasField("cache_salt") else None,
+        truncate_prompt_tokens=m.truncate_prompt_tokens if m.HasField("truncate_prompt_tokens") else None,
+        echo=m.echo,
     )
 
 
@@ -301,10 +313,14 @@ def choice_delta_from_proto(m: processor_pb2.ChoiceDelta) -> ChoiceDelta:
 
 
 def generate_delta_to_proto(d: GenerateDelta) -> processor_pb2.GenerateResponse:
+    # prompt_logprobs[0] is None (the first prompt token has none): the wire leaves it out.
+    assert not d.prompt_logprobs or d.prompt_logprobs[0] is None, "the first prompt token has no logprobs"
     return processor_pb2.GenerateResponse(
         choices=[choice_delta_to_proto(c) for c in d.choices], prompt_token_ids=d.prompt_token_ids,
         num_prompt_tokens=d.num_prompt_tokens, num_cached_tokens=d.num_cached_tokens,
-        num_generated_tokens=d.num_generated_tokens,
+        num_generated_tokens=d.num_generated_tokens, prompt_text=d.prompt_text,
+        prompt_logprobs=[token_logprobs_to_proto(lp) for lp in d.prompt_logprobs[1:]],
+        prompt_logprob_tokens=[processor_pb2.TokenTexts(texts=t) for t in d.prompt_logprob_tokens],
     )
 
 
@@ -315,4 +331,49 @@ def generate_delta_from_proto(m: processor_pb2.GenerateResponse) -> GenerateDelt
         prompt_token_ids=list(m.prompt_token_ids) or None,
         num_prompt_tokens=m.num_prompt_tokens, num_cached_tokens=m.num_cached_tokens,
         num_generated_tokens=m.num_generated_tokens,
+        prompt_text=m.prompt_text if m.HasField("prompt_text") else None,
+        prompt_logprobs=[None, *_logprobs_list_from_proto(m.prompt_logprobs)] if m.prompt_logprob_tokens else [],
+        prompt_logprob_tokens=[list(t.texts) for t in m.prompt_logprob_tokens],
     )
+
+
+def tokenize_request_to_proto(r: TokenizeRequest) -> processor_pb2.TokenizeRequest:
+    msg = processor_pb2.TokenizeRequest(
+        add_special_tokens=r.add_special_tokens, add_generation_prompt=r.add_generation_prompt,
+        continue_final_message=r.continue_final_message, return_token_strs=r.return_token_strs,
+    )
+    if r.prompt is not None:
+        msg.text = r.prompt
+    elif r.messages is not None:
+        msg.chat.messages.extend(_struct(dict(m)) for m in r.messages)
+    if r.chat_template_kwargs:
+        msg.chat_template_kwargs.update(r.chat_template_kwargs)
+    return msg
+
+
+def tokenize_request_from_proto(m: processor_pb2.TokenizeRequest) -> TokenizeRequest:
+    """Raises ValueError for a request without a prompt (the server answers INVALID_ARGUMENT)."""
+    which = m.WhichOneof("prompt")
+    if which is None:
+        raise ValueError("the request has no prompt: set text or chat")
+    return TokenizeRequest(
+        prompt=m.text if which == "text" else None,
+        messages=[json_format.MessageToDict(s) for s in m.chat.messages] if which == "chat" else None,
+        add_special_tokens=m.add_special_tokens,
+        add_generation_prompt=m.add_generation_prompt,
+        continue_final_message=m.continue_final_message,
+        chat_template_kwargs=json_format.MessageToDict(m.chat_template_kwargs),
+        return_token_strs=m.return_token_strs,
+    )
+
+
+def tokenized_to_proto(t: Tokenized) -> processor_pb2.TokenizeResponse:
+    msg = processor_pb2.TokenizeResponse(token_ids=t.token_ids, max_model_len=t.max_model_len)
+    if t.token_strs is not None:
+        msg.token_strs.texts.extend(t.token_strs)
+    return msg
+
+
+def tokenized_from_proto(m: processor_pb2.TokenizeResponse) -> Tokenized:
+    return Tokenized(list(m.token_ids), m.max_model_len,
+                     list(m.token_strs.texts) if m.HasField("token_strs") else None)

@@ -64,9 +64,11 @@ def service_name(file_descriptor, name: str) -> str:
 class RpcServer:
     """Construct inside the running event loop (grpc.aio binds to it)."""
 
-    def __init__(self, host: str, port: int, service_names: Sequence[str]) -> None:
+    def __init__(self, host: str, port: int, service_names: Sequence[str],
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
         self.service_names = tuple(service_names)
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        # Interceptors see every call, health and reflection included (kvmesh_grpc_server_*).
+        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=list(interceptors))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "params", "text", "token_ids", "chat", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens", "priority", "cache_salt")
+    __slots__ = ("request_id", "params", "text", "token_ids", "chat", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens", "priority", "cache_salt", "truncate_prompt_tokens", "echo")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,8 @@ class GenerateRequest(_message.Message):
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     params: _common_pb2.SamplingParams
     text: str
@@ -33,7 +35,9 @@ class GenerateRequest(_message.Message):
     add_special_tokens: bool
     priority: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    truncate_prompt_tokens: int
+    echo: bool
+    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., echo: _Optional[bool] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -48,18 +52,24 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("choices", "prompt_token_ids", "num_prompt_tokens", "num_cached_tokens", "num_generated_tokens")
+    __slots__ = ("choices", "prompt_token_ids", "num_prompt_tokens", "num_cached_tokens", "num_generated_tokens", "prompt_text", "prompt_logprobs", "prompt_logprob_tokens")
     CHOICES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_TOKENS_FIELD_NUMBER: _ClassVar[int]
     choices: _containers.RepeatedCompositeFieldContainer[ChoiceDelta]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
     num_cached_tokens: int
     num_generated_tokens: int
-    def __init__(self, choices: _Optional[_Iterable[_Union[ChoiceDelta, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ...) -> None: ...
+    prompt_text: str
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    prompt_logprob_tokens: _containers.RepeatedCompositeFieldContainer[TokenTexts]
+    def __init__(self, choices: _Optional[_Iterable[_Union[ChoiceDelta, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., prompt_text: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprob_tokens: _Optional[_Iterable[_Union[TokenTexts, _Mapping]]] = ...) -> None: ...
 
 class ChoiceDelta(_message.Message):
     __slots__ = ("index", "text", "token_ids", "logprobs", "logprob_tokens", "finish_reason", "stop_token_id", "stop_string")
@@ -90,3 +100,43 @@ class TokenTexts(_message.Message):
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("text", "chat", "add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "return_token_strs")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    chat: ChatMessages
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template_kwargs: _struct_pb2.Struct
+    return_token_strs: bool
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., return_token_strs: _Optional[bool] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "max_model_len", "token_strs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_model_len: int
+    token_strs: TokenTexts
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., token_strs: _Optional[_Union[TokenTexts, _Mapping]] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...

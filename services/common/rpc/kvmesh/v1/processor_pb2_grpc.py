@@ -45,6 +45,16 @@ class ProcessorStub:
                 request_serializer=kvmesh_dot_v1_dot_processor__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_engine__pb2.EngineInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/kvmesh.v1.Processor/Tokenize',
+                request_serializer=kvmesh_dot_v1_dot_processor__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_processor__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/kvmesh.v1.Processor/Detokenize',
+                request_serializer=kvmesh_dot_v1_dot_processor__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_processor__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class ProcessorServicer:
@@ -62,6 +72,18 @@ class ProcessorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ProcessorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +96,16 @@ def add_ProcessorServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=kvmesh_dot_v1_dot_processor__pb2.GetModelInfoRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_engine__pb2.EngineInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=kvmesh_dot_v1_dot_processor__pb2.TokenizeRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_processor__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=kvmesh_dot_v1_dot_processor__pb2.DetokenizeRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_processor__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +162,60 @@ class Processor:
             '/kvmesh.v1.Processor/GetModelInfo',
             kvmesh_dot_v1_dot_processor__pb2.GetModelInfoRequest.SerializeToString,
             kvmesh_dot_v1_dot_engine__pb2.EngineInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Processor/Tokenize',
+            kvmesh_dot_v1_dot_processor__pb2.TokenizeRequest.SerializeToString,
+            kvmesh_dot_v1_dot_processor__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Processor/Detokenize',
+            kvmesh_dot_v1_dot_processor__pb2.DetokenizeRequest.SerializeToString,
+            kvmesh_dot_v1_dot_processor__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,244 @@
+"""The engine's metrics under vLLM's names, types, labels and buckets (so that vLLM's dashboards,
+KEDA scalers and routers work unchanged), plus kvmesh_engine_step{,_rpc}_seconds.
+
+Fed on the engine-loop thread, one call per event:
+
+    add_request(request)         admitted into the scheduler (arrival: request.arrival_time)
+    record_step(out, outputs, step_seconds, rpc_seconds)   after update_from_output()
+    record_aborted(request_ids)  aborts applied between steps
+
+Gauges and the scheduler's cumulative counters (running, waiting, KV-cache usage, prefix-cache
+queries and hits, preemptions) are read from the core when scraped, never copied.
+
+Times are the engine's (time.monotonic): a request arrives when the engine receives it, its first
+token is the step that produced it. vLLM's definitions otherwise: TTFT = first token - arrival;
+queue = first scheduled - arrival; prefill = first token - first scheduled; decode = last token -
+first token; inference = last token - first scheduled; e2e = finish - arrival.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from services.common.clients import EngineStats
+from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.common.metrics import COMPONENT, STEP_BUCKETS, build_1_2_5_buckets
+from services.common.scheduler_output import SchedulerOutput
+from services.engine.engine_core import EngineCore
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# vLLM's bucket choices (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class EngineLabels:
+    """vLLM's labels: the served model name and the engine's index (one engine per process: 0)."""
+
+    model_name: str
+    engine: str = "0"
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("model_name must not be empty")
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """vllm:cache_config_info's labels."""
+
+    block_size: int
+    num_gpu_blocks: int
+    enable_prefix_caching: bool
+
+
+@dataclass(slots=True)
+class _RequestTimes:
+    arrival: float
+    num_prompt_tokens: int
+    max_tokens_param: int | None
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    num_generation_tokens: int = 0
+
+
+class EngineMetrics:
+    """One engine's metrics in `registry`; `stats` is read at scrape time (EngineCore.stats)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: EngineLabels, max_model_len: int,
+                 cache_info: CacheInfo, stats: Callable[[], EngineStats]) -> None:
+        self.labels = labels
+        self._requests: dict[str, _RequestTimes] = {}
+        values = (labels.model_name, labels.engine)
+        names = ["model_name", "engine"]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=registry).labels(*values)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, names, buckets=buckets, registry=registry).labels(*values)
+
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          [*names, "finished_reason"], registry=registry)
+        self.request_success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
+                                             "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS)
+        self.time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.",
+                                        REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", token_buckets)
+        self.request_params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                                   "Histogram of the max_tokens request parameter.", token_buckets)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS)
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+              ["block_size", "enable_prefix_caching", "num_gpu_blocks", "engine"], registry=registry).labels(
+            str(cache_info.block_size), str(cache_info.enable_prefix_caching), str(cache_info.num_gpu_blocks),
+            labels.engine).set(1)
+
+        step_names, step_values = [COMPONENT, *names], ("engine", *values)
+        self.step_seconds = Histogram("kvmesh_engine_step_seconds", "One engine step: schedule, execute, update",
+                                      step_names, buckets=STEP_BUCKETS, registry=registry).labels(*step_values)
+        self.step_rpc_seconds = Histogram("kvmesh_engine_step_rpc_seconds",
+                                          "The ExecuteModel round trip to the engine's worker(s)",
+                                          step_names, buckets=STEP_BUCKETS, registry=registry).labels(*step_values)
+        registry.register(_SchedulerCollector(labels, stats))
+
+    @classmethod
+    def for_core(cls, registry: CollectorRegistry, labels: EngineLabels, core: EngineCore) -> EngineMetrics:
+        manager = core.kv_cache_manager
+        cache_info = CacheInfo(core.block_size, manager.block_pool.num_blocks, manager.enable_caching)
+        return cls(registry, labels, core.max_model_len, cache_info, core.stats)
+
+    # ------------------------------------------------------------------ fed by the engine-loop thread
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        arrival = request.arrival_time if request.arrival_time is not None else time.monotonic()
+        self._requests[request.request_id] = _RequestTimes(arrival, len(request.prompt_token_ids),
+                                                           request.sampling_params.max_tokens)
+
+    def record_step(self, scheduler_output: SchedulerOutput, outputs: Iterable[EngineCoreOutput],
+                    step_seconds: float, rpc_seconds: float) -> None:
+        now = time.monotonic()
+        self.step_seconds.observe(step_seconds)
+        self.step_rpc_seconds.observe(rpc_seconds)
+        if scheduler_output.total_num_scheduled_tokens:
+            self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
+        step_start = now - step_seconds
+        for new in scheduler_output.scheduled_new_reqs:  # also a request resuming after preemption
+            times = self._requests.get(new.req_id)
+            if times is not None and times.scheduled is None:
+                times.scheduled = step_start
+        for output in outputs:
+            times = self._requests.get(output.request_id)
+            if times is None:
+                continue
+            if output.new_token_ids:
+                self._record_tokens(times, len(output.new_token_ids), now)
+            if output.finish_reason is not None:
+                self._record_finished(output.request_id, output.finish_reason, now)
+
+    def record_aborted(self, request_ids: Iterable[str]) -> None:
+        now = time.monotonic()
+        for request_id in request_ids:
+            if request_id in self._requests:
+                self._record_finished(request_id, "abort", now)
+
+    def _record_tokens(self, times: _RequestTimes, num_tokens: int, now: float) -> None:
+        if times.first_token is None:
+            times.first_token = now
+            self.ttft.observe(now - times.arrival)
+            self.prompt_tokens.inc(times.num_prompt_tokens)
+        else:
+            self.inter_token_latency.observe(now - times.last_token)
+        times.last_token = now
+        times.num_generation_tokens += num_tokens
+        self.generation_tokens.inc(num_tokens)
+
+    def _record_finished(self, request_id: str, reason: str, now: float) -> None:
+        """Every finished request counts in request_success and the per-request size histograms and
+        e2e; the phase histograms only take requests that got as far as a first token."""
+        times = self._requests.pop(request_id)
+        self.request_success[reason].inc()
+        self.e2e.observe(now - times.arrival)
+        self.request_prompt_tokens.observe(times.num_prompt_tokens)
+        self.request_generation_tokens.observe(times.num_generation_tokens)
+        if times.max_tokens_param is not None:
+            self.request_params_max_tokens.observe(times.max_tokens_param)
+        if times.first_token is None or times.scheduled is None:
+            return
+        decode = times.last_token - times.first_token
+        self.queue_time.observe(times.scheduled - times.arrival)
+        self.prefill_time.observe(times.first_token - times.scheduled)
+        self.decode_time.observe(decode)
+        self.inference_time.observe(times.last_token - times.scheduled)
+        # vLLM observes 0 for a request of a single token (no decode interval to divide).
+        num_intervals = times.num_generation_tokens - 1
+        self.time_per_output_token.observe(decode / num_intervals if num_intervals > 0 else 0.0)
+
+    @property
+    def num_tracked_requests(self) -> int:
+        """Requests admitted and not yet finished (0 once the engine is idle: nothing leaks)."""
+        return len(self._requests)
+
+
+class _SchedulerCollector:
+    """The scheduler's state, read when scraped (the event loop's stats() read, which the GIL keeps whole)."""
+
+    def __init__(self, labels: EngineLabels, stats: Callable[[], EngineStats]) -> None:
+        self._values = [labels.model_name, labels.engine]
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        names = ["model_name", "engine"]
+        usage = stats.num_used_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
+        for family, value in (
+            (GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
+                               labels=names), stats.num_running),
+            (GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                               labels=names), stats.num_waiting),
+            (GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                               labels=names), usage),
+            (CounterMetricFamily("vllm:prefix_cache_queries",
+                                 "Prefix cache queries, in terms of number of queried tokens.", labels=names),
+             stats.prefix_cache_queries),
+            (CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                                 labels=names), stats.prefix_cache_hits),
+            (CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                                 labels=names), stats.num_preemptions),
+        ):
+            family.add_metric(self._values, value)
+            yield family

@@ -1,0 +1,132 @@
+"""The engines a processor routes to when they are discovered (`--engine-service`): one gRPC client
+per ready endpoint, and the choice of engine per request. An `EngineClient` itself, so the
+`AsyncProcessor` over it is the same as over one static engine.
+
+    EndpointWatcher ──update(ready set)──▶ EngineSet ──choose(request)──▶ member.client.generate(request)
+
+An endpoint that leaves the ready set stops getting new requests at once; its streams in flight
+run on (an engine that turned unready to drain, e.g. on SIGTERM, finishes them; one that died
+fails them with UNAVAILABLE), and its channel closes when the last one ends. An endpoint that comes
+back before then is routable again on the same channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, fields
+
+from services.common.clients import EngineInfo, EngineStats
+from services.common.discovery import Endpoint
+from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.engine.client import GrpcEngineClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineMember:
+    endpoint: Endpoint
+    client: GrpcEngineClient
+    ready: bool = True  # in the Service's ready set
+    healthy: bool = True  # its last health check said SERVING (assumed until checked)
+    in_flight: int = 0  # engine requests streaming now
+
+
+class EngineSet:
+    """Implements `EngineClient` over the ready engines of one Service. Construct inside the running
+    event loop; `update` is the `EndpointWatcher`'s subscriber."""
+
+    def __init__(self, service: str, connect: Callable[[str], GrpcEngineClient]) -> None:
+        self.service = service
+        self._connect = connect  # address -> client (carries the per-call deadlines)
+        self.members: dict[str, EngineMember] = {}  # by address; ready ones and those still draining
+        self._owners: dict[str, EngineMember] = {}  # request id -> the member streaming it
+        self._closing: set[asyncio.Task[None]] = set()  # strong references until the channels close
+
+    def update(self, endpoints: frozenset[Endpoint]) -> None:
+        """The Service's ready set changed: new endpoints get a client, gone ones drain."""
+        ready = {e.address: e for e in endpoints}
+        for address, endpoint in ready.items():
+            member = self.members.get(address)
+            if member is None:
+                self.members[address] = EngineMember(endpoint, self._connect(address))
+                logger.info("engine %s (%s) joined %s", address, endpoint.pod or endpoint.hostname, self.service)
+            elif not member.ready:
+                member.ready, member.healthy = True, True
+                logger.info("engine %s is ready again", address)
+        for address, member in list(self.members.items()):
+            if address not in ready and member.ready:
+                member.ready = False
+                logger.info("engine %s left %s with %d request(s) in flight", address, self.service, member.in_flight)
+                self._retire_if_idle(member)
+
+    def choose(self, request: EngineCoreRequest) -> EngineMember:
+        """The engine for `request`: the fewest requests in flight among the ready engines, healthy
+        ones first. The one place routing policy lives (a prefix-aware router replaces this)."""
+        ready = [m for m in self.members.values() if m.ready]
+        if not ready:
+            raise ConnectionError(f"no ready engine in service {self.service}")
+        return min(ready, key=lambda m: (not m.healthy, m.in_flight))
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+        member = self.choose(request)
+        member.in_flight += 1
+        self._owners[request.request_id] = member
+        try:
+            async with aclosing(member.client.generate(request)) as stream:  # closing early aborts it there
+                async for output in stream:
+                    yield output
+        finally:
+            member.in_flight -= 1
+            self._owners.pop(request.request_id, None)
+            self._retire_if_idle(member)
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Aborts each request in flight on the engine streaming it. Ids not in flight are done
+        already: finished, or closed early, which aborted them."""
+        by_member: dict[str, list[str]] = {}
+        for request_id in request_ids:
+            if (member := self._owners.get(request_id)) is not None:
+                by_member.setdefault(member.endpoint.address, []).append(request_id)
+        await asyncio.gather(*(self.members[a].client.abort(ids) for a, ids in by_member.items()))
+
+    async def info(self) -> EngineInfo:
+        """Any ready engine's (they serve one model)."""
+        ready = sorted((m for m in self.members.values() if m.ready), key=lambda m: not m.healthy)
+        if not ready:
+            raise ConnectionError(f"no ready engine in service {self.service}")
+        return await ready[0].client.info()
+
+    async def stats(self) -> EngineStats:
+        """The ready engines' stats, summed."""
+        ready = [m for m in self.members.values() if m.ready]
+        stats = await asyncio.gather(*(m.client.stats() for m in ready))
+        if not stats:
+            return EngineStats(*(0 for _ in fields(EngineStats)))
+        return EngineStats(*(sum(values) for values in zip(*stats)))
+
+    async def is_healthy(self) -> bool:
+        """True while at least one ready engine says SERVING; records each one's answer for choose()."""
+        ready = [m for m in self.members.values() if m.ready]
+        for member, healthy in zip(ready, await asyncio.gather(*(m.client.is_healthy() for m in ready))):
+            if healthy != member.healthy:
+                logger.log(logging.INFO if healthy else logging.WARNING, "engine %s is %s", member.endpoint.address,
+                           "healthy" if healthy else "unhealthy")
+            member.healthy = healthy
+        return any(m.healthy for m in ready)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(m.client.close() for m in self.members.values()), *self._closing)
+        self.members.clear()
+
+    def _retire_if_idle(self, member: EngineMember) -> None:
+        if member.ready or member.in_flight or self.members.get(member.endpoint.address) is not member:
+            return
+        del self.members[member.endpoint.address]
+        task = asyncio.create_task(member.client.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        logger.info("engine %s retired", member.endpoint.address)

@@ -19,9 +19,9 @@ from functools import cache
 
 import torch
 
-from kernels.native import NativeKernelUnavailable, load
+from kernels.native import FAST_MATH, NativeKernelUnavailable, load
 
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-ffp-contract=off", "-fopenmp")
+_FLAGS = ("-O3", "-march=native", *FAST_MATH, "-ffp-contract=off", "-fopenmp")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 

@@ -12,11 +12,11 @@ from functools import cache
 
 import torch
 
-from kernels.native import NativeKernelUnavailable, load
+from kernels.native import FAST_MATH, NativeKernelUnavailable, load
 
 __all__ = ["NativeKernelUnavailable", "build", "is_available", "paged_decode_attention"]
 
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+_FLAGS = ("-O3", "-march=native", *FAST_MATH, "-fopenmp")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 

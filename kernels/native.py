@@ -17,8 +17,13 @@ from pathlib import Path
 from services.common.config import default_cache_dir
 
 SOURCES = Path(__file__).parent / "cpu"
-# After the source: -ffast-math may turn math calls into glibc's vector versions (libmvec).
+# After the source: vectorized math calls may become glibc's vector versions (libmvec).
 _LIBS = ["-lmvec", "-lm"]
+# -ffast-math without its two process-wide effects: -ffinite-math-only (the kernels use -inf) and,
+# above all, linking crtfastmath.o, whose constructor turns on flush-to-zero and
+# denormals-are-zero in MXCSR for the whole process the moment the library loads (torch included).
+FAST_MATH = ("-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+             "-freciprocal-math")
 
 
 class NativeKernelUnavailable(RuntimeError):

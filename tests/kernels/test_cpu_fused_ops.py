@@ -72,3 +72,14 @@ def test_bad_arguments_are_refused():
                                torch.zeros(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="bfloat16"):
         cpu_fused_ops.rms_norm_bf16(torch.zeros(2, 8), torch.zeros(8), 1e-5)
+
+
+def test_loading_the_native_kernels_leaves_subnormals_alone():
+    """-ffast-math would link crtfastmath.o, which sets flush-to-zero for the whole process on load
+    and silently changes every torch op's results near zero (and trips Hypothesis)."""
+    from kernels import cpu_paged_attention
+
+    cpu_paged_attention.build()
+    assert cpu_fused_ops.available()
+    tiny = torch.tensor([1e-39], dtype=torch.float32)  # a float32 subnormal
+    assert (tiny / 10).item() != 0.0 and (tiny * 1).item() != 0.0

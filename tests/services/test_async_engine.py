@@ -27,8 +27,10 @@ class ScriptedWorker:
         self.requests: dict[str, list[int]] = {}  # req_id -> [num_tokens, num_computed_tokens]
         self.steps: list[SchedulerOutput] = []
         self.fail_with: Exception | None = None
-        self.gate: threading.Event | None = None  # when set, each step waits for it
         self.in_step = threading.Event()
+        # When set, each step takes one permit (waiting in the step for it): the test decides how far
+        # the engine-loop thread, which outruns the event loop by far, may get.
+        self.permits: threading.Semaphore | None = None
 
     def close(self) -> None:
         pass
@@ -43,8 +45,8 @@ class ScriptedWorker:
         # Runs on the engine-loop thread, as a real worker client does.
         self.steps.append(out)
         self.in_step.set()
-        if self.gate is not None:
-            assert self.gate.wait(5), "the test never opened the gate"
+        if self.permits is not None:
+            assert self.permits.acquire(timeout=5), "the test never allowed this step"
         self.in_step.clear()
         if self.fail_with is not None:
             raise self.fail_with
@@ -108,14 +110,14 @@ def test_closing_a_stream_aborts_between_steps_and_frees_every_block():
     async def main():
         worker = ScriptedWorker()
         engine = await make_engine(worker)
+        worker.permits = threading.Semaphore(3)  # two chunks of prompt, one decode: two outputs
         stream = engine.generate(request("r", max_tokens=1000))
         got = [await anext(stream), await anext(stream)]
         assert [o.new_token_ids for o in got] == [[TOKEN], [TOKEN]]
-        worker.gate = threading.Event()
-        await until(worker.in_step.is_set)
+        await until(worker.in_step.is_set)  # the next step waits for its permit
         await stream.aclose()  # mid-step: the abort waits for the step to end
         assert "r" in engine.core.scheduler.requests
-        worker.gate.set()
+        worker.permits.release(1000)
         await assert_idle(engine, worker)
         assert "r" in worker.steps[-1].finished_req_ids
         await engine.shutdown()
@@ -133,9 +135,11 @@ def test_cancelling_the_consumer_aborts_the_request():
             async for out in engine.generate(request("r", max_tokens=1000)):
                 seen.append(out)
 
+        worker.permits = threading.Semaphore(3)  # two outputs, then the engine waits
         task = asyncio.create_task(consume())
         await until(lambda: len(seen) >= 2)
         task.cancel()
+        worker.permits.release(1000)
         with pytest.raises(asyncio.CancelledError):
             await task
         await assert_idle(engine, worker)
@@ -148,9 +152,11 @@ def test_abort_ends_the_stream_with_finish_reason_abort():
     async def main():
         worker = ScriptedWorker()
         engine = await make_engine(worker)
+        worker.permits = threading.Semaphore(2)  # the prompt's two chunks, then the engine waits
         stream = engine.generate(request("r", max_tokens=1000))
         await anext(stream)
         await engine.abort(["r", "r", "unknown"])
+        worker.permits.release(1000)
         rest = [o async for o in stream]
         assert rest[-1].finish_reason == "abort"
         await assert_idle(engine, worker)
@@ -178,10 +184,14 @@ def test_a_failed_step_fails_every_stream_and_every_later_request():
     async def main():
         worker = ScriptedWorker()
         engine = await make_engine(worker)
+        worker.permits = threading.Semaphore(0)
         streams = [engine.generate(request(rid, max_tokens=1000)) for rid in "ab"]
-        for s in streams:
-            await anext(s)
+        firsts = asyncio.gather(*(anext(s) for s in streams))  # both queued before the first step ends
+        await until(worker.in_step.is_set)
+        worker.permits.release(4)  # both prompts' chunks and a decode, then the engine waits
+        await firsts
         worker.fail_with = RuntimeError("the device fell off the bus")
+        worker.permits.release(1000)
         for s in streams:
             with pytest.raises(EngineDeadError, match="device fell off the bus"):
                 async with asyncio.timeout(2):

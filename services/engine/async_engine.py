@@ -58,7 +58,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[Item]] = {}  # event loop only
         self._inbox_lock = threading.Lock()
         self._new_requests: list[EngineCoreRequest] = []
-        self._aborts: set[str] = set()
+        self._aborts: dict[str, str] = {}  # request id -> reason
         self._wake = threading.Event()
         self._stopping = False
         self._error: EngineDeadError | None = None
@@ -129,9 +129,10 @@ class AsyncEngine:
             if not finished:
                 self._abort_soon([request.request_id])
 
-    async def abort(self, request_ids: Sequence[str]) -> None:
-        """Idempotent; each open stream of these ids ends with finish_reason "abort"."""
-        self._abort_soon(request_ids)
+    async def abort(self, request_ids: Sequence[str], reason: str = "abort") -> None:
+        """Idempotent; each open stream of these ids ends with finish_reason "abort". `reason` is
+        what the metrics count them as ("stop": the processor saw a stop string)."""
+        self._abort_soon(request_ids, reason)
 
     async def stats(self) -> EngineStats:
         return self.core.stats()
@@ -142,10 +143,13 @@ class AsyncEngine:
     async def wait_until_unhealthy(self) -> None:
         await self._dead.wait()
 
-    def _abort_soon(self, request_ids: Iterable[str]) -> None:
+    def _abort_soon(self, request_ids: Iterable[str], reason: str = "abort") -> None:
         if self._error is None:
             with self._inbox_lock:
-                self._aborts.update(request_ids)
+                for request_id in request_ids:
+                    # A closed stream's plain abort does not hide why the caller ended it.
+                    if self._aborts.get(request_id, "abort") == "abort":
+                        self._aborts[request_id] = reason
             self._wake.set()
 
     # ------------------------------------------------------------------ the engine-loop thread
@@ -171,7 +175,7 @@ class AsyncEngine:
         """Admit new requests (a refusal goes to its stream) and apply aborts."""
         with self._inbox_lock:
             new_requests, self._new_requests = self._new_requests, []
-            aborts, self._aborts = self._aborts, set()
+            aborts, self._aborts = self._aborts, {}
         items: list[tuple[str, Item]] = []
         for request in new_requests:
             if request.request_id in aborts:
@@ -186,7 +190,7 @@ class AsyncEngine:
         if aborts:
             self.core.abort_requests(aborts)
             if self.metrics is not None:
-                self.metrics.record_aborted(aborts)
+                self.metrics.record_aborted(aborts)  # by reason
             items += [(request_id, EngineCoreOutput(request_id, [], finish_reason="abort")) for request_id in aborts]
         return items
 

@@ -47,8 +47,8 @@ class GrpcEngineClient:
         finally:
             call.cancel()  # a no-op once the stream has ended
 
-    async def abort(self, request_ids: Sequence[str]) -> None:
-        await self._stub.Abort(engine_pb2.AbortRequest(request_ids=request_ids), timeout=self.timeout)
+    async def abort(self, request_ids: Sequence[str], reason: str = "abort") -> None:
+        await self._stub.Abort(engine_pb2.AbortRequest(request_ids=request_ids, reason=reason), timeout=self.timeout)
 
     async def stats(self) -> EngineStats:
         reply = await self._stub.GetStats(engine_pb2.GetStatsRequest(), timeout=self.timeout)

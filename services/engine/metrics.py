@@ -19,7 +19,7 @@ first token; inference = last token - first scheduled; e2e = finish - arrival.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -170,11 +170,13 @@ class EngineMetrics:
             if output.finish_reason is not None:
                 self._record_finished(output.request_id, output.finish_reason, now)
 
-    def record_aborted(self, request_ids: Iterable[str]) -> None:
+    def record_aborted(self, reasons: Mapping[str, str]) -> None:
+        """request id -> why it was ended early: "abort", or "stop" (a stop string, seen by the
+        processor), counted as vLLM's frontend counts it."""
         now = time.monotonic()
-        for request_id in request_ids:
+        for request_id, reason in reasons.items():
             if request_id in self._requests:
-                self._record_finished(request_id, "abort", now)
+                self._record_finished(request_id, reason, now)
 
     def _record_tokens(self, times: _RequestTimes, num_tokens: int, now: float) -> None:
         if times.first_token is None:

@@ -68,7 +68,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await stream.aclose()
 
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
-        await self.engine.abort(list(request.request_ids))
+        await self.engine.abort(list(request.request_ids), request.reason or "abort")
         return engine_pb2.AbortResponse()
 
     async def GetStats(self, request: engine_pb2.GetStatsRequest, context) -> engine_pb2.EngineStats:

@@ -133,8 +133,7 @@ class AsyncProcessor:
                     deltas.append(delta)
                     num_unfinished -= choice.finished
                     if abort_engine:  # a stop string ended the choice; the engine does not know
-                        pumps[choice.index].cancel()  # closes its stream, which aborts it
-                        self._abort_soon([pumps[choice.index]], [choice.request.request_id])
+                        self._abort_soon([pumps[choice.index]], [choice.request.request_id], reason="stop")
                 if not num_unfinished and self.metrics is not None:
                     self.metrics.observe_finished([c.state.num_output_tokens for c in choices])
                 if not deltas:
@@ -219,16 +218,25 @@ class AsyncProcessor:
                 p.cancel()
             await asyncio.shield(self._abort_soon(pending, running))
 
-    def _abort_soon(self, pumps: list[asyncio.Task[None]], running: list[str]) -> asyncio.Task[None]:
-        task = asyncio.create_task(self._abort(pumps, running))
+    def _abort_soon(self, pumps: list[asyncio.Task[None]], running: list[str],
+                    reason: str = "abort") -> asyncio.Task[None]:
+        task = asyncio.create_task(self._abort(pumps, running, reason))
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
         return task
 
-    async def _abort(self, pumps: list[asyncio.Task[None]], running: list[str]) -> None:
+    async def _abort(self, pumps: list[asyncio.Task[None]], running: list[str], reason: str = "abort") -> None:
+        if reason != "abort":  # say why first: closing the stream aborts it too, as a plain abort
+            await self._abort_in_engine(running, reason)
+        for pump in pumps:
+            pump.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)  # their streams are closed: the engine aborts
+        if reason == "abort":
+            await self._abort_in_engine(running, reason)  # and once more explicitly: aborts are idempotent
+
+    async def _abort_in_engine(self, running: list[str], reason: str) -> None:
         if running:
             try:
-                await self.engine.abort(running)  # and once more explicitly: aborts are idempotent
+                await self.engine.abort(running, reason)
             except Exception as e:  # the engine may be the reason we stopped; nothing left to free then
                 logger.warning("could not abort %s in the engine: %s", running, e)

@@ -84,14 +84,14 @@ class EngineSet:
             self._owners.pop(request.request_id, None)
             self._retire_if_idle(member)
 
-    async def abort(self, request_ids: Sequence[str]) -> None:
+    async def abort(self, request_ids: Sequence[str], reason: str = "abort") -> None:
         """Aborts each request in flight on the engine streaming it. Ids not in flight are done
         already: finished, or closed early, which aborted them."""
         by_member: dict[str, list[str]] = {}
         for request_id in request_ids:
             if (member := self._owners.get(request_id)) is not None:
                 by_member.setdefault(member.endpoint.address, []).append(request_id)
-        await asyncio.gather(*(self.members[a].client.abort(ids) for a, ids in by_member.items()))
+        await asyncio.gather(*(self.members[a].client.abort(ids, reason) for a, ids in by_member.items()))
 
     async def info(self) -> EngineInfo:
         """Any ready engine's (they serve one model)."""

@@ -216,3 +216,25 @@ def test_a_real_prometheus_scrapes_every_service(serve: Serve, traffic: dict, tm
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         log.close()
+
+
+def test_a_stop_string_counts_as_stop_not_abort(serve: Serve, traffic: dict):
+    """Only the processor sees stop strings: it aborts the engine request with the reason "stop",
+    which vllm:request_success must count as vLLM's frontend does."""
+    client, model = client_for(serve)
+    url = serve.services["gateway"]["metrics"]
+    free = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, **IGNORE_EOS)
+    stop = free.choices[0].text.strip()[:2]  # greedy: the same text comes again, and meets the stop there
+    assert stop, f"the model generated only whitespace: {free.choices[0].text!r}"
+    serve.wait_until_engine_idle()
+    before = samples(fetch(url))
+    reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop],
+                                      **IGNORE_EOS)
+    assert reply.choices[0].finish_reason == "stop"
+    serve.wait_until_engine_idle()
+    expected = dict([expect("vllm:request_success_total", 1, finished_reason="stop"),
+                     expect("vllm:request_success_total", 0, finished_reason="abort"),
+                     expect("vllm:e2e_request_latency_seconds_count", 1)])
+    after = settled(url, before, expected)
+    assert {key: total(after, key[0], **dict(key[1])) - total(before, key[0], **dict(key[1]))
+            for key in expected} == expected

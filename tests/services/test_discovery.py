@@ -44,10 +44,6 @@ FAST = Backoff(initial=0.02, maximum=0.1)
 WAIT = 10.0  # seconds any one change may take to arrive
 
 
-@pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 @pytest.fixture
 def api() -> Iterator[FakeKubeApi]:

@@ -19,7 +19,7 @@ from services.common.model_runner_output import TokenLogprobs
 from services.gateway.app import create_app, end_requests
 from services.processor.async_processor import AsyncProcessor
 from services.processor.processor import Processor
-from services.processor.tokenizer import TokenizerInfo, load_tokenizer
+from services.processor.tokenizer import TokenizerInfo
 
 pytestmark = pytest.mark.anyio
 
@@ -88,14 +88,6 @@ class ScriptedEngine:
         return self.healthy
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path: Path):
-    return load_tokenizer(model_path)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from services.gateway.app import create_app
 from services.gateway.limits import Limits
 from services.processor.async_processor import AsyncProcessor
 from services.processor.processor import Processor
-from services.processor.tokenizer import TokenizerInfo, load_tokenizer
+from services.processor.tokenizer import TokenizerInfo
 from tests.services.test_gateway import MAX_MODEL_LEN, MODEL, ScriptedEngine, assert_openai_error
 
 pytestmark = pytest.mark.anyio
@@ -36,14 +36,6 @@ class FullEngine(ScriptedEngine):
         yield  # an async generator, as the real one
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path: Path):
-    return load_tokenizer(model_path)
 
 
 @pytest.fixture

@@ -31,10 +31,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name three col
         "temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 @pytest.fixture(scope="module")
 async def engine(model_path: Path) -> AsyncIterator[AsyncEngine]:

@@ -71,10 +71,6 @@ def test_1_2_5_buckets_are_vllms():
     assert build_1_2_5_buckets(8192)[-1] == 5000
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 @pytest.mark.anyio
 async def test_grpc_calls_are_counted_by_final_code_on_both_sides():

@@ -14,7 +14,6 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ import pytest
 from tests.deploy.dashboards import dashboard_metric_names
 from tests.services.procs import free_port
 from tests.services.test_metrics import assert_valid_exposition, samples
-from tests.services.test_serve import Serve, client_for, start_serve
+from tests.services.test_serve import Serve, client_for, serve  # noqa: F401 (serve: the module's stack)
 
 pytestmark = pytest.mark.slow
 
@@ -53,15 +52,6 @@ def fetch(url: str) -> bytes:
 def total(values: Samples, name: str, **labels: str) -> float:
     """The sum of `name`'s samples whose labels include `labels`."""
     return sum(v for (n, ls), v in values.items() if n == name and labels.items() <= dict(ls).items())
-
-
-@pytest.fixture(scope="module")
-def serve(model_path: Path) -> Iterator[Serve]:
-    serve = start_serve(model_path)
-    try:
-        yield serve
-    finally:
-        serve.kill()
 
 
 @pytest.fixture(scope="module")

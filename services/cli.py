@@ -7,7 +7,10 @@
 ones on free loopback ports, each after the one before it is healthy; prints where the API is;
 then supervises them. On Ctrl-C or SIGTERM, or when one of them dies, it stops them all, the
 gateway first so that requests in flight can finish, then the rest; SIGKILL after a grace. The
-children get SIGTERM should this process die without stopping them (Linux's parent-death signal).
+children get SIGTERM should this process die without stopping them (Linux's parent-death signal,
+which each child sets on itself first thing: a `preexec_fn` would make subprocess fork() instead of
+vfork(), and a fork() of this process, whose gRPC health checks leave gRPC's threads behind, can
+deadlock in gRPC's fork handlers).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "serve":
         return serve(build_serve_parser().parse_args(rest))
     if command in SERVICES:
+        _follow_supervisor()
         # Imported on demand: a gateway pod must not need torch, which the worker imports.
         return importlib.import_module(SERVICES[command]).main(rest)
     print(f"kvmesh: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
@@ -119,9 +123,18 @@ class Child:
     address: str
 
 
-def _set_parent_death_signal() -> None:
-    # Runs in the child between fork and exec: if `kvmesh serve` dies, the kernel sends SIGTERM.
+SUPERVISOR_PID_ENV = "KVMESH_SUPERVISOR_PID"  # set by `kvmesh serve` for its children
+
+
+def _follow_supervisor() -> None:
+    """In a child of `kvmesh serve`: SIGTERM when the supervisor dies. Set here, after exec (see
+    the module docstring); a supervisor already gone by now means exit at once."""
+    supervisor = os.environ.pop(SUPERVISOR_PID_ENV, None)
+    if supervisor is None:
+        return
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(supervisor):
+        sys.exit("kvmesh: the kvmesh serve that started this service is gone")
 
 
 class Supervisor:
@@ -141,7 +154,7 @@ class Supervisor:
         # A process group of its own: a Ctrl-C at the terminal reaches only us, and we stop the
         # children in order.
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", name, *service_argv],
-                                start_new_session=True, preexec_fn=_set_parent_death_signal)
+                                start_new_session=True, env={**os.environ, SUPERVISOR_PID_ENV: str(os.getpid())})
         self.children.append(Child(name, proc, address))
         deadline = time.monotonic() + timeout
         while not self.stop_requested:

@@ -256,3 +256,18 @@ def test_serve_stops_the_others_when_one_dies(model_path: Path):
         assert all(gone(pid) for pid in serve.child_pids), serve.log()
     finally:
         serve.kill()
+
+
+def test_children_stop_when_serve_itself_is_killed(model_path: Path):
+    """SIGKILL leaves `kvmesh serve` no chance to stop anything: each child asked the kernel for a
+    SIGTERM when its parent dies (the parent-death signal it sets on itself at start)."""
+    serve = start_serve(model_path)
+    try:
+        serve.proc.send_signal(signal.SIGKILL)
+        serve.proc.wait(5)
+        deadline = time.monotonic() + 20
+        while not all(gone(pid) for pid in serve.child_pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(gone(pid) for pid in serve.child_pids), serve.log()
+    finally:
+        serve.kill()

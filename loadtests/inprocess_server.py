@@ -2,10 +2,10 @@
 
     .venv/bin/python -m loadtests.inprocess_server --port 8100 [--model smollm2] [--kv-cache-memory 1GiB]
 
-gateway app (services.gateway.app.create_app) -> AsyncProcessor -> AsyncEngine -> InProcessWorkerClient
--> Worker, built as tests/services/test_gateway_stack.py builds it, served by uvicorn. The same
-components `kvmesh serve` runs as four processes joined by gRPC, with the same defaults (flags named
-as `kvmesh serve`'s), so the two differ only by the processes and the RPCs between them. SIGTERM or
+gateway app (services.gateway.app.create_app) over services.inprocess.AsyncStack (AsyncProcessor ->
+AsyncEngine -> InProcessWorkerClient -> Worker), served by uvicorn. The same components `kvmesh
+serve` runs as four processes joined by gRPC, with the same flags and defaults (services/common/
+config.py), so the two differ only by the processes and the RPCs between them. SIGTERM or
 Ctrl-C stops uvicorn (requests in flight get --grace seconds), then the engine.
 """
 
@@ -17,61 +17,51 @@ import sys
 
 import uvicorn
 
-from services.cli import parse_bytes
-from services.common.config import ATTENTION_BACKENDS, DTYPES, CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
-from services.engine.async_engine import AsyncEngine
+from services.common.config import (
+    CacheConfig,
+    EngineArgs,
+    GatewayConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServingConfig,
+    WorkerConfig,
+)
+from services.common.flags import add_flags, build
 from services.gateway.app import create_app
-from services.processor.async_processor import AsyncProcessor
-from services.processor.processor import Processor
-from services.processor.tokenizer import TokenizerInfo, load_tokenizer
-from services.worker.client import InProcessWorkerClient
-from services.worker.loader import resolve_model
-from services.worker.worker import Worker
+from services.inprocess import AsyncStack
+
+# What `kvmesh serve` takes, less what only the split stack has.
+STACK_FLAGS = [(ModelConfig, {}), (CacheConfig, {}), (SchedulerConfig, {}),
+               (WorkerConfig, {"exclude": ["max_num_seqs"]}), (GatewayConfig, {"only": ["access_log"]})]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m loadtests.inprocess_server",
                                      description="The kvmesh stack in one process behind the OpenAI API.")
-    parser.add_argument("--model", default="smollm2", help="model name, Hugging Face folder or GGUF file")
-    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="e.g. 1GiB")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--grace", type=float, default=5.0, help="seconds for requests in flight at shutdown")
-    parser.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
-                        help="uvicorn's access log (on, as in `kvmesh serve`'s gateway)")
+    for config_class, selection in STACK_FLAGS:
+        add_flags(parser, config_class, None, **selection)
+    add_flags(parser, ServingConfig, None, only=["host", "port", "grace"], defaults={"port": 8000})
     return parser
 
 
-async def serve(args: argparse.Namespace) -> None:
-    model_path = resolve_model(args.model)
-    cache_config = CacheConfig(kv_cache_memory=args.kv_cache_memory)
-    worker = Worker(ModelConfig(model=str(model_path), dtype=args.dtype, device=args.device,
-                                max_model_len=args.max_model_len),
-                    cache_config, WorkerConfig(attention_backend=args.attention_backend))
-    engine = await AsyncEngine.create(InProcessWorkerClient(worker, args.max_num_seqs), cache_config,
-                                      SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                                      max_num_seqs=args.max_num_seqs))
+async def serve(engine_args: EngineArgs, gateway: GatewayConfig, serving: ServingConfig) -> None:
+    stack = await AsyncStack.create(engine_args)
     try:
-        tokenizer = load_tokenizer(model_path)
-        processor = Processor(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, model_path),
-                              engine.core.max_model_len)
-        app = create_app(AsyncProcessor(processor, engine), args.served_model_name or args.model)
-        config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
-                                access_log=args.access_log)
+        app = create_app(stack.processor, engine_args.model.name)
+        config = uvicorn.Config(app, host=serving.host, port=serving.port, timeout_graceful_shutdown=serving.grace,
+                                access_log=gateway.access_log)
         await uvicorn.Server(config).serve()
     finally:
-        await engine.shutdown()
+        await stack.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
-    asyncio.run(serve(build_parser().parse_args(argv)))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    scheduler = build(parser, SchedulerConfig, args)
+    engine_args = EngineArgs(build(parser, ModelConfig, args), build(parser, CacheConfig, args), scheduler,
+                             build(parser, WorkerConfig, args, max_num_seqs=scheduler.max_num_seqs))
+    asyncio.run(serve(engine_args, build(parser, GatewayConfig, args), build(parser, ServingConfig, args)))
     return 0
 
 

@@ -34,7 +34,7 @@ from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import worker_pb2
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from services.common.rpc.server import ServingConfig
+from services.common.config import ServingConfig
 from services.worker.client import GrpcWorkerClient, InProcessWorkerClient
 from services.worker.server import serve
 from services.worker.worker import ModelInfo

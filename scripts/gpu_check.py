@@ -53,6 +53,7 @@ from transformers import LlamaConfig  # noqa: E402
 from kernels.paged_attention import (  # noqa: E402
     AttentionParams, PagedBatch, choose_num_splits, device_num_sms, paged_attention,
 )
+from services.common.clients import WorkerInfo  # noqa: E402
 from services.common.config import CacheConfig, SchedulerConfig  # noqa: E402
 from services.common.engine_output import EngineCoreRequest  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
@@ -244,15 +245,16 @@ def random_model(sizes: Sizes, device: torch.device) -> tuple[LlamaForCausalLM, 
 def engine_end_to_end(device: torch.device, sizes: Sizes) -> list[str]:
     model, config = random_model(sizes, device)
     spec = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, head_size_of(config), BLOCK_SIZE, DTYPE)
-    cache_config = CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=sizes.kv_cache_bytes,
-                               enable_prefix_caching=False)
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=sizes.kv_cache_bytes)
     num_blocks = num_blocks_for_budget(spec, cache_config.kv_cache_memory, cache_config.memory_fraction, device)
     max_batch = max(sizes.engine_batches)
     max_model_len = sizes.prompt_len + sizes.output_len
     runner = ModelRunner(model, allocate_kv_caches(spec, num_blocks, device), get_attention_backend("triton", device),
                          BLOCK_SIZE, max_batch, max_model_len, config.vocab_size)
-    scheduler_config = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max_batch)
-    engine = EngineCore(runner, num_blocks, max_model_len, "random-llama", cache_config, scheduler_config)
+    scheduler_config = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max_batch,
+                                       enable_prefix_caching=False)
+    worker_info = WorkerInfo("random-llama", "", config.vocab_size, max_model_len, BLOCK_SIZE)
+    engine = EngineCore(runner, worker_info, num_blocks, scheduler_config)
     params = SamplingParams(temperature=0.0, max_tokens=sizes.output_len, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     ids = iter(range(10**9))
@@ -280,7 +282,7 @@ def engine_end_to_end(device: torch.device, sizes: Sizes) -> list[str]:
         decode_steps = step_times[len(step_times) // 2 :]  # the second half: every request decoding
         lines.append(f"| {batch} | {tokens} | {wall:.2f} | {tokens / wall:.0f} | "
                      f"{1e3 * statistics.median(decode_steps):.1f} |")
-    engine.kv_cache_manager.check_integrity()
+    engine.check_integrity()
     return lines
 
 

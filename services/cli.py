@@ -20,7 +20,6 @@ import ctypes
 import importlib
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -29,13 +28,26 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.config import ATTENTION_BACKENDS, DEFAULT_MAX_NUM_WAITING, DTYPES
-from services.gateway.limits import Limits
+from services.common.config import (
+    CacheConfig,
+    EngineServiceConfig,
+    GatewayConfig,
+    Limits,
+    PROCESSOR_MODEL_FIELDS,
+    ModelConfig,
+    ProcessorServiceConfig,
+    SchedulerConfig,
+    ServeConfig,
+    ServingConfig,
+    WorkerConfig,
+)
+from services.common.flags import add_flags, build, to_argv
 
 SERVICES = {
     "worker": "services.worker.server",
@@ -57,6 +69,7 @@ GATEWAY_GRACE = 5.0  # seconds the gateway gives requests in flight when stoppin
 INTERNAL_GRACE = 2.0  # the same for the internal services, stopped once the gateway is gone
 KILL_AFTER = 1.5  # extra seconds past a grace before SIGKILL
 PR_SET_PDEATHSIG = 1
+SERVICE_ENV_PREFIXES = tuple(f"KVMESH_{name.upper()}_" for name in SERVICES)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,7 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "serve":
-        return serve(build_serve_parser().parse_args(rest))
+        parser = build_serve_parser()
+        args = parser.parse_args(rest)
+        return serve(ServeSpec(*(build(parser, c, args) for c, _ in SERVE_FLAGS)))
     if command in SERVICES:
         _follow_supervisor()
         # Imported on demand: a gateway pod must not need torch, which the worker imports.
@@ -78,41 +93,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ----------------------------------------------------------------------------- kvmesh serve
 
 
-def parse_bytes(text: str) -> int:
-    """`134217728`, `128MiB`, `128M`, `1GiB`, `1.5G` -> bytes (K/M/G are binary, as for memory)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 134217728, 128MiB, 1GiB)")
-    number, unit = float(match.group(1)), match.group(2)
-    return int(number * 1024 ** " kmgt".index(unit or " "))
+# What `kvmesh serve` takes of each config: the model and the engine's knobs whole; of the worker's,
+# the attention backend (its batch cap is the engine's --max-num-seqs); the gateway's limits and keys.
+SERVE_FLAGS: list[tuple[type, dict[str, object]]] = [
+    (ModelConfig, {}),
+    (CacheConfig, {}),
+    (SchedulerConfig, {}),
+    (WorkerConfig, {"exclude": ["max_num_seqs"]}),
+    (Limits, {}),
+    (GatewayConfig, {"only": ["api_key"]}),
+    (ServeConfig, {}),
+]
 
 
 def build_serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh serve",
                                      description="Serve a model behind an OpenAI-compatible API on this machine.")
-    parser.add_argument("--model", default="smollm2", help="model name, Hugging Face folder or GGUF file")
-    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
-    parser.add_argument("--host", default=LOOPBACK, help="interface the API listens on")
-    parser.add_argument("--port", type=int, default=8000, help="port of the API")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
-    parser.add_argument("--device", default="cpu", help="torch device of the worker (cpu, cuda)")
-    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                        help="KV cache size, e.g. 512MiB (default: a fraction of free memory)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-waiting", type=int, default=DEFAULT_MAX_NUM_WAITING,
-                        help="requests the engine holds beyond --max-num-seqs; more get a 503 with Retry-After")
-    parser.add_argument("--api-key", action="append", default=None,
-                        help="a key clients must send as `Authorization: Bearer <key>` (repeatable; default: "
-                             "KVMESH_API_KEY's comma-separated keys; none: no authentication)")
-    Limits.add_flags(parser, lambda name, default: default)
-    parser.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
-    parser.add_argument("--startup-timeout", type=float, default=600.0,
-                        help="seconds each service may take to become healthy")
-    parser.add_argument("--print-addresses", action="store_true",
-                        help="print one JSON line with every service's address and pid once ready")
+    for config_class, selection in SERVE_FLAGS:
+        add_flags(parser, config_class, None, **selection)
     return parser
 
 
@@ -153,8 +151,10 @@ class Supervisor:
         a stop was requested meanwhile (then the caller stops everything)."""
         # A process group of its own: a Ctrl-C at the terminal reaches only us, and we stop the
         # children in order.
+        # Every knob is in the argv: the service's own environment variables would only disagree.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(SERVICE_ENV_PREFIXES)}
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", name, *service_argv],
-                                start_new_session=True, env={**os.environ, SUPERVISOR_PID_ENV: str(os.getpid())})
+                                start_new_session=True, env={**env, SUPERVISOR_PID_ENV: str(os.getpid())})
         self.children.append(Child(name, proc, address))
         deadline = time.monotonic() + timeout
         while not self.stop_requested:
@@ -205,59 +205,91 @@ class Supervisor:
             child.proc.wait()
 
 
-def serve(args: argparse.Namespace) -> int:
+class ServeSpec(NamedTuple):
+    """`kvmesh serve`'s configs, in SERVE_FLAGS' order."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    worker: WorkerConfig
+    limits: Limits
+    gateway: GatewayConfig
+    serve: ServeConfig
+
+
+def serve(spec: ServeSpec) -> int:
     supervisor = Supervisor()
     previous = {sig: signal.signal(sig, supervisor.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _serve(args, supervisor)
+        return _serve(spec, supervisor)
     finally:
         supervisor.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _serve(args: argparse.Namespace, supervisor: Supervisor) -> int:
-    worker_port, engine_port, processor_port, *metrics_ports = free_ports(6)
-    worker, engine, processor = (f"{LOOPBACK}:{p}" for p in (worker_port, engine_port, processor_port))
-    served_model_name = args.served_model_name or args.model
-    model_flags = ["--model", args.model] + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
-    worker_argv = [*model_flags, "--host", LOOPBACK, "--port", str(worker_port), "--dtype", args.dtype,
-                   "--device", args.device, "--attention-backend", args.attention_backend,
-                   "--max-num-seqs", str(args.max_num_seqs), "--grace", str(INTERNAL_GRACE)]
-    if args.kv_cache_memory is not None:
-        worker_argv += ["--kv-cache-memory", str(args.kv_cache_memory)]
-    if args.max_model_len is not None:
-        worker_argv += ["--max-model-len", str(args.max_model_len)]
-    engine_argv = ["--worker-address", worker, "--host", LOOPBACK, "--port", str(engine_port),
-                   "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-                   str(args.max_num_batched_tokens), "--max-num-waiting", str(args.max_num_waiting),
-                   "--grace", str(INTERNAL_GRACE)]
-    processor_argv = [*model_flags, "--engine-address", engine, "--host", LOOPBACK, "--port",
-                      str(processor_port), "--grace", str(INTERNAL_GRACE)]
-    gateway_argv = ["--processor-address", processor, "--served-model-name", served_model_name,
-                    "--host", args.host, "--port", str(args.port), "--grace", str(GATEWAY_GRACE),
-                    *Limits.from_args(args).to_argv()]
-    for key in args.api_key or []:  # else the gateway reads KVMESH_API_KEY, which it inherits
-        gateway_argv += ["--api-key", key]
-    api = f"http://{_url_host(args.host)}:{args.port}"
-    # Each internal service's /metrics on a free loopback port; the gateway's /metrics merges them.
-    metrics = {"worker": f"http://{LOOPBACK}:{metrics_ports[0]}/metrics", "gateway": f"{api}/metrics",
-               "engine": f"http://{LOOPBACK}:{metrics_ports[1]}/metrics",
-               "processor": f"http://{LOOPBACK}:{metrics_ports[2]}/metrics"}
-    for service_argv, port in zip((worker_argv, engine_argv, processor_argv), metrics_ports):
-        service_argv += ["--metrics-port", str(port), "--served-model-name", served_model_name]
-    gateway_argv += ["--aggregate-metrics", ",".join(metrics[name] for name in ("worker", "engine", "processor"))]
+class Layout(NamedTuple):
+    """Where `kvmesh serve` puts each service: gRPC addresses on loopback and /metrics URLs."""
+
+    ports: dict[str, int]  # worker, engine, processor
+    metrics_ports: dict[str, int]  # worker, engine, processor
+
+    @classmethod
+    def on_free_ports(cls) -> Layout:
+        ports = free_ports(6)
+        return cls(dict(zip(INTERNAL, ports[:3])), dict(zip(INTERNAL, ports[3:])))
+
+    def address(self, name: str) -> str:
+        return f"{LOOPBACK}:{self.ports[name]}"
+
+    def metrics_url(self, name: str) -> str:
+        return f"http://{LOOPBACK}:{self.metrics_ports[name]}/metrics"
+
+
+INTERNAL = ("worker", "engine", "processor")
+
+
+def service_argvs(spec: ServeSpec, layout: Layout) -> dict[str, list[str]]:
+    """Each child's flags, every field of its configs spelled out (services/common/flags.py)."""
+    model = replace(spec.model, served_model_name=spec.model.name)  # one name for every service's metrics
+
+    def serving(name: str) -> list[str]:
+        return to_argv(ServingConfig(LOOPBACK, layout.ports[name], INTERNAL_GRACE,
+                                     metrics_port=layout.metrics_ports[name]))
+
+    gateway = replace(spec.gateway, processor_address=layout.address("processor"),
+                      aggregate_metrics=tuple(layout.metrics_url(name) for name in INTERNAL))
+    return {
+        "worker": [*to_argv(model), *to_argv(spec.cache),
+                   *to_argv(replace(spec.worker, max_num_seqs=spec.scheduler.max_num_seqs)), *serving("worker")],
+        "engine": [*to_argv(EngineServiceConfig(worker_address=layout.address("worker"))), *to_argv(spec.scheduler),
+                   *to_argv(model, only=["served_model_name"]), *serving("engine")],
+        "processor": [*to_argv(ProcessorServiceConfig(engine_address=layout.address("engine"))),
+                      *to_argv(model, only=PROCESSOR_MODEL_FIELDS), *serving("processor")],
+        "gateway": [*to_argv(gateway), *to_argv(model, only=["served_model_name"]), *to_argv(spec.limits),
+                    *to_argv(ServingConfig(spec.serve.host, spec.serve.port, GATEWAY_GRACE),
+                             only=["host", "port", "grace"])],
+    }
+
+
+def _serve(spec: ServeSpec, supervisor: Supervisor) -> int:
+    layout = Layout.on_free_ports()
+    argvs = service_argvs(spec, layout)
+    host, port = spec.serve.host, spec.serve.port
+    api = f"http://{_url_host(host)}:{port}"
+    worker, engine, processor = (layout.address(name) for name in INTERNAL)
+    metrics = {name: layout.metrics_url(name) for name in INTERNAL} | {"gateway": f"{api}/metrics"}
     steps = [
-        ("worker", worker_argv, worker, lambda: grpc_serving(worker)),
-        ("engine", engine_argv, engine, lambda: grpc_serving(engine)),
-        ("processor", processor_argv, processor, lambda: grpc_serving(processor)),
-        ("gateway", gateway_argv, f"{args.host}:{args.port}", lambda: http_ok(f"{api}/health")),
+        ("worker", worker, lambda: grpc_serving(worker)),
+        ("engine", engine, lambda: grpc_serving(engine)),
+        ("processor", processor, lambda: grpc_serving(processor)),
+        ("gateway", f"{host}:{port}", lambda: http_ok(f"{api}/health")),
     ]
-    for name, service_argv, address, ready in steps:
-        if not supervisor.start(name, service_argv, address, ready, args.startup_timeout):
+    for name, address, ready in steps:
+        if not supervisor.start(name, argvs[name], address, ready, spec.serve.startup_timeout):
             return 0 if supervisor.stop_requested else 1
-    print(f"kvmesh: serving {served_model_name} at {api}/v1 (Ctrl-C to stop)", flush=True)
-    if args.print_addresses:
+    print(f"kvmesh: serving {spec.model.name} at {api}/v1 (Ctrl-C to stop)", flush=True)
+    if spec.serve.print_addresses:
         services = {c.name: {"address": c.address, "pid": c.proc.pid, "metrics": metrics[c.name]}
                     for c in supervisor.children}
         print(json.dumps({"kvmesh": "ready", "api": f"{api}/v1", "services": services}), flush=True)

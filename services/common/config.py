@@ -1,95 +1,293 @@
 """Configuration: frozen dataclasses, one per concern, built once at the edge (CLI or `LLM(...)`).
 
-Facts found at run time (the number of KV blocks, eos ids, the model's context length) are return
-values of the components that find them, never writes into these objects.
+Each field is the one source of its knob: its default, its help text, its bounds and (through
+services/common/flags.py) its command-line flag and environment variable. A service's parser is
+built from the dataclasses it takes, `kvmesh serve` hands its children these objects as flags
+(flags.to_argv), and a new knob is one field here.
+
+Facts found at run time (the number of KV blocks, eos ids, the model's context length, the block
+size an engine learns from its worker) are return values of the components that find them, never
+writes into these objects.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
 import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import Field, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from services.common.sampling_params import MAX_LOGPROBS
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 POLICIES = ("fcfs", "priority")
-DEFAULT_MAX_NUM_WAITING = 1024  # the engine service's bound on its queue (SchedulerConfig.max_num_waiting)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("KVMESH_CACHE_DIR", Path.home() / ".cache" / "kvmesh"))
 
 
+def parse_bytes(text: str) -> int:
+    """`134217728`, `128MiB`, `128M`, `1GiB`, `1.5G` -> bytes (K/M/G are binary, as for memory)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (examples: 134217728, 128MiB, 1GiB)")
+    number, unit = float(match.group(1)), match.group(2)
+    return int(number * 1024 ** " kmgt".index(unit or " "))
+
+
+def http_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise ValueError(f"not an http(s) URL: {text!r}")
+    return text
+
+
+def option(default: Any, help: str, *, flag: str | None = None, choices: Sequence[Any] | None = None,
+           minimum: float | None = None, maximum: float | None = None,
+           parse: Callable[[str], Any] | None = None) -> Any:
+    """A config field with what its flag needs: `flag` (default `--field-name`), `choices` and the
+    bounds (checked by `check_fields` for every way the object is built), `parse` for flag and
+    environment text (default: the field's type). A tuple-typed field is a repeatable flag."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "minimum": minimum, "maximum": maximum,
+                "parse": parse}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("config fields are immutable: use a tuple")
+    return field(default=default, metadata=metadata)
+
+
+def check_fields(config: object) -> None:
+    """ValueError for a field outside its choices or bounds (None always passes: it means unset)."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if value is None or not f.metadata:
+            continue
+        choices, minimum, maximum = f.metadata["choices"], f.metadata["minimum"], f.metadata["maximum"]
+        if choices is not None and value not in choices:
+            raise ValueError(f"{f.name} must be one of {tuple(choices)}, got {value!r}")
+        if minimum is not None and value < minimum:
+            raise ValueError(f"{f.name} must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise ValueError(f"{f.name} must be at most {maximum}, got {value}")
+
+
+# ----------------------------------------------------------------------------- model, cache, engine, worker
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = "smollm2"
-    dtype: str = "float32"
-    device: str = "cpu"
-    max_model_len: int | None = None  # None: the model's own
-    cache_dir: Path | None = None  # None: default_cache_dir()
-    seed: int = 0
+    model: str = option("smollm2", "model: smollm2 (the embedded default), a Hugging Face folder or a .gguf file")
+    served_model_name: str | None = option(
+        None, "the name clients use and metrics are labelled with (default: --model)")
+    dtype: str = option("float32", "weights' and activations' dtype", choices=DTYPES)
+    device: str = option("cpu", "torch device of the worker (cpu, cuda, cuda:1)")
+    max_model_len: int | None = option(None, "context length (default: the model's own)", minimum=2)
+    seed: int = option(0, "seed of the worker's random state")
+    cache_dir: Path | None = option(
+        None, "where converted GGUF models are kept (default: $KVMESH_CACHE_DIR, else ~/.cache/kvmesh)")
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        check_fields(self)
+
+    @property
+    def name(self) -> str:
+        """What clients call the model."""
+        return self.served_model_name or self.model
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None: memory_fraction of what is free
-    memory_fraction: float = 0.2
-    enable_prefix_caching: bool = True
+    """The worker's KV cache. The engine learns the block size from its worker (WorkerInfo)."""
+
+    block_size: int = option(16, "tokens per KV-cache block (a power of two)", minimum=1)
+    kv_cache_memory: int | None = option(
+        None, "KV cache bytes, e.g. 512MiB (default: --memory-fraction of free memory)", minimum=1, parse=parse_bytes)
+    memory_fraction: float = option(0.2, "share of free memory for the KV cache when --kv-cache-memory is unset",
+                                    minimum=0.0, maximum=1.0)
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        check_fields(self)
+        if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.memory_fraction == 0:
+            raise ValueError("memory_fraction must be in (0, 1], got 0")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    policy: str = "fcfs"
-    enable_chunked_prefill: bool = True
-    # Requests the engine may hold beyond its max_num_seqs running slots; a new one past that is
-    # refused (EngineOverloadedError) rather than queued without bound. None: no limit (the offline
-    # LLM queues a whole batch); the engine service defaults to DEFAULT_MAX_NUM_WAITING.
-    max_num_waiting: int | None = None
+    max_num_batched_tokens: int = option(2048, "tokens one engine step may compute", minimum=1)
+    max_num_seqs: int = option(128, "requests running at once", minimum=1)
+    # The offline LLM passes None (it queues a whole batch); a service never queues without bound.
+    max_num_waiting: int | None = option(
+        1024, "requests held beyond --max-num-seqs; more are refused (RESOURCE_EXHAUSTED, HTTP 503 with "
+              "Retry-After), never queued without bound", minimum=0)
+    policy: str = option("fcfs", "the waiting queue's order", flag="--scheduling-policy", choices=POLICIES)
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompts' shared prefixes")
 
     def __post_init__(self) -> None:
-        if self.max_num_waiting is not None and self.max_num_waiting < 0:
-            raise ValueError(f"max_num_waiting must be non-negative, got {self.max_num_waiting}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        check_fields(self)
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    attention_backend: str = "auto"
+    attention_backend: str = option("auto", "attention kernels (auto: cpu on a CPU, triton on a GPU)",
+                                    choices=ATTENTION_BACKENDS)
+    max_num_seqs: int = option(1024, "the largest batch an engine may ask this worker for", minimum=1)
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
-            )
+        check_fields(self)
 
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """Everything the in-process engine needs, composed once."""
+    """Everything the in-process stack needs, composed once (services/inprocess.py)."""
 
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     worker: WorkerConfig = WorkerConfig()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """From keyword arguments named as the flags are (`LLM(max_num_seqs=8, scheduling_policy=
+        "priority")`); `max_num_seqs` sizes both the scheduler and the worker's batch. TypeError for
+        a name no config has."""
+        unknown = set(kwargs)
+        parts = {}
+        for part in fields(cls):
+            config_class = type(part.default)
+            values = {f.name: kwargs[kwarg_name(f)] for f in fields(config_class) if kwarg_name(f) in kwargs}
+            unknown -= {kwarg_name(f) for f in fields(config_class)}
+            parts[part.name] = config_class(**values)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        return cls(**parts)
+
+
+def kwarg_name(f: Field) -> str:
+    """A field's name as a keyword argument: its flag's (`scheduling_policy` for SchedulerConfig.policy)."""
+    return (f.metadata.get("flag") or f.name).lstrip("-").replace("-", "_")
+
+
+# ----------------------------------------------------------------------------- services
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Where a service listens and how it stops (services/common/rpc/server.py RpcServer.shutdown).
+    Each service gives its own default ports (flags.add_flags(defaults=...))."""
+
+    host: str = option("127.0.0.1", "interface to listen on (loopback unless a deployment asks for more)")
+    port: int = option(0, "port to listen on", minimum=0, maximum=65535)
+    grace: float = option(5.0, "seconds in-flight calls get at shutdown", minimum=0.0)
+    drain: float = option(0.0, "seconds between NOT_SERVING and refusing new calls at shutdown", minimum=0.0)
+    metrics_port: int = option(0, "port of /metrics on --host (0: none)", minimum=0, maximum=65535)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class EngineServiceConfig:
+    """How the engine service finds its worker: an address, or a Kubernetes Service's endpoint."""
+
+    worker_address: str | None = option(None, "the worker, off Kubernetes (default 127.0.0.1:50053)")
+    worker_service: str | None = option(
+        None, "the workers' Kubernetes Service: connect to its ready endpoint (port named grpc) whose hostname "
+              "is --worker-hostname; excludes --worker-address")
+    worker_hostname: str | None = option(
+        None, "with --worker-service (default: this host's name with -engine- replaced by -worker-)")
+    namespace: str | None = option(
+        None, "the Service's namespace (default: this pod's, else $KVMESH_NAMESPACE, else default)")
+    worker_timeout: float = option(60.0, "deadline (s) of each worker call, and for the worker to come up",
+                                   minimum=0.0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.worker_service is None and self.worker_hostname is not None:
+            raise ValueError("--worker-hostname needs --worker-service")
+        if self.worker_service is not None and self.worker_address is not None:
+            raise ValueError("--worker-address and --worker-service exclude each other")
+
+
+# What the processor takes of ModelConfig: the tokenizer's model and the name its metrics carry.
+PROCESSOR_MODEL_FIELDS = ("model", "served_model_name", "cache_dir")
+
+
+@dataclass(frozen=True)
+class ProcessorServiceConfig:
+    """How the processor service finds its engines: an address, or a Kubernetes Service's endpoints."""
+
+    engine_address: str | None = option(None, "the one engine, off Kubernetes (default 127.0.0.1:50052)")
+    engine_service: str | None = option(
+        None, "the engines' Kubernetes Service: route to its ready endpoints (port named grpc); "
+              "excludes --engine-address")
+    namespace: str | None = option(
+        None, "the Service's namespace (default: this pod's, else $KVMESH_NAMESPACE, else default)")
+    engine_timeout: float = option(10.0, "deadline (s) of each unary engine call", minimum=0.0)
+    startup_timeout: float = option(300.0, "seconds to wait for an engine to come up", minimum=0.0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.engine_service is not None and self.engine_address is not None:
+            raise ValueError("--engine-address and --engine-service exclude each other")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    processor_address: str = option("127.0.0.1:50051", "the processor")
+    timeout: float = option(10.0, "deadline (s) of each unary processor call and of the health check",
+                            minimum=0.0)
+    access_log: bool = option(True, "uvicorn's access log")
+    log_level: str = option("info", "uvicorn's log level", choices=LOG_LEVELS)
+    api_key: tuple[str, ...] = option(
+        (), "a key clients must send as `Authorization: Bearer <key>` (repeatable; default: the "
+            "comma-separated keys in KVMESH_API_KEY; none: no authentication)")
+    aggregate_metrics: tuple[str, ...] = option(
+        (), "/metrics URL of a local service to merge into this /metrics (repeatable; set by `kvmesh serve`, "
+            "never in a pod, where each is scraped on its own)", parse=http_url)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the gateway; over a limit is a 400 naming the limit's flag
+    (services/gateway/limits.py checks them)."""
+
+    max_body_bytes: int = option(8 * 2**20, "bytes of a request body", minimum=1)
+    max_prompts: int = option(64, "prompts in one completion request", minimum=1)
+    max_n: int = option(16, "choices per prompt (n)", minimum=1)
+    max_logprobs: int = option(MAX_LOGPROBS, "top logprobs per token (logprobs, top_logprobs, prompt_logprobs)",
+                               minimum=1, maximum=MAX_LOGPROBS)
+    max_stop_strings: int = option(16, "stop strings in one request", minimum=1)
+    max_stop_string_length: int = option(256, "characters of one stop string", minimum=1)
+    # None: only the model's context bounds it. --max-tokens would read as a default, hence the name.
+    max_tokens: int | None = option(
+        None, "tokens one choice may generate; a request that leaves max_tokens open gets this many at most "
+              "(default: no limit)", flag="--max-tokens-limit", minimum=1)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`kvmesh serve`'s own knobs (the services' come from the dataclasses above)."""
+
+    host: str = option("127.0.0.1", "interface the API listens on")
+    port: int = option(8000, "port of the API", minimum=0, maximum=65535)
+    startup_timeout: float = option(600.0, "seconds each service may take to become healthy", minimum=0.0)
+    print_addresses: bool = option(False, "print one JSON line with every service's address and pid once ready")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+def flag_of(config_class: type, name: str) -> str:
+    """The command-line flag of a field, e.g. `--max-tokens-limit` for Limits.max_tokens."""
+    return "--" + kwarg_name(next(f for f in fields(config_class) if f.name == name)).replace("_", "-")

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import replace
 
 from services.common.clients import EngineInfo, EngineStats, WorkerClient
-from services.common.config import CacheConfig, SchedulerConfig
+from services.common.config import SchedulerConfig
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.engine.engine_core import EngineCore
 from services.engine.metrics import EngineMetrics
@@ -67,18 +67,12 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    async def create(cls, worker: WorkerClient, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+    async def create(cls, worker: WorkerClient, scheduler_config: SchedulerConfig,
                      metrics: Callable[[EngineCore], EngineMetrics] | None = None) -> AsyncEngine:
-        """Ask the worker for its model and KV-cache size, build the core (and its metrics, which
-        need the core's sizes), start the loop."""
-        worker_info = await asyncio.to_thread(worker.get_info)
-        if worker_info.block_size != cache_config.block_size:
-            raise ValueError(f"the engine's block size {cache_config.block_size} differs from its worker's "
-                             f"{worker_info.block_size}; start both with the same --block-size")
-        num_blocks = await asyncio.to_thread(worker.initialize_cache, scheduler_config.max_num_seqs)
-        core = EngineCore(None, num_blocks, worker_info.max_model_len, worker_info.model_id,
-                          cache_config, scheduler_config)
-        info = EngineInfo(worker_info.model_id, worker_info.model_path, core.max_model_len, core.block_size)
+        """Ask the worker for its model, block size and KV-cache size, build the core (and its
+        metrics, which need the core's sizes), start the loop."""
+        core = await asyncio.to_thread(EngineCore.create, worker, scheduler_config)
+        info = EngineInfo(core.model_id, core.worker_info.model_path, core.max_model_len, core.block_size)
         engine = cls(core, worker, info, metrics(core) if metrics is not None else None)
         engine.start()
         return engine
@@ -196,7 +190,7 @@ class AsyncEngine:
 
     def _has_pending_work(self) -> bool:
         # Finished ids alone still need a step: the worker must drop their state.
-        return self.core.has_unfinished_requests() or bool(self.core.scheduler.finished_req_ids)
+        return self.core.has_unfinished_requests() or self.core.has_finished_requests()
 
     def _step(self) -> list[tuple[str, Item]]:
         start = time.perf_counter()
@@ -234,7 +228,7 @@ class AsyncEngine:
         with self._inbox_lock:
             self._new_requests.clear()
             self._aborts.clear()
-        self.core.abort_requests(list(self.core.scheduler.requests))
+        self.core.abort_all()
         for queue in self._queues.values():
             queue.put_nowait(self._error)
 

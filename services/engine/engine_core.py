@@ -6,11 +6,12 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
-from services.common.clients import EngineStats
-from services.common.config import CacheConfig, SchedulerConfig
+from services.common.clients import EngineStats, WorkerClient, WorkerInfo
+from services.common.config import SchedulerConfig
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
+from services.common.validation import check_params_token_ids, check_prompt
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.kv_events import KVCacheEvent
 from services.engine.request import Request, RequestStatus
@@ -28,22 +29,20 @@ class EngineCore:
     AsyncEngine (services/engine/async_engine.py) passes executor=None and calls its worker between
     `schedule()` and `update_from_output()` itself, on its engine-loop thread."""
 
-    def __init__(
-        self,
-        executor: Executor | None,
-        num_blocks: int,
-        max_model_len: int,
-        model_id: str,
-        cache_config: CacheConfig,
-        scheduler_config: SchedulerConfig,
-    ) -> None:
+    def __init__(self, executor: Executor | None, worker_info: WorkerInfo, num_blocks: int,
+                 scheduler_config: SchedulerConfig) -> None:
+        """`worker_info` and `num_blocks` are what the worker said of itself (its model, its block
+        size, the KV cache it allocated)."""
         self.executor = executor
-        self.block_size = cache_config.block_size
-        self.model_id = model_id
+        self.worker_info = worker_info
+        self.block_size = worker_info.block_size
+        self.model_id = worker_info.model_id
+        self.vocab_size = worker_info.vocab_size
         self.scheduling_policy = scheduler_config.policy
+        self.enable_prefix_caching = scheduler_config.enable_prefix_caching
         # A context longer than the whole KV cache could never be scheduled.
-        self.max_model_len = min(max_model_len, num_blocks * self.block_size)
-        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
+        self.max_model_len = min(worker_info.max_model_len, num_blocks * self.block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, scheduler_config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
@@ -53,21 +52,24 @@ class EngineCore:
             max_num_waiting=scheduler_config.max_num_waiting,
         )
 
+    @classmethod
+    def create(cls, worker: WorkerClient, scheduler_config: SchedulerConfig,
+               executor: Executor | None = None) -> EngineCore:
+        """Ask the worker for its model and block size, have it allocate its KV cache for
+        `max_num_seqs` requests, and build the core over what it has. Blocking."""
+        worker_info = worker.get_info()
+        num_blocks = worker.initialize_cache(scheduler_config.max_num_seqs)
+        return cls(executor, worker_info, num_blocks, scheduler_config)
+
     def check_request(self, request: EngineCoreRequest) -> None:
-        """ValueError unless the request fits this engine. Reads nothing that changes: safe from
-        any thread."""
-        num_prompt = len(request.prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty")
+        """ValueError unless the request fits this engine (the processor checked it too; the engine
+        trusts no caller). Reads nothing that changes: safe from any thread."""
+        check_prompt(request.prompt_token_ids, self.max_model_len, self.vocab_size)
+        check_params_token_ids(request.sampling_params, self.vocab_size)
         if request.priority and self.scheduling_policy != "priority":
             # As vLLM: a priority the scheduler would ignore is the caller's mistake, said at once.
             raise ValueError(f"priority is not supported by the {self.scheduling_policy!r} scheduling policy; "
                              "start the engine with --scheduling-policy priority")
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {num_prompt} tokens; this model's context is {self.max_model_len} tokens, "
-                "and at least one must be left to generate"
-            )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.check_request(request)
@@ -105,6 +107,17 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def has_finished_requests(self) -> bool:
+        """Requests finished since the last step, which the worker still holds: a step (even an
+        empty one) tells it to drop them."""
+        return bool(self.scheduler.finished_req_ids)
+
+    def abort_all(self) -> None:
+        self.abort_requests(list(self.scheduler.requests))
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
 
     def stats(self) -> EngineStats:
         manager = self.kv_cache_manager

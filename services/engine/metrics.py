@@ -138,8 +138,7 @@ class EngineMetrics:
 
     @classmethod
     def for_core(cls, registry: CollectorRegistry, labels: EngineLabels, core: EngineCore) -> EngineMetrics:
-        manager = core.kv_cache_manager
-        cache_info = CacheInfo(core.block_size, manager.block_pool.num_blocks, manager.enable_caching)
+        cache_info = CacheInfo(core.block_size, core.stats().num_total_blocks, core.enable_prefix_caching)
         return cls(registry, labels, core.max_model_len, cache_info, core.stats)
 
     # ------------------------------------------------------------------ fed by the engine-loop thread

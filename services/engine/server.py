@@ -6,8 +6,10 @@
 
 config -> GrpcWorkerClient (blocking; the engine-loop thread calls it) -> AsyncEngine ->
 EngineServicer -> grpc.aio server (+ health, reflection) -> SIGTERM -> NOT_SERVING -> drain ->
-stop(grace) -> engine shutdown. Health follows the engine: NOT_SERVING as soon as its worker fails. Every flag falls back to
-KVMESH_ENGINE_<FLAG> (KVMESH_ENGINE_PORT, KVMESH_ENGINE_WORKER_ADDRESS, ...).
+stop(grace) -> engine shutdown. Health follows the engine: NOT_SERVING as soon as its worker fails.
+The block size is the worker's (WorkerInfo). Flags come from services/common/config.py
+(EngineServiceConfig, SchedulerConfig, ServingConfig); each falls back to KVMESH_ENGINE_<FIELD>
+(KVMESH_ENGINE_PORT, KVMESH_ENGINE_WORKER_ADDRESS, ...).
 """
 
 from __future__ import annotations
@@ -17,17 +19,20 @@ import asyncio
 import logging
 import socket
 import sys
+from dataclasses import replace
+from typing import NamedTuple
 
 import grpc
 
 from services.common.clients import EngineClient
-from services.common.config import DEFAULT_MAX_NUM_WAITING, POLICIES, CacheConfig, SchedulerConfig
+from services.common.config import EngineServiceConfig, ModelConfig, SchedulerConfig, ServingConfig
+from services.common.flags import add_flags, build
 from services.common.discovery import EndpointWatcher, kube_configuration
 from services.common.errors import EngineOverloadedError
 from services.common.metrics import MetricsEndpoint, ServiceMetrics
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
-from services.common.rpc.server import RpcServer, ServingConfig, flag_default, service_name
+from services.common.rpc.server import RpcServer, service_name
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.metrics import EngineLabels, EngineMetrics
 from services.worker.client import GrpcWorkerClient
@@ -37,6 +42,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PORT = 50052
 DEFAULT_METRICS_PORT = 9052
 DEFAULT_WORKER_ADDRESS = "127.0.0.1:50053"
+ENV_PREFIX = "KVMESH_ENGINE"  # KVMESH_ENGINE_PORT for --port, ...
 SERVICE_NAME = service_name(engine_pb2.DESCRIPTOR, "Engine")
 
 
@@ -85,11 +91,11 @@ async def _follow_health(engine: AsyncEngine, server: RpcServer) -> None:
     await server.set_serving(False)
 
 
-async def serve(worker: GrpcWorkerClient, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                serving: ServingConfig, metrics: ServiceMetrics, model_name: str | None = None) -> None:
+async def serve(worker: GrpcWorkerClient, scheduler_config: SchedulerConfig, serving: ServingConfig,
+                metrics: ServiceMetrics, model_name: str | None = None) -> None:
     """Serve until SIGTERM/SIGINT. The worker's client deadlines bound the wait for it to come up.
     vLLM's metrics are labelled `model_name` (default: the worker's model id)."""
-    engine = await AsyncEngine.create(worker, cache_config, scheduler_config, lambda core: EngineMetrics.for_core(
+    engine = await AsyncEngine.create(worker, scheduler_config, lambda core: EngineMetrics.for_core(
         metrics.registry, EngineLabels(model_name or core.model_id), core))
     server = RpcServer(serving.host, serving.port, [SERVICE_NAME], [metrics.grpc.server_interceptor()])
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server.server)
@@ -121,89 +127,52 @@ def paired_worker_hostname(engine_hostname: str) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    def flag(name: str, default: object) -> object:
-        return flag_default("KVMESH_ENGINE", name, default)
-
     parser = argparse.ArgumentParser(prog="kvmesh engine", description="The kvmesh engine service.")
-    parser.add_argument("--worker-address", default=flag("worker_address", None),
-                        help=f"the worker, off Kubernetes (default {DEFAULT_WORKER_ADDRESS})")
-    parser.add_argument("--worker-service", default=flag("worker_service", None),
-                        help="the workers' Kubernetes Service: connect to its ready endpoint (port named grpc) "
-                             "whose hostname is --worker-hostname; excludes --worker-address")
-    parser.add_argument("--worker-hostname", default=flag("worker_hostname", None),
-                        help="with --worker-service (default: this host's name with -engine- replaced by -worker-)")
-    parser.add_argument("--namespace", default=flag("namespace", None),
-                        help="the Service's namespace (default: this pod's, else $KVMESH_NAMESPACE, else default)")
-    parser.add_argument("--host", default=flag("host", "127.0.0.1"), help="interface to listen on")
-    parser.add_argument("--port", type=int, default=flag("port", DEFAULT_PORT))
-    parser.add_argument("--max-num-batched-tokens", type=int, default=flag("max_num_batched_tokens", 2048))
-    parser.add_argument("--max-num-seqs", type=int, default=flag("max_num_seqs", 128))
-    parser.add_argument("--max-num-waiting", type=int, default=flag("max_num_waiting", DEFAULT_MAX_NUM_WAITING),
-                        help="requests held beyond the --max-num-seqs running ones; more are refused "
-                             "(RESOURCE_EXHAUSTED), never queued without bound")
-    parser.add_argument("--scheduling-policy", default=flag("scheduling_policy", "fcfs"), choices=POLICIES)
-    parser.add_argument("--block-size", type=int, default=flag("block_size", 16),
-                        help="must equal the worker's --block-size")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=_bool(flag("enable_prefix_caching", "true")))
-    parser.add_argument("--worker-timeout", type=float, default=flag("worker_timeout", 60.0),
-                        help="deadline (s) of each worker call, and for the worker to come up")
-    parser.add_argument("--grace", type=float, default=flag("grace", 5.0), help="seconds for in-flight streams at shutdown")
-    parser.add_argument("--drain", type=float, default=flag("drain", 0.0),
-                        help="seconds between NOT_SERVING and refusing new calls at shutdown")
-    parser.add_argument("--metrics-port", type=int, default=flag("metrics_port", DEFAULT_METRICS_PORT),
-                        help="port of /metrics on --host (0: none)")
-    parser.add_argument("--served-model-name", default=flag("served_model_name", None),
-                        help="the model_name label of vLLM's metrics (default: the worker's model id)")
+    add_flags(parser, EngineServiceConfig, ENV_PREFIX)
+    add_flags(parser, SchedulerConfig, ENV_PREFIX)
+    add_flags(parser, ModelConfig, ENV_PREFIX, only=["served_model_name"])
+    add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})
     return parser
 
 
-def _bool(value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    if str(value).lower() in ("1", "true", "yes", "on"):
-        return True
-    if str(value).lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"not a boolean: {value!r}")
+class EngineServiceArgs(NamedTuple):
+    service: EngineServiceConfig
+    scheduler: SchedulerConfig
+    model: ModelConfig
+    serving: ServingConfig
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> EngineServiceArgs:
+    """The engine's configs; the worker's address defaulted or, with --worker-service, the paired
+    worker's hostname found."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.worker_service is None:
-        if args.worker_hostname is not None:
-            parser.error("--worker-hostname needs --worker-service")
-        args.worker_address = args.worker_address or DEFAULT_WORKER_ADDRESS
-        return args
-    if args.worker_address is not None:
-        parser.error("--worker-address and --worker-service exclude each other")
-    if args.worker_hostname is None:
-        args.worker_hostname = paired_worker_hostname(socket.gethostname())
-        if args.worker_hostname is None:
+    service = build(parser, EngineServiceConfig, args)
+    if service.worker_service is None and service.worker_address is None:
+        service = replace(service, worker_address=DEFAULT_WORKER_ADDRESS)
+    elif service.worker_service is not None and service.worker_hostname is None:
+        hostname = paired_worker_hostname(socket.gethostname())
+        if hostname is None:
             parser.error(f"--worker-hostname is needed: this host's name ({socket.gethostname()}) has no -engine-")
-    return args
+        service = replace(service, worker_hostname=hostname)
+    return EngineServiceArgs(service, build(parser, SchedulerConfig, args), build(parser, ModelConfig, args),
+                      build(parser, ServingConfig, args))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    service, scheduler_config, model_config, serving = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
-    cache_config = CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching)
-    scheduler_config = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                       max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy,
-                                       max_num_waiting=args.max_num_waiting)
-    serving = ServingConfig(args.host, args.port, args.grace, args.drain)
 
     async def run() -> None:
-        address = args.worker_address or await discover_worker(args.worker_service, args.worker_hostname,
-                                                               args.namespace)
+        address = service.worker_address or await discover_worker(service.worker_service, service.worker_hostname,
+                                                                  service.namespace)
         metrics = ServiceMetrics.create("engine")
-        endpoint = MetricsEndpoint.start(metrics.registry, args.host, args.metrics_port)
+        endpoint = MetricsEndpoint.start(metrics.registry, serving.host, serving.metrics_port)
         # No client interceptor on the step channel: it is the hottest call there is, timed by
         # kvmesh_engine_step_rpc_seconds, and the worker's server side counts its calls by code.
-        worker = GrpcWorkerClient(address, timeout=args.worker_timeout, step_timeout=args.worker_timeout)
+        worker = GrpcWorkerClient(address, timeout=service.worker_timeout, step_timeout=service.worker_timeout)
         try:
-            await serve(worker, cache_config, scheduler_config, serving, metrics, args.served_model_name)
+            await serve(worker, scheduler_config, serving, metrics, model_config.served_model_name)
         finally:
             if endpoint is not None:
                 endpoint.close()

@@ -32,7 +32,8 @@ from services.gateway.chat import chat_chunks, chat_response, generate_request
 from services.gateway.completion import completion_chunks, completion_response, generate_requests
 from services.gateway.errors import OPENAPI_ERRORS, APIError, api_error_of, model_not_found
 from services.gateway.generation import Generation
-from services.gateway.limits import BodyLimitMiddleware, Limits
+from services.common.config import Limits
+from services.gateway.limits import BodyLimitMiddleware, check_limits
 from services.gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -155,7 +156,7 @@ class _API:
 
     def _params(self, body: SamplingRequest) -> SamplingParams:
         self._check_model(body.model)
-        return self.limits.check(body, to_sampling_params(body))
+        return check_limits(self.limits, body, to_sampling_params(body))
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:

@@ -1,94 +1,51 @@
 """What one request may ask of the server: body size, prompts, choices, logprobs, stop strings,
-tokens. One frozen dataclass built at the edge from flags; a request over a limit is a 400 that
-names the limit and its flag.
+tokens (services.common.config.Limits, built at the edge from flags); a request over a limit is a
+400 that names the limit and its flag.
 
 The body size is checked by an ASGI middleware as the body streams in (a client announcing or
 sending more than the limit is refused without the rest being read); everything else by
-`Limits.check` on the parsed request, where the gateway turns it into SamplingParams.
+`check_limits` on the parsed request, where the gateway turns it into SamplingParams.
 """
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from services.common.config import Limits, flag_of
+from services.common.sampling_params import SamplingParams
 from services.gateway.errors import APIError, bad_request
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
-@dataclass(frozen=True)
-class Limits:
-    max_body_bytes: int = field(default=8 * 2**20, metadata={"help": "bytes of a request body"})
-    max_prompts: int = field(default=64, metadata={"help": "prompts in one completion request"})
-    max_n: int = field(default=16, metadata={"help": "choices per prompt (n)"})
-    max_logprobs: int = field(default=MAX_LOGPROBS, metadata={
-        "help": "top logprobs per token (logprobs, top_logprobs, prompt_logprobs)"})
-    max_stop_strings: int = field(default=16, metadata={"help": "stop strings in one request"})
-    max_stop_string_length: int = field(default=256, metadata={"help": "characters of one stop string"})
-    # None: only the model's context bounds it.
-    max_tokens: int | None = field(default=None, metadata={
-        "help": "tokens one choice may generate; a request that leaves max_tokens open gets this many at most"})
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is not None and value < 1:
-                raise ValueError(f"{f.name} must be positive, got {value}")
-        if self.max_logprobs > MAX_LOGPROBS:
-            raise ValueError(f"max_logprobs must be at most {MAX_LOGPROBS} (the sampler's), got {self.max_logprobs}")
-
-    def check(self, body: SamplingRequest, params: SamplingParams) -> SamplingParams:
-        """`params` (made from `body`) within the limits: APIError (400) for what is over one;
-        max_tokens, when the request did not set it (or set it to null), capped at the limit."""
-        if isinstance(body, CompletionRequest):
-            _at_most(len(body.prompts()), self.max_prompts, "prompts", "prompt", "max_prompts")
-        _at_most(params.n, self.max_n, "n", "n", "max_n")
-        logprobs_param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
-        for name, value in ((logprobs_param, params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
-            if value is not None:
-                _at_most(value, self.max_logprobs, name, name, "max_logprobs")
-        _at_most(len(params.stop), self.max_stop_strings, "stop strings", "stop", "max_stop_strings")
-        for stop in params.stop:
-            _at_most(len(stop), self.max_stop_string_length, "characters in a stop string", "stop",
-                     "max_stop_string_length")
-        if self.max_tokens is None:
-            return params
-        given = sorted({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
-        if not given or params.max_tokens is None:  # the endpoint's default, or the rest of the context
-            return replace(params, max_tokens=min(params.max_tokens or self.max_tokens, self.max_tokens))
-        _at_most(params.max_tokens, self.max_tokens, given[0], given[0], "max_tokens")
+def check_limits(limits: Limits, body: SamplingRequest, params: SamplingParams) -> SamplingParams:
+    """`params` (made from `body`) within the limits: APIError (400) for what is over one;
+    max_tokens, when the request did not set it (or set it to null), capped at the limit."""
+    if isinstance(body, CompletionRequest):
+        _at_most(len(body.prompts()), limits.max_prompts, "prompts", "prompt", "max_prompts")
+    _at_most(params.n, limits.max_n, "n", "n", "max_n")
+    logprobs_param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+    for name, value in ((logprobs_param, params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        if value is not None:
+            _at_most(value, limits.max_logprobs, name, name, "max_logprobs")
+    _at_most(len(params.stop), limits.max_stop_strings, "stop strings", "stop", "max_stop_strings")
+    for stop in params.stop:
+        _at_most(len(stop), limits.max_stop_string_length, "characters in a stop string", "stop",
+                 "max_stop_string_length")
+    if limits.max_tokens is None:
         return params
-
-    @classmethod
-    def add_flags(cls, parser: argparse.ArgumentParser, default: Callable[[str, object], object]) -> None:
-        """--max-body-bytes, --max-prompts, ... (`default(name, value)`: the flag's default, e.g. from
-        the environment); `max_tokens` is --max-tokens-limit, as --max-tokens would read as a default."""
-        for f in fields(cls):
-            parser.add_argument(_flag(f.name), dest=f.name, type=int, default=default(f.name, f.default),
-                                help=f"{f.metadata['help']} (default: {f.default or 'no limit'})")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Limits:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
-    def to_argv(self) -> list[str]:
-        """The flags that rebuild these limits (for `kvmesh serve` to hand to the gateway)."""
-        return [arg for f in fields(self) if getattr(self, f.name) is not None
-                for arg in (_flag(f.name), str(getattr(self, f.name)))]
-
-
-def _flag(name: str) -> str:
-    return "--max-tokens-limit" if name == "max_tokens" else f"--{name.replace('_', '-')}"
+    given = sorted({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
+    if not given or params.max_tokens is None:  # the endpoint's default, or the rest of the context
+        return replace(params, max_tokens=min(params.max_tokens or limits.max_tokens, limits.max_tokens))
+    _at_most(params.max_tokens, limits.max_tokens, given[0], given[0], "max_tokens")
+    return params
 
 
 def _at_most(value: int, limit: int, what: str, param: str, name: str) -> None:
     if value > limit:
-        raise APIError(400, f"{value} {what} is over this server's limit of {limit} ({_flag(name)})",
+        raise APIError(400, f"{value} {what} is over this server's limit of {limit} ({flag_of(Limits, name)})",
                        "invalid_request_error", param, "limit_exceeded")
 
 

@@ -5,7 +5,8 @@
 config -> GrpcProcessorClient -> create_app -> uvicorn -> SIGTERM -> stop accepting, give
 in-flight requests `--grace` seconds, end those still running with a 503 / an error event (which
 aborts them down to the engine).
-Every flag falls back to KVMESH_GATEWAY_<FLAG> (KVMESH_GATEWAY_PORT, ...).
+Flags come from services/common/config.py (GatewayConfig, Limits, ServingConfig); each falls back
+to KVMESH_GATEWAY_<FIELD> (KVMESH_GATEWAY_PORT, ...).
 """
 
 from __future__ import annotations
@@ -20,17 +21,18 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from services.common.rpc.server import flag_default
+from services.common.config import GatewayConfig, Limits, ModelConfig, ServingConfig
+from services.common.flags import add_flags, build
 from services.common.metrics import GrpcMetrics
 from services.gateway.app import create_app, end_requests
 from services.gateway.auth import API_KEY_ENV, api_keys_from
-from services.gateway.limits import Limits
 from services.gateway.metrics import GatewayMetrics
 from services.processor.client import GrpcProcessorClient
 
 logger = logging.getLogger("uvicorn.error")  # uvicorn configures its own loggers only
 
 DEFAULT_PORT = 8000
+ENV_PREFIX = "KVMESH_GATEWAY"  # KVMESH_GATEWAY_PORT for --port, ...
 
 
 END_MARGIN = 1.0  # seconds before the grace runs out at which the app ends what is still running
@@ -61,62 +63,36 @@ class GatewayServer(uvicorn.Server):
             logger.warning("ended %d request(s) still running at shutdown", count)
 
 
-async def serve(processor_address: str, served_model_name: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                timeout: float = 10.0, grace: float = 5.0, access_log: bool = True, log_level: str = "info",
-                aggregate_metrics: Sequence[str] = (), limits: Limits = Limits(),
+async def serve(gateway: GatewayConfig, served_model_name: str, serving: ServingConfig, limits: Limits = Limits(),
                 api_keys: Sequence[str] = ()) -> None:
-    metrics = GatewayMetrics(aggregate_metrics)
-    processor = GrpcProcessorClient(processor_address, timeout=timeout,
+    metrics = GatewayMetrics(gateway.aggregate_metrics)
+    processor = GrpcProcessorClient(gateway.processor_address, timeout=gateway.timeout,
                                     metrics=GrpcMetrics(metrics.registry, "gateway"))
-    app = create_app(processor, served_model_name, health_timeout=timeout, metrics=metrics, limits=limits,
+    app = create_app(processor, served_model_name, health_timeout=gateway.timeout, metrics=metrics, limits=limits,
                      api_keys=api_keys)
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=grace, access_log=access_log,
-                            log_level=log_level)
+    config = uvicorn.Config(app, host=serving.host, port=serving.port, timeout_graceful_shutdown=serving.grace,
+                            access_log=gateway.access_log, log_level=gateway.log_level)
     try:
-        await GatewayServer(config, app, grace).serve()
+        await GatewayServer(config, app, serving.grace).serve()
     finally:
         await processor.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    def flag(name: str, default: object) -> object:
-        return flag_default("KVMESH_GATEWAY", name, default)
-
     parser = argparse.ArgumentParser(prog="kvmesh gateway", description="The kvmesh OpenAI-compatible gateway.")
-    parser.add_argument("--processor-address", default=flag("processor_address", "127.0.0.1:50051"))
-    parser.add_argument("--served-model-name", default=flag("served_model_name", "smollm2"),
-                        help="the model name clients send (and /v1/models lists)")
-    parser.add_argument("--host", default=flag("host", "127.0.0.1"), help="interface to listen on")
-    parser.add_argument("--port", type=int, default=flag("port", DEFAULT_PORT))
-    parser.add_argument("--timeout", type=float, default=flag("timeout", 10.0),
-                        help="deadline (s) of each unary processor call and of the health check")
-    parser.add_argument("--grace", type=float, default=flag("grace", 5.0),
-                        help="seconds for in-flight requests at shutdown")
-    parser.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--log-level", default=flag("log_level", "info"))
-    parser.add_argument("--api-key", action="append", default=None,
-                        help=f"a key clients must send as `Authorization: Bearer <key>` (repeatable; default: "
-                             f"the comma-separated keys in {API_KEY_ENV}; none: no authentication)")
-    Limits.add_flags(parser, flag)
-    parser.add_argument("--aggregate-metrics", type=_urls, default=flag("aggregate_metrics", ""),
-                        help="comma-separated /metrics URLs of local services to merge into this /metrics "
-                             "(set by `kvmesh serve`; never in a pod, where each is scraped on its own)")
+    add_flags(parser, GatewayConfig, ENV_PREFIX)
+    add_flags(parser, ModelConfig, ENV_PREFIX, only=["served_model_name"])
+    add_flags(parser, Limits, ENV_PREFIX)
+    add_flags(parser, ServingConfig, ENV_PREFIX, only=["host", "port", "grace"], defaults={"port": DEFAULT_PORT})
     return parser
 
 
-def _urls(text: str) -> list[str]:
-    urls = [url.strip() for url in text.split(",") if url.strip()]
-    for url in urls:
-        if not url.startswith(("http://", "https://")):
-            raise argparse.ArgumentTypeError(f"not an http(s) URL: {url!r}")
-    return urls
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    asyncio.run(serve(args.processor_address, args.served_model_name, args.host, args.port, args.timeout,
-                      args.grace, args.access_log, args.log_level, args.aggregate_metrics, Limits.from_args(args),
-                      api_keys_from(args.api_key)))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    gateway = build(parser, GatewayConfig, args)
+    asyncio.run(serve(gateway, build(parser, ModelConfig, args).name, build(parser, ServingConfig, args),
+                      build(parser, Limits, args), api_keys_from(gateway.api_key)))
     return 0
 
 

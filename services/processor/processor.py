@@ -4,16 +4,19 @@ offline `LLM` both use this class."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from services.common.clients import GenerateRequest, TokenizeRequest
 from services.common.engine_output import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
+from services.common.validation import check_params_token_ids, check_prompt, check_token_ids
 from services.processor.output_processor import RequestOutputState
-from services.processor.tokenizer import TokenizerInfo, apply_chat_template, chat_template_variables
+from services.processor.tokenizer import TokenizerInfo, apply_chat_template, chat_template_variables, load_tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -28,6 +31,12 @@ TEMPLATE_INPUTS = frozenset({"tools", "documents"})
 
 
 class Processor:
+    @classmethod
+    def load(cls, model_path: str | os.PathLike[str], max_model_len: int) -> Processor:
+        """The processor of a local model folder (its tokenizer, chat template and eos ids)."""
+        tokenizer = load_tokenizer(model_path)
+        return cls(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, model_path), max_model_len)
+
     def __init__(self, tokenizer: PreTrainedTokenizerBase, info: TokenizerInfo, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.info = info
@@ -85,19 +94,25 @@ class Processor:
         return [str(t) for t in self.tokenizer.convert_ids_to_tokens(list(token_ids))]
 
     def check_vocabulary(self, token_ids: Sequence[int]) -> None:
-        bad = [t for t in token_ids if not 0 <= t < self.info.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of vocabulary (size {self.info.vocab_size})")
+        check_token_ids(token_ids, self.info.vocab_size)
 
-    def validate(self, prompt_token_ids: Sequence[int]) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens; this model's maximum context length is "
-                f"{self.max_model_len} tokens, and at least one must be left to generate"
-            )
-        self.check_vocabulary(prompt_token_ids)
+    def prompt_of(self, request: GenerateRequest | TokenizeRequest) -> list[int]:
+        """The token ids of the one prompt form `request` carries (text, ids or chat messages),
+        truncated as it asks; ValueError on bad input."""
+        token_ids = request.prompt_token_ids if isinstance(request, GenerateRequest) else None
+        forms = [request.prompt is not None, token_ids is not None, request.messages is not None]
+        if sum(forms) != 1:
+            raise ValueError("exactly one of prompt, prompt_token_ids and messages must be given")
+        if request.messages is not None:
+            prompt = self.tokenize_chat(request.messages, request.add_generation_prompt,
+                                        request.continue_final_message, request.chat_template_kwargs)
+        elif request.prompt is not None:
+            prompt = self.tokenize(request.prompt, request.add_special_tokens)
+        else:
+            prompt = self.tokenize(token_ids)
+        if isinstance(request, GenerateRequest):
+            return self.truncate(prompt, request.truncate_prompt_tokens)
+        return prompt
 
     def make_requests(
         self,
@@ -108,8 +123,10 @@ class Processor:
         cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
         """One engine request per choice: `{request_id}` for n == 1, else `{request_id}-{i}` with
-        seed + i, so that a seeded request is reproducible choice by choice."""
-        self.validate(prompt_token_ids)
+        seed + i, so that a seeded request is reproducible choice by choice. ValueError for a prompt
+        or parameters the engine would refuse."""
+        check_prompt(prompt_token_ids, self.max_model_len, self.info.vocab_size)
+        check_params_token_ids(params, self.info.vocab_size)
         if params.n == 1:
             return [EngineCoreRequest(request_id, prompt_token_ids, params, self.info.eos_token_ids,
                                       priority, cache_salt)]

@@ -6,8 +6,9 @@ engine reached by gRPC.
 
 config -> tokenizer (no weights) + engines -> AsyncProcessor -> ProcessorServicer ->
 grpc.aio server (+ health, reflection) -> SIGTERM -> NOT_SERVING -> drain -> stop(grace). Health
-follows the engine's, checked every second. Every flag falls back to KVMESH_PROCESSOR_<FLAG>
-(KVMESH_PROCESSOR_PORT, KVMESH_PROCESSOR_ENGINE_ADDRESS, ...).
+follows the engine's, checked every second. Flags come from services/common/config.py
+(ProcessorServiceConfig, ModelConfig's model fields, ServingConfig); each falls back to
+KVMESH_PROCESSOR_<FIELD> (KVMESH_PROCESSOR_PORT, KVMESH_PROCESSOR_ENGINE_ADDRESS, ...).
 
 The engines: one GrpcEngineClient at --engine-address (off Kubernetes), or with --engine-service an
 EngineSet over the Service's ready endpoints, followed through the Kubernetes API (EndpointWatcher);
@@ -23,17 +24,20 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
+from dataclasses import replace
+from typing import NamedTuple
 
 import grpc
 
 from services.common.clients import EngineClient, EngineInfo, ProcessorClient
+from services.common.config import PROCESSOR_MODEL_FIELDS, ModelConfig, ProcessorServiceConfig, ServingConfig
+from services.common.flags import add_flags, build
 from services.common.discovery import EndpointWatcher, kube_configuration
 from services.common.errors import EngineOverloadedError
 from services.common.metrics import GrpcMetrics, MetricsEndpoint, ServiceMetrics
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
-from services.common.rpc.server import RpcServer, flag_default, service_name
+from services.common.rpc.server import RpcServer, service_name
 from services.engine.client import GrpcEngineClient
 from services.processor.async_processor import AsyncProcessor
 from services.processor.engine_set import EngineSet
@@ -50,6 +54,7 @@ DEFAULT_METRICS_PORT = 9051
 DEFAULT_ENGINE_ADDRESS = "127.0.0.1:50052"
 SERVICE_NAME = service_name(processor_pb2.DESCRIPTOR, "Processor")
 HEALTH_INTERVAL = 1.0  # seconds between checks of the engine's health
+ENV_PREFIX = "KVMESH_PROCESSOR"  # KVMESH_PROCESSOR_PORT for --port, ...
 
 
 def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
@@ -127,20 +132,21 @@ async def wait_for_engine(engine: EngineClient, timeout: float) -> EngineInfo:
 
 
 @asynccontextmanager
-async def open_engines(args: argparse.Namespace, metrics: GrpcMetrics | None = None) -> AsyncIterator[EngineClient]:
+async def open_engines(config: ProcessorServiceConfig,
+                       metrics: GrpcMetrics | None = None) -> AsyncIterator[EngineClient]:
     """The one engine at --engine-address, or the ready engines of --engine-service as they come and go."""
     def connect(address: str) -> GrpcEngineClient:
-        return GrpcEngineClient(address, timeout=args.engine_timeout, metrics=metrics)
+        return GrpcEngineClient(address, timeout=config.engine_timeout, metrics=metrics)
 
-    if args.engine_service is None:
-        engine = connect(args.engine_address)
+    if config.engine_service is None:
+        engine = connect(config.engine_address or DEFAULT_ENGINE_ADDRESS)
         try:
             yield engine
         finally:
             await engine.close()
         return
-    engines = EngineSet(args.engine_service, connect)
-    watcher = EndpointWatcher(args.engine_service, kube_configuration(), args.namespace)
+    engines = EngineSet(config.engine_service, connect)
+    watcher = EndpointWatcher(config.engine_service, kube_configuration(), config.namespace)
     watcher.subscribe(engines.update)
     watcher.start()
     try:
@@ -162,13 +168,12 @@ async def follow_engine_health(processor: AsyncProcessor, server: RpcServer, int
             serving = healthy
 
 
-async def serve(model: str, engine: EngineClient, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                cache_dir: Path | None = None, startup_timeout: float = 300.0, grace: float = 5.0,
-                drain: float = 0.0, metrics: Callable[[int], ProcessorMetrics] | None = None) -> None:
+async def serve(model: ModelConfig, engine: EngineClient, serving: ServingConfig, startup_timeout: float = 300.0,
+                metrics: Callable[[int], ProcessorMetrics] | None = None) -> None:
     """Serve until SIGTERM/SIGINT. The model is resolved for its tokenizer only; no weights load.
     The caller owns `engine` (open_engines). `metrics` makes this processor's metrics once the
     engine's context length (their token buckets' top) is known."""
-    model_path = resolve_model(model, cache_dir)
+    model_path = resolve_model(model.model, model.cache_dir)
     tokenizer = load_tokenizer(model_path)
     engine_info = await wait_for_engine(engine, startup_timeout)
     if engine_info.model_id != model_id_of(model_path):
@@ -179,73 +184,51 @@ async def serve(model: str, engine: EngineClient, host: str = "127.0.0.1", port:
         Processor(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, model_path), engine_info.max_model_len), engine,
         processor_metrics)
     interceptors = [processor_metrics.service.grpc.server_interceptor()] if processor_metrics is not None else []
-    server = RpcServer(host, port, [SERVICE_NAME], interceptors)
+    server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors)
     processor_pb2_grpc.add_ProcessorServicer_to_server(ProcessorServicer(processor), server.server)
     await server.start()
     health = asyncio.create_task(follow_engine_health(processor, server, HEALTH_INTERVAL))
     await server.wait_for_termination_signal()
     health.cancel()
-    await server.shutdown(grace, drain)
+    await server.shutdown(serving.grace, serving.drain)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    def flag(name: str, default: object) -> object:
-        return flag_default("KVMESH_PROCESSOR", name, default)
-
     parser = argparse.ArgumentParser(prog="kvmesh processor", description="The kvmesh processor service.")
-    parser.add_argument("--engine-address", default=flag("engine_address", None),
-                        help=f"the one engine, off Kubernetes (default {DEFAULT_ENGINE_ADDRESS})")
-    parser.add_argument("--engine-service", default=flag("engine_service", None),
-                        help="the engines' Kubernetes Service: route to its ready endpoints (port named grpc); "
-                             "excludes --engine-address")
-    parser.add_argument("--namespace", default=flag("namespace", None),
-                        help="the Service's namespace (default: this pod's, else $KVMESH_NAMESPACE, else default)")
-    parser.add_argument("--model", default=flag("model", "smollm2"),
-                        help="the engine's model (name, path or GGUF file): its tokenizer is loaded")
-    parser.add_argument("--cache-dir", type=Path, default=flag("cache_dir", None))
-    parser.add_argument("--host", default=flag("host", "127.0.0.1"), help="interface to listen on")
-    parser.add_argument("--port", type=int, default=flag("port", DEFAULT_PORT))
-    parser.add_argument("--engine-timeout", type=float, default=flag("engine_timeout", 10.0),
-                        help="deadline (s) of each unary engine call")
-    parser.add_argument("--startup-timeout", type=float, default=flag("startup_timeout", 300.0),
-                        help="seconds to wait for the engine to come up")
-    parser.add_argument("--grace", type=float, default=flag("grace", 5.0),
-                        help="seconds for in-flight streams at shutdown")
-    parser.add_argument("--drain", type=float, default=flag("drain", 0.0),
-                        help="seconds between NOT_SERVING and refusing new calls at shutdown")
-    parser.add_argument("--metrics-port", type=int, default=flag("metrics_port", DEFAULT_METRICS_PORT),
-                        help="port of /metrics on --host (0: none)")
-    parser.add_argument("--served-model-name", default=flag("served_model_name", None),
-                        help="the model_name label of vLLM's metrics (default: --model)")
+    add_flags(parser, ProcessorServiceConfig, ENV_PREFIX)
+    add_flags(parser, ModelConfig, ENV_PREFIX, only=PROCESSOR_MODEL_FIELDS)
+    add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+class ProcessorArgs(NamedTuple):
+    service: ProcessorServiceConfig
+    model: ModelConfig
+    serving: ServingConfig
+
+
+def parse_args(argv: list[str] | None = None) -> ProcessorArgs:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.engine_service is not None and args.engine_address is not None:
-        parser.error("--engine-address and --engine-service exclude each other")
-    if args.engine_service is None and args.engine_address is None:
-        args.engine_address = DEFAULT_ENGINE_ADDRESS
-    return args
+    service = build(parser, ProcessorServiceConfig, args)
+    if service.engine_service is None and service.engine_address is None:
+        service = replace(service, engine_address=DEFAULT_ENGINE_ADDRESS)
+    return ProcessorArgs(service, build(parser, ModelConfig, args), build(parser, ServingConfig, args))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    service, model, serving = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s processor: %(message)s")
-
     service_metrics = ServiceMetrics.create("processor")
-    model_name = args.served_model_name or args.model
 
     def metrics(max_model_len: int) -> ProcessorMetrics:
-        return ProcessorMetrics(service_metrics, model_name, max_model_len)
+        return ProcessorMetrics(service_metrics, model.name, max_model_len)
 
     async def run() -> None:
-        async with open_engines(args, service_metrics.grpc) as engine:
-            await serve(args.model, engine, args.host, args.port, args.cache_dir, args.startup_timeout, args.grace,
-                        args.drain, metrics)
+        async with open_engines(service, service_metrics.grpc) as engine:
+            await serve(model, engine, serving, service.startup_timeout, metrics)
 
-    endpoint = MetricsEndpoint.start(service_metrics.registry, args.host, args.metrics_port)
+    endpoint = MetricsEndpoint.start(service_metrics.registry, serving.host, serving.metrics_port)
     try:
         asyncio.run(run())
     finally:

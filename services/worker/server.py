@@ -3,7 +3,8 @@
     python -m services.worker.server --model smollm2 --port 50053 --kv-cache-memory 268435456
 
 config -> Worker core -> WorkerServicer -> grpc.aio server (+ health, reflection) -> SIGTERM ->
-NOT_SERVING -> stop(grace). Every flag falls back to KVMESH_WORKER_<FLAG> (KVMESH_WORKER_PORT, ...).
+NOT_SERVING -> stop(grace). Flags come from services/common/config.py (ModelConfig, CacheConfig,
+WorkerConfig, ServingConfig); each falls back to KVMESH_WORKER_<FIELD> (KVMESH_WORKER_PORT, ...).
 """
 
 from __future__ import annotations
@@ -15,18 +16,18 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TypeVar
 
 import grpc
 
 from services.common.clients import WorkerClient
-from services.common.config import ATTENTION_BACKENDS, DTYPES, CacheConfig, ModelConfig, WorkerConfig
+from services.common.config import CacheConfig, ModelConfig, ServingConfig, WorkerConfig
+from services.common.flags import add_flags, build
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.metrics import MetricsEndpoint, ServiceMetrics
 from services.common.model_runner_output import ModelRunnerOutput
-from services.common.rpc.server import RpcServer, ServingConfig, flag_default, service_name
+from services.common.rpc.server import RpcServer, service_name
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.client import InProcessWorkerClient
 from services.worker.metrics import WorkerMetrics
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50053
 DEFAULT_METRICS_PORT = 9053
+ENV_PREFIX = "KVMESH_WORKER"  # KVMESH_WORKER_PORT for --port, ...
 T = TypeVar("T")
 INLINE_STEP_TOKENS = 256  # see WorkerServicer
 SERVICE_NAME = service_name(worker_pb2.DESCRIPTOR, "Worker")
@@ -102,45 +104,25 @@ async def serve(worker: WorkerClient, serving: ServingConfig, metrics: WorkerMet
 
 
 def build_parser() -> argparse.ArgumentParser:
-    def flag(name: str, default: object) -> object:
-        return flag_default("KVMESH_WORKER", name, default)
-
     parser = argparse.ArgumentParser(prog="kvmesh worker", description="The kvmesh worker service.")
-    parser.add_argument("--model", default=flag("model", "smollm2"), help="model name, path or GGUF file")
-    parser.add_argument("--dtype", default=flag("dtype", "float32"), choices=DTYPES)
-    parser.add_argument("--device", default=flag("device", "cpu"), help="torch device (cpu, cuda, cuda:1)")
-    parser.add_argument("--max-model-len", type=int, default=flag("max_model_len", None))
-    parser.add_argument("--seed", type=int, default=flag("seed", 0))
-    parser.add_argument("--cache-dir", type=Path, default=flag("cache_dir", None))
-    parser.add_argument("--host", default=flag("host", "127.0.0.1"), help="interface to listen on")
-    parser.add_argument("--port", type=int, default=flag("port", DEFAULT_PORT))
-    parser.add_argument("--block-size", type=int, default=flag("block_size", 16))
-    parser.add_argument("--kv-cache-memory", type=int, default=flag("kv_cache_memory", None),
-                        help="KV cache bytes (default: a fraction of free memory)")
-    parser.add_argument("--attention-backend", default=flag("attention_backend", "auto"), choices=ATTENTION_BACKENDS)
-    parser.add_argument("--max-num-seqs", type=int, default=flag("max_num_seqs", 1024),
-                        help="the largest batch an engine may ask this worker for")
-    parser.add_argument("--grace", type=float, default=flag("grace", 5.0), help="seconds for in-flight calls at shutdown")
-    parser.add_argument("--metrics-port", type=int, default=flag("metrics_port", DEFAULT_METRICS_PORT),
-                        help="port of /metrics on --host (0: none)")
-    parser.add_argument("--served-model-name", default=flag("served_model_name", None),
-                        help="the model_name label of this worker's metrics (default: the model's id)")
+    for config_class in (ModelConfig, CacheConfig, WorkerConfig):
+        add_flags(parser, config_class, ENV_PREFIX)
+    add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    model_config, cache_config, worker_config, serving = (
+        build(parser, c, args) for c in (ModelConfig, CacheConfig, WorkerConfig, ServingConfig))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker: %(message)s")
-    model_config = ModelConfig(model=args.model, dtype=args.dtype, device=args.device,
-                               max_model_len=args.max_model_len, cache_dir=args.cache_dir, seed=args.seed)
-    cache_config = CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
-    worker = Worker(model_config, cache_config, WorkerConfig(attention_backend=args.attention_backend))
-    serving = ServingConfig(args.host, args.port, args.grace)
-    metrics = WorkerMetrics(ServiceMetrics.create("worker"), args.served_model_name or worker.info.model_id)
+    worker = Worker(model_config, cache_config, worker_config)
+    metrics = WorkerMetrics(ServiceMetrics.create("worker"), model_config.served_model_name or worker.info.model_id)
     metrics.watch_forward(worker.model, worker.device)
-    endpoint = MetricsEndpoint.start(metrics.service.registry, args.host, args.metrics_port)
+    endpoint = MetricsEndpoint.start(metrics.service.registry, serving.host, serving.metrics_port)
     try:
-        asyncio.run(serve(InProcessWorkerClient(worker, args.max_num_seqs), serving, metrics))
+        asyncio.run(serve(InProcessWorkerClient(worker, worker_config.max_num_seqs), serving, metrics))
     finally:
         if endpoint is not None:
             endpoint.close()

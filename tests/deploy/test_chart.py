@@ -136,7 +136,7 @@ def test_engine_finds_its_worker(example: tuple[str, dict[str, str]]) -> None:
     assert args_of(objs, "processor")["engine-service"] == engine["spec"]["serviceName"]
     engine_ports = find(objs, "Service", engine["spec"]["serviceName"])["spec"]["ports"]
     assert "grpc" in [p["name"] for p in engine_ports]
-    assert args_of(objs, "engine")["block-size"] == args_of(objs, "worker")["block-size"]
+    assert "block-size" not in args_of(objs, "engine")  # the engine takes its worker's
 
 
 def test_every_service_reports_the_served_model_name(example: tuple[str, dict[str, str]]) -> None:

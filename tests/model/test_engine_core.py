@@ -27,7 +27,7 @@ def assert_nothing_left(llm: LLM) -> None:
     llm.flush()
     manager = llm.engine.kv_cache_manager
     manager.check_integrity()
-    llm.engine.scheduler.check_integrity()
+    llm.engine.check_integrity()
     assert manager.block_pool.get_num_free_blocks() == len(manager.block_pool.blocks)
     assert llm.worker.runner.batch.num_reqs == 0
 
@@ -47,7 +47,7 @@ def test_abort_at_any_moment_frees_blocks_and_worker_state(llm: LLM):
     finished = []
     while engine.has_unfinished_requests():
         finished += [o.request_id for o in engine.step() if o.finished]
-        engine.scheduler.check_integrity()
+        engine.check_integrity()
     engine.abort_requests(["finishing"])  # after completion: a no-op
     assert sorted(finished) == ["finishing", "waiting"]
     assert_nothing_left(llm)

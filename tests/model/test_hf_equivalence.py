@@ -136,8 +136,8 @@ def test_preemption_matches_hf(model_path, hf_model, prompt_token_ids):
     llm = LLM(model=str(model_path), kv_cache_memory=num_blocks * block_bytes)
     assert llm.engine.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks
     outputs = llm.generate(prompt_token_ids, GREEDY)
-    assert llm.engine.scheduler.num_preemptions > 0, "the small KV cache should have forced preemption"
-    print(f"preemptions: {llm.engine.scheduler.num_preemptions}")
+    assert llm.engine.stats().num_preemptions > 0, "the small KV cache should have forced preemption"
+    print(f"preemptions: {llm.engine.stats().num_preemptions}")
     check_all(llm, hf_model, prompt_token_ids, outputs, "preemption")
 
 

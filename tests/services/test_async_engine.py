@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from services.common.clients import WorkerInfo
-from services.common.config import CacheConfig, SchedulerConfig
+from services.common.config import SchedulerConfig
 from services.common.engine_output import EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.sampling_params import SamplingParams
@@ -72,8 +72,7 @@ def request(request_id: str, max_tokens: int = 5, prompt_len: int = 20) -> Engin
 
 
 async def make_engine(worker: ScriptedWorker) -> AsyncEngine:
-    return await AsyncEngine.create(worker, CacheConfig(block_size=4),
-                                    SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8))
+    return await AsyncEngine.create(worker, SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8))
 
 
 async def until(predicate, timeout: float = 2.0) -> None:
@@ -83,10 +82,10 @@ async def until(predicate, timeout: float = 2.0) -> None:
 
 
 async def assert_idle(engine: AsyncEngine, worker: ScriptedWorker) -> None:
-    await until(lambda: not worker.requests and not engine.core.scheduler.finished_req_ids)
+    await until(lambda: not worker.requests and not engine.core.has_finished_requests())
     stats = await engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_used_blocks) == (0, 0, 0)
-    engine.core.scheduler.check_integrity()
+    engine.core.check_integrity()
 
 
 def test_streams_every_token_then_the_worker_drops_the_request():
@@ -209,9 +208,20 @@ def test_a_failed_step_fails_every_stream_and_every_later_request():
     asyncio.run(main())
 
 
-def test_an_engine_block_size_other_than_its_workers_is_refused():
-    with pytest.raises(ValueError, match="block size"):
-        asyncio.run(AsyncEngine.create(ScriptedWorker(), CacheConfig(block_size=16), SchedulerConfig()))
+def test_the_engine_takes_its_block_size_from_its_worker():
+    async def main():
+        worker = ScriptedWorker()  # its blocks hold 4 tokens
+        engine = await make_engine(worker)
+        assert engine.core.block_size == 4 and (await engine.info()).block_size == 4
+        worker.permits = threading.Semaphore(1)  # the prompt's step, then the engine waits
+        stream = engine.generate(request("r", max_tokens=5, prompt_len=9))
+        await anext(stream)
+        assert (await engine.stats()).num_used_blocks == 3  # 9 + 1 tokens in blocks of 4
+        worker.permits.release(1000)
+        await stream.aclose()
+        await engine.shutdown()
+
+    asyncio.run(main())
 
 
 def test_a_priority_under_the_fcfs_policy_is_refused():

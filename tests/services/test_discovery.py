@@ -263,16 +263,16 @@ async def test_engine_set_routes_to_the_least_busy_ready_engine():
 def test_discovery_flags():
     with pytest.raises(SystemExit):
         processor_server.parse_args(["--engine-service", "engines", "--engine-address", "127.0.0.1:1"])
-    assert processor_server.parse_args([]).engine_address == processor_server.DEFAULT_ENGINE_ADDRESS
-    args = processor_server.parse_args(["--engine-service", "engines", "--namespace", "prod"])
+    assert processor_server.parse_args([]).service.engine_address == processor_server.DEFAULT_ENGINE_ADDRESS
+    args = processor_server.parse_args(["--engine-service", "engines", "--namespace", "prod"]).service
     assert (args.engine_service, args.engine_address, args.namespace) == ("engines", None, "prod")
 
     with pytest.raises(SystemExit):
         engine_server.parse_args(["--worker-service", "workers", "--worker-address", "127.0.0.1:1"])
     with pytest.raises(SystemExit):
         engine_server.parse_args(["--worker-hostname", "kvmesh-worker-0"])  # without --worker-service
-    assert engine_server.parse_args([]).worker_address == engine_server.DEFAULT_WORKER_ADDRESS
-    args = engine_server.parse_args(["--worker-service", "workers", "--worker-hostname", "w-0"])
+    assert engine_server.parse_args([]).service.worker_address == engine_server.DEFAULT_WORKER_ADDRESS
+    args = engine_server.parse_args(["--worker-service", "workers", "--worker-hostname", "w-0"]).service
     assert (args.worker_address, args.worker_hostname) == (None, "w-0")
     assert engine_server.paired_worker_hostname("kvmesh-engine-3") == "kvmesh-worker-3"
     assert engine_server.paired_worker_hostname("laptop") is None

@@ -15,7 +15,8 @@ import pytest
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.errors import EngineOverloadedError
 from services.gateway.app import create_app
-from services.gateway.limits import Limits
+from services.common.config import Limits
+from services.common.flags import to_argv
 from services.processor.async_processor import AsyncProcessor
 from services.processor.processor import Processor
 from services.processor.tokenizer import TokenizerInfo
@@ -149,8 +150,8 @@ def test_limits_refuse_nonsense():
         Limits(max_n=0)
     with pytest.raises(ValueError, match="max_logprobs"):
         Limits(max_logprobs=21)
-    assert Limits(max_n=3, max_tokens=5).to_argv()[-4:] == ["--max-stop-string-length", "256",
-                                                           "--max-tokens-limit", "5"]
+    assert to_argv(Limits(max_n=3, max_tokens=5))[-4:] == ["--max-stop-string-length", "256",
+                                                          "--max-tokens-limit", "5"]
 
 
 def test_openapi_declares_400s_and_no_422(tokenizer, model_path: Path, engine):

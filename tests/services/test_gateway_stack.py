@@ -12,14 +12,10 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 
-from services.common.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from services.common.config import EngineArgs
 from services.engine.async_engine import AsyncEngine
 from services.gateway.app import create_app
-from services.processor.async_processor import AsyncProcessor
-from services.processor.processor import Processor
-from services.processor.tokenizer import TokenizerInfo, load_tokenizer
-from services.worker.client import InProcessWorkerClient
-from services.worker.worker import Worker
+from services.inprocess import AsyncStack
 
 from tests.services.test_gateway import RawClient, sse_events
 
@@ -33,20 +29,21 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name three col
 
 
 @pytest.fixture(scope="module")
-async def engine(model_path: Path) -> AsyncIterator[AsyncEngine]:
-    cache_config = CacheConfig(kv_cache_memory=KV_BYTES)
-    worker = Worker(ModelConfig(model=str(model_path)), cache_config, WorkerConfig())
-    engine = await AsyncEngine.create(InProcessWorkerClient(worker), cache_config,
-                                      SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8))
-    yield engine
-    await engine.shutdown()
+async def stack(model_path: Path) -> AsyncIterator[AsyncStack]:
+    stack = await AsyncStack.create(EngineArgs.from_kwargs(model=str(model_path), kv_cache_memory=KV_BYTES,
+                                                           max_num_batched_tokens=256, max_num_seqs=8))
+    yield stack
+    await stack.shutdown()
 
 
 @pytest.fixture(scope="module")
-def app(engine: AsyncEngine, model_path: Path):
-    tokenizer = load_tokenizer(model_path)
-    processor = Processor(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, model_path), engine.core.max_model_len)
-    return create_app(AsyncProcessor(processor, engine), MODEL)
+def engine(stack: AsyncStack) -> AsyncEngine:
+    return stack.engine
+
+
+@pytest.fixture(scope="module")
+def app(stack: AsyncStack):
+    return create_app(stack.processor, MODEL)
 
 
 @pytest.fixture

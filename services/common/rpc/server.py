@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -37,23 +35,6 @@ GRPC_OPTIONS = [
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@dataclass(frozen=True)
-class ServingConfig:
-    """Where a service listens and how it stops (see RpcServer.shutdown): one value for a
-    service's serve() instead of four parameters."""
-
-    host: str = "127.0.0.1"  # loopback unless a deployment asks for more
-    port: int = 0
-    grace: float = 5.0
-    drain: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.grace < 0 or self.drain < 0:
-            raise ValueError(f"grace and drain must be non-negative, got {self.grace} and {self.drain}")
 
 
 def service_name(file_descriptor, name: str) -> str:
@@ -112,9 +93,3 @@ class RpcServer:
             await asyncio.sleep(drain)
         await self.server.stop(grace)
         logger.info("stopped %s", ", ".join(self.service_names))
-
-
-def flag_default(prefix: str, name: str, default: object) -> object:
-    """A command-line flag's default: the environment variable `{prefix}_{NAME}` when set (e.g.
-    KVMESH_WORKER_PORT for --port), else `default`. argparse applies the flag's `type` to it."""
-    return os.environ.get(f"{prefix}_{name.upper().replace('-', '_')}", default)

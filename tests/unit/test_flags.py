@@ -1,0 +1,160 @@
+"""Flags come from the config dataclasses: each knob is one field, its flag, environment variable,
+bounds and default; `kvmesh serve` hands its children exactly the configs it parsed."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from dataclasses import fields, replace
+
+import pytest
+
+from services import cli
+from services.common.config import (
+    CacheConfig,
+    EngineArgs,
+    EngineServiceConfig,
+    GatewayConfig,
+    Limits,
+    ModelConfig,
+    ProcessorServiceConfig,
+    SchedulerConfig,
+    ServingConfig,
+    WorkerConfig,
+)
+from services.common.flags import add_flags, build, to_argv
+from services.engine import server as engine_server
+from services.gateway import server as gateway_server
+from services.processor import server as processor_server
+from services.worker import server as worker_server
+
+CONFIGS = [ModelConfig, CacheConfig, SchedulerConfig, WorkerConfig, ServingConfig, EngineServiceConfig,
+           ProcessorServiceConfig, GatewayConfig, Limits]
+
+
+def parser_for(config_class: type, env_prefix: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_flags(parser, config_class, env_prefix)
+    return parser
+
+
+def parse(config_class: type, argv: list[str], env_prefix: str | None = None):
+    parser = parser_for(config_class, env_prefix)
+    return build(parser, config_class, parser.parse_args(argv))
+
+
+@pytest.mark.parametrize("config_class", CONFIGS, ids=lambda c: c.__name__)
+def test_every_field_has_help_and_the_defaults_round_trip(config_class):
+    assert all(f.metadata.get("help") for f in fields(config_class))
+    default = config_class()
+    assert parse(config_class, []) == default
+    assert parse(config_class, to_argv(default)) == default
+
+
+def test_non_default_values_round_trip_through_flags():
+    configs = [
+        ModelConfig(model="/models/x", served_model_name="x", dtype="bfloat16", max_model_len=512, seed=3),
+        CacheConfig(block_size=32, kv_cache_memory=2**28, memory_fraction=0.5),
+        SchedulerConfig(max_num_seqs=4, max_num_waiting=0, policy="priority", enable_prefix_caching=False),
+        GatewayConfig(access_log=False, api_key=("a", "b"), aggregate_metrics=("http://127.0.0.1:1/metrics",)),
+        Limits(max_n=2, max_tokens=7),
+    ]
+    for config in configs:
+        assert parse(type(config), to_argv(config)) == config
+
+
+def test_environment_gives_defaults_and_flags_win(monkeypatch):
+    monkeypatch.setenv("KVMESH_TEST_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("KVMESH_TEST_ENABLE_PREFIX_CACHING", "false")
+    assert parse(SchedulerConfig, [], "KVMESH_TEST") == SchedulerConfig(max_num_seqs=7, enable_prefix_caching=False)
+    assert parse(SchedulerConfig, ["--max-num-seqs", "9"], "KVMESH_TEST").max_num_seqs == 9
+    monkeypatch.setenv("KVMESH_TEST_API_KEY", "k1, k2")
+    assert parse(GatewayConfig, [], "KVMESH_TEST").api_key == ("k1", "k2")
+    assert parse(GatewayConfig, ["--api-key", "k3"], "KVMESH_TEST").api_key == ("k3",)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-num-seqs", "0"], "max_num_seqs must be at least 1"),
+    (["--scheduling-policy", "lifo"], "invalid choice"),
+    (["--max-num-seqs", "x"], "invalid"),
+])
+def test_bad_values_are_usage_errors_naming_the_flag(argv, message, capsys):
+    parser = argparse.ArgumentParser(prog="kvmesh engine")
+    add_flags(parser, SchedulerConfig, None)
+    with pytest.raises(SystemExit) as exit_info:
+        build(parser, SchedulerConfig, parser.parse_args(argv))
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_bad_environment_value_is_a_usage_error():
+    result = subprocess.run([sys.executable, "-m", "services.cli", "engine", "--help"], capture_output=True,
+                            text=True, env={"KVMESH_ENGINE_ENABLE_PREFIX_CACHING": "maybe", "PATH": ""})
+    assert result.returncode == 2 and "$KVMESH_ENGINE_ENABLE_PREFIX_CACHING: not a boolean" in result.stderr
+
+
+def test_sizes_read_as_memory_sizes():
+    assert parse(CacheConfig, ["--kv-cache-memory", "1.5GiB"]).kv_cache_memory == 3 * 2**29
+    assert parse(CacheConfig, ["--kv-cache-memory", "128M"]).kv_cache_memory == 2**27
+
+
+def test_serve_hands_each_child_exactly_its_configs():
+    """What each service parses from the argv `kvmesh serve` gives it is what serve was asked for."""
+    parser = cli.build_serve_parser()
+    argv = ["--model", "/m", "--kv-cache-memory", "64MiB", "--max-num-seqs", "3", "--no-enable-prefix-caching",
+            "--scheduling-policy", "priority", "--attention-backend", "torch", "--max-n", "2", "--api-key", "k",
+            "--port", "8123", "--block-size", "32"]
+    args = parser.parse_args(argv)
+    spec = cli.ServeSpec(*(build(parser, c, args) for c, _ in cli.SERVE_FLAGS))
+    layout = cli.Layout({"worker": 1, "engine": 2, "processor": 3}, {"worker": 4, "engine": 5, "processor": 6})
+    argvs = cli.service_argvs(spec, layout)
+    model = replace(spec.model, served_model_name="/m")
+
+    worker_parser = worker_server.build_parser()
+    worker_args = worker_parser.parse_args(argvs["worker"])
+    assert build(worker_parser, ModelConfig, worker_args) == model
+    assert build(worker_parser, CacheConfig, worker_args) == CacheConfig(block_size=32, kv_cache_memory=64 * 2**20)
+    assert build(worker_parser, WorkerConfig, worker_args) == WorkerConfig("torch", max_num_seqs=3)
+    assert build(worker_parser, ServingConfig, worker_args).port == 1
+
+    engine = engine_server.parse_args(argvs["engine"])
+    assert engine.scheduler == SchedulerConfig(max_num_seqs=3, policy="priority", enable_prefix_caching=False)
+    assert engine.service.worker_address == "127.0.0.1:1"
+    assert (engine.model.served_model_name, engine.serving.port, engine.serving.metrics_port) == ("/m", 2, 5)
+
+    processor = processor_server.parse_args(argvs["processor"])
+    assert processor.service.engine_address == "127.0.0.1:2"
+    assert (processor.model.model, processor.model.name) == ("/m", "/m")
+
+    gateway_parser = gateway_server.build_parser()
+    gateway_args = gateway_parser.parse_args(argvs["gateway"])
+    gateway = build(gateway_parser, GatewayConfig, gateway_args)
+    assert (gateway.processor_address, gateway.api_key) == ("127.0.0.1:3", ("k",))
+    assert gateway.aggregate_metrics == tuple(f"http://127.0.0.1:{p}/metrics" for p in (4, 5, 6))
+    assert build(gateway_parser, Limits, gateway_args) == Limits(max_n=2)
+    assert build(gateway_parser, ServingConfig, gateway_args).port == 8123
+
+
+def test_a_new_field_reaches_serve_and_its_service():
+    """Every knob of the model, cache, scheduler and worker is a flag of `kvmesh serve` (less the
+    worker's batch cap, which serve derives) and of the service that takes it."""
+    serve_dests = {a.dest for a in cli.build_serve_parser()._actions}
+    for config_class in (ModelConfig, CacheConfig, SchedulerConfig, WorkerConfig, Limits):
+        missing = {f.name for f in fields(config_class)} - serve_dests
+        assert missing <= ({"max_num_seqs"} if config_class is WorkerConfig else set()), (config_class, missing)
+    worker_dests = {a.dest for a in worker_server.build_parser()._actions}
+    engine_dests = {a.dest for a in engine_server.build_parser()._actions}
+    for config_class, dests in ((ModelConfig, worker_dests), (CacheConfig, worker_dests),
+                                (WorkerConfig, worker_dests), (SchedulerConfig, engine_dests)):
+        assert {f.name for f in fields(config_class)} <= dests, config_class
+    assert "block_size" not in engine_dests  # the engine takes its worker's (WorkerInfo)
+
+
+def test_engine_args_take_the_flags_names():
+    args = EngineArgs.from_kwargs(model="m", max_num_seqs=8, scheduling_policy="priority", kv_cache_memory=100)
+    assert args.scheduler.max_num_seqs == args.worker.max_num_seqs == 8
+    assert (args.scheduler.policy, args.cache.kv_cache_memory, args.model.model) == ("priority", 100, "m")
+    with pytest.raises(TypeError, match="unknown engine argument"):
+        EngineArgs.from_kwargs(max_num_seq=8)
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        EngineArgs.from_kwargs(block_size=12)

@@ -12,7 +12,7 @@ from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
 from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.kv_events import KVCacheEvent
+from services.engine.kv_events import KVEventQueue
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler
 
@@ -36,14 +36,18 @@ class EngineCore:
         model_id: str,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
+        *,
+        kv_events: KVEventQueue | None = None,
     ) -> None:
+        """`kv_events`: the prefix-index publisher's queue of cache changes; None (today): none recorded."""
         self.executor = executor
         self.block_size = cache_config.block_size
         self.model_id = model_id
         self.scheduling_policy = scheduler_config.policy
         # A context longer than the whole KV cache could never be scheduled.
         self.max_model_len = min(max_model_len, num_blocks * self.block_size)
-        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching,
+                                               kv_events)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
@@ -118,9 +122,6 @@ class EngineCore:
             prefix_cache_queries=manager.prefix_cache_queries,
             prefix_cache_hits=manager.prefix_cache_hits,
         )
-
-    def take_kv_events(self) -> list[KVCacheEvent]:
-        return self.kv_cache_manager.take_events()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -31,6 +31,7 @@ from services.common.clients import EngineClient, EngineInfo, ProcessorClient
 from services.common.discovery import EndpointWatcher, kube_configuration
 from services.common.errors import EngineOverloadedError
 from services.common.metrics import GrpcMetrics, MetricsEndpoint, ServiceMetrics
+from services.common.model_files import model_id_of, resolve_tokenizer
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
 from services.common.rpc.server import RpcServer, flag_default, service_name
@@ -41,7 +42,6 @@ from services.processor.metrics import ProcessorMetrics
 from services.common.rpc.convert import generate_delta_to_proto, generate_request_from_proto
 from services.processor.processor import Processor
 from services.processor.tokenizer import TokenizerInfo, load_tokenizer
-from services.worker.loader import model_id_of, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ async def serve(model: str, engine: EngineClient, host: str = "127.0.0.1", port:
     """Serve until SIGTERM/SIGINT. The model is resolved for its tokenizer only; no weights load.
     The caller owns `engine` (open_engines). `metrics` makes this processor's metrics once the
     engine's context length (their token buckets' top) is known."""
-    model_path = resolve_model(model, cache_dir)
+    model_path = resolve_tokenizer(model, cache_dir)
     tokenizer = load_tokenizer(model_path)
     engine_info = await wait_for_engine(engine, startup_timeout)
     if engine_info.model_id != model_id_of(model_path):

@@ -8,27 +8,31 @@ several torch ops, at the same rounding as the torch code they replace:
 
 At a decode batch of 128 on the 2-core test machine they take a third to a fifth of the time of
 the torch ops they replace, mostly dispatch, temporaries and dtype copies of small tensors.
-(SiLU-and-mul was tried too: bound by its exp and division, it gained nothing over torch's.) Callers check `available()` and the
-tensors' device; the torch code stays the path everywhere else (CUDA, no compiler).
+(SiLU-and-mul was tried too: bound by its exp and division, it gained nothing over torch's.)
+The worker builds them once at start-up (`available(cache_dir)`); callers check `usable(x)`: built,
+and a CPU tensor of a supported dtype. The torch code stays the path everywhere else (CUDA, no
+compiler, not built).
 """
 
 from __future__ import annotations
 
 import ctypes
-from functools import cache
+from pathlib import Path
 
 import torch
 
-from kernels.native import FAST_MATH, NativeKernelUnavailable, load
+from kernels import native
+from kernels.native import FAST_MATH, NativeKernelUnavailable
 
 _FLAGS = ("-O3", "-march=native", *FAST_MATH, "-ffp-contract=off", "-fopenmp")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_NAME = "fused_ops"
 
 
-@cache
-def _library() -> ctypes.CDLL:
-    lib = load("fused_ops", _FLAGS)
+def build(cache_dir: Path) -> None:
+    """Compile (or find the cached build of) the ops under `cache_dir`; raises NativeKernelUnavailable."""
+    lib = native.build(_NAME, _FLAGS, cache_dir)
     signatures = {
         "kv_write": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64],
         "rope_inplace": [_P, _I64, _P, _I64, _I64, _INT, _INT, _INT, _INT],
@@ -37,21 +41,24 @@ def _library() -> ctypes.CDLL:
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, argtypes
-    return lib
 
 
-@cache
-def available() -> bool:
+def _library() -> ctypes.CDLL:
+    return native.library(_NAME)
+
+
+def available(cache_dir: Path) -> bool:
+    """Build the ops if a C compiler can; whether they are now usable."""
     try:
-        _library()
+        build(cache_dir)
     except NativeKernelUnavailable:
         return False
     return True
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether the fused ops can take `x`: a CPU tensor of a supported dtype, and a compiler."""
-    return x.device.type == "cpu" and x.dtype in _DTYPES and available()
+    """Whether the fused ops can take `x`: a CPU tensor of a supported dtype, and the ops built."""
+    return x.device.type == "cpu" and x.dtype in _DTYPES and native.is_built(_NAME)
 
 
 def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -8,37 +8,36 @@ MLP at decode batch sizes on a CPU; reading the paged cache in place removes tha
 from __future__ import annotations
 
 import ctypes
-from functools import cache
+from pathlib import Path
 
 import torch
 
-from kernels.native import FAST_MATH, NativeKernelUnavailable, load
+from kernels import native
+from kernels.native import FAST_MATH, NativeKernelUnavailable
 
 __all__ = ["NativeKernelUnavailable", "build", "is_available", "paged_decode_attention"]
 
 _FLAGS = ("-O3", "-march=native", *FAST_MATH, "-fopenmp")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_NAME = "paged_decode_attention"
 
 
-@cache
-def _library() -> ctypes.CDLL:
-    lib = load("paged_decode_attention", _FLAGS)
-    fn = lib.paged_decode_attention
+def build(cache_dir: Path) -> None:
+    """Compile (or find the cached build of) the kernel under `cache_dir`; raises NativeKernelUnavailable."""
+    fn = native.build(_NAME, _FLAGS, cache_dir).paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_float,
                                                                 ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                                                                 ctypes.c_int]
-    return lib
 
 
-def build() -> None:
-    """Compile (or find the cached build of) the kernel; raises NativeKernelUnavailable."""
-    _library()
+def _library() -> ctypes.CDLL:
+    return native.library(_NAME)
 
 
-def is_available() -> bool:
+def is_available(cache_dir: Path) -> bool:
     try:
-        build()
+        build(cache_dir)
     except NativeKernelUnavailable:
         return False
     return True

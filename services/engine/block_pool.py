@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from services.common.hashing import BlockHash
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventQueue
 
 
 @dataclass(slots=True, eq=False)
@@ -118,9 +118,12 @@ class BlockPool:
     Invariant: `block.block_hash is not None` exactly when `self._cached[block.block_hash] is block`.
     A block whose hash another block already caches (two requests computed the same prefix at once)
     stays unhashed, so the map, the events and the index built from them never disagree.
+
+    Events go to `events`, the queue of the one consumer; with none attached nothing is recorded.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 events: KVEventQueue | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
@@ -131,7 +134,7 @@ class BlockPool:
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self._cached: dict[BlockHash, KVCacheBlock] = {}
-        self._events: list[KVCacheEvent] = []
+        self.events = events
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self._cached.get(block_hash)
@@ -149,8 +152,8 @@ class BlockPool:
                 evicted.append(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
-        if evicted:
-            self._events.append(BlockRemoved(evicted))
+        if evicted and self.events is not None:
+            self.events.record(BlockRemoved(evicted))
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -218,7 +221,8 @@ class BlockPool:
             for block in self._cached.values():
                 block.block_hash = None
             self._cached.clear()
-            self._events.append(AllBlocksCleared())
+            if self.events is not None:
+                self.events.record(AllBlocksCleared())
         return True
 
     def get_num_free_blocks(self) -> int:
@@ -227,10 +231,6 @@ class BlockPool:
     def get_usage(self) -> float:
         """Fraction of blocks in use (0-1); cached free blocks count as free."""
         return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
-
-    def take_events(self) -> list[KVCacheEvent]:
-        events, self._events = self._events, []
-        return events
 
     def check_integrity(self) -> None:
         free = self.free_block_queue.get_all_free_blocks()
@@ -259,13 +259,16 @@ class BlockPool:
         hashed = [block for block in self.blocks if block.block_hash is not None]
         assert len(hashed) == len(self._cached), "a block carries a hash the cached map does not know"
         if not self.enable_caching:
-            assert not self._cached and not self._events, "caching is off but something was cached"
+            assert not self._cached, "caching is off but something was cached"
+            assert self.events is None or not self.events, "caching is off but events were recorded"
 
     def _emit_stored(
         self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], start: int, end: int
     ) -> None:
+        if self.events is None:
+            return
         size = self.block_size
-        self._events.append(BlockStored(
+        self.events.record(BlockStored(
             block_hashes=list(block_hashes[start:end]),
             parent_block_hash=block_hashes[start - 1] if start > 0 else None,
             token_ids=list(token_ids[start * size : end * size]),

@@ -13,7 +13,7 @@ from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
 from services.common.validation import check_params_token_ids, check_prompt
 from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.kv_events import KVCacheEvent
+from services.engine.kv_events import KVEventQueue
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler
 
@@ -30,9 +30,10 @@ class EngineCore:
     `schedule()` and `update_from_output()` itself, on its engine-loop thread."""
 
     def __init__(self, executor: Executor | None, worker_info: WorkerInfo, num_blocks: int,
-                 scheduler_config: SchedulerConfig) -> None:
+                 scheduler_config: SchedulerConfig, *, kv_events: KVEventQueue | None = None) -> None:
         """`worker_info` and `num_blocks` are what the worker said of itself (its model, its block
-        size, the KV cache it allocated)."""
+        size, the KV cache it allocated). `kv_events`: the prefix-index publisher's queue of cache
+        changes; None (today): none recorded."""
         self.executor = executor
         self.worker_info = worker_info
         self.block_size = worker_info.block_size
@@ -42,7 +43,8 @@ class EngineCore:
         self.enable_prefix_caching = scheduler_config.enable_prefix_caching
         # A context longer than the whole KV cache could never be scheduled.
         self.max_model_len = min(worker_info.max_model_len, num_blocks * self.block_size)
-        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, scheduler_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, scheduler_config.enable_prefix_caching,
+                                               kv_events)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
@@ -131,9 +133,6 @@ class EngineCore:
             prefix_cache_queries=manager.prefix_cache_queries,
             prefix_cache_hits=manager.prefix_cache_hits,
         )
-
-    def take_kv_events(self) -> list[KVCacheEvent]:
-        return self.kv_cache_manager.take_events()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

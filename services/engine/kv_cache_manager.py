@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.engine.block_pool import BlockPool, KVCacheBlock
-from services.engine.kv_events import KVCacheEvent
+from services.engine.kv_events import KVEventQueue
 from services.engine.request import Request
 
 
@@ -14,10 +14,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 kv_events: KVEventQueue | None = None) -> None:
+        """`kv_events`: the queue the block pool records its cache changes into (None: none kept)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, block_size, enable_caching)
+        self.block_pool = BlockPool(num_blocks, block_size, enable_caching, kv_events)
         # request id -> its blocks, in token order (block i holds tokens [i*B, (i+1)*B)).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request id -> how many of its leading blocks are cached (hashed) already.
@@ -119,9 +121,6 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.block_pool.get_usage()
-
-    def take_events(self) -> list[KVCacheEvent]:
-        return self.block_pool.take_events()
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

@@ -35,6 +35,7 @@ from services.common.flags import add_flags, build
 from services.common.discovery import EndpointWatcher, kube_configuration
 from services.common.errors import EngineOverloadedError
 from services.common.metrics import GrpcMetrics, MetricsEndpoint, ServiceMetrics
+from services.common.model_files import model_id_of, resolve_tokenizer
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
 from services.common.rpc.server import RpcServer, service_name
@@ -44,8 +45,6 @@ from services.processor.engine_set import EngineSet
 from services.processor.metrics import ProcessorMetrics
 from services.common.rpc.convert import generate_delta_to_proto, generate_request_from_proto
 from services.processor.processor import Processor
-from services.processor.tokenizer import TokenizerInfo, load_tokenizer
-from services.worker.loader import model_id_of, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -173,16 +172,13 @@ async def serve(model: ModelConfig, engine: EngineClient, serving: ServingConfig
     """Serve until SIGTERM/SIGINT. The model is resolved for its tokenizer only; no weights load.
     The caller owns `engine` (open_engines). `metrics` makes this processor's metrics once the
     engine's context length (their token buckets' top) is known."""
-    model_path = resolve_model(model.model, model.cache_dir)
-    tokenizer = load_tokenizer(model_path)
+    model_path = resolve_tokenizer(model.model, model.cache_dir)
     engine_info = await wait_for_engine(engine, startup_timeout)
     if engine_info.model_id != model_id_of(model_path):
         logger.warning("the engine serves %s, this processor tokenizes for %s", engine_info.model_id,
                        model_id_of(model_path))
     processor_metrics = metrics(engine_info.max_model_len) if metrics is not None else None
-    processor = AsyncProcessor(
-        Processor(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, model_path), engine_info.max_model_len), engine,
-        processor_metrics)
+    processor = AsyncProcessor(Processor.load(model_path, engine_info.max_model_len), engine, processor_metrics)
     interceptors = [processor_metrics.service.grpc.server_interceptor()] if processor_metrics is not None else []
     server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors)
     processor_pb2_grpc.add_ProcessorServicer_to_server(ProcessorServicer(processor), server.server)

@@ -11,22 +11,28 @@ from typing import Any
 
 import jinja2
 import jinja2.meta
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from services.common.model_files import TOKENIZER_FILE, gguf_tokenizer
 
 GENERATION_CONFIG_NAME = "generation_config.json"
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """Loads the tokenizer of a local model: a Hugging Face folder, or a single `.gguf` file.
+    """Loads the tokenizer of a local model: a Hugging Face folder with a tokenizer.json, or a single
+    `.gguf` file (built from its metadata, nothing cached). Never imports torch.
 
-    Only local paths: a hub id is refused here, so a typo never turns into a download.
+    Only local paths: a hub id is refused here, so a typo never turns into a download. Not
+    AutoTokenizer: it imports torch (through the model configs), and the processor must not.
     """
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return gguf_tokenizer(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no tokenizer at {path}: expected a model folder or a .gguf file")
-    return AutoTokenizer.from_pretrained(path)
+    if not (path / TOKENIZER_FILE).is_file():
+        raise FileNotFoundError(f"model folder {path} has no {TOKENIZER_FILE}: only fast tokenizers are supported")
+    return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
 
 
 def apply_chat_template(

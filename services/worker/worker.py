@@ -12,12 +12,14 @@ from typing import NamedTuple
 
 import torch
 
-from services.common.config import CacheConfig, ModelConfig, WorkerConfig
+from kernels import cpu_fused_ops
+from services.common.config import CacheConfig, ModelConfig, WorkerConfig, default_cache_dir
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.attention import get_attention_backend
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
-from services.worker.loader import load_model, model_id_of, resolve_model
+from services.common.model_files import model_id_of
+from services.worker.loader import load_model, resolve_model
 from services.worker.model_runner import ModelRunner
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,9 +39,12 @@ class Worker:
         self.dtype = _DTYPES[model_config.dtype]
         self.cache_config = cache_config
         torch.manual_seed(model_config.seed)
-        self.model_path = resolve_model(model_config.model, model_config.cache_dir)
+        cache_dir = model_config.cache_dir or default_cache_dir()
+        self.model_path = resolve_model(model_config.model, cache_dir)
+        if self.device.type == "cpu":
+            cpu_fused_ops.available(cache_dir)  # built once here; without a compiler the layers use torch ops
         self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device)
-        self.backend = get_attention_backend(worker_config.attention_backend, self.device)
+        self.backend = get_attention_backend(worker_config.attention_backend, self.device, cache_dir)
         max_len = self.hf_config.max_position_embeddings
         if model_config.max_model_len is not None:
             if model_config.max_model_len > max_len:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_fused_ops
+from services.common.config import default_cache_dir
 from services.worker.layers.rotary_embedding import apply_rotary, split_and_rotate_qkv
 
 N, H, HKV, D = 37, 6, 2, 64
@@ -16,7 +17,7 @@ N, H, HKV, D = 37, 6, 2, 64
 
 @pytest.fixture(autouse=True)
 def _need_compiler():
-    assert cpu_fused_ops.available(), "the fused CPU ops did not build (is gcc installed?)"
+    assert cpu_fused_ops.available(default_cache_dir()), "the fused CPU ops did not build (is gcc installed?)"
 
 
 def cos_sin(dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -79,7 +80,7 @@ def test_loading_the_native_kernels_leaves_subnormals_alone():
     and silently changes every torch op's results near zero (and trips Hypothesis)."""
     from kernels import cpu_paged_attention
 
-    cpu_paged_attention.build()
-    assert cpu_fused_ops.available()
+    cpu_paged_attention.build(default_cache_dir())
+    assert cpu_fused_ops.available(default_cache_dir())
     tiny = torch.tensor([1e-39], dtype=torch.float32)  # a float32 subnormal
     assert (tiny / 10).item() != 0.0 and (tiny * 1).item() != 0.0

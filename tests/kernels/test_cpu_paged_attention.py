@@ -9,9 +9,15 @@ import torch
 
 from kernels import cpu_paged_attention
 from kernels.reference import paged_attention_ref
+from services.common.config import default_cache_dir
 from tests.kernels.paged_inputs import TOLERANCES, Shape, make_case, poisoned_like
 
 SEQ_LENS = [1, 15, 16, 17, 100, 257]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _built() -> None:
+    cpu_paged_attention.build(default_cache_dir())  # the worker does this at start-up
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

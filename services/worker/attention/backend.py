@@ -3,11 +3,13 @@ backend with the native paged decode kernel) when a C compiler can build that ke
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from kernels import cpu_paged_attention
+from kernels import cpu_fused_ops, cpu_paged_attention
+from services.common.config import default_cache_dir
 from services.worker.attention.metadata import AttentionMetadata
 
 
@@ -23,18 +25,21 @@ class AttentionBackend(Protocol):
 from services.worker.attention.torch_backend import TorchAttentionBackend
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_attention_backend(name: str, device: torch.device, cache_dir: Path | None = None) -> AttentionBackend:
+    """`cache_dir` (default: `default_cache_dir()`) keeps the native CPU kernel's build."""
+    cache_dir = cache_dir or default_cache_dir()
     if name == "auto":
         if device.type == "cuda":
             name = "triton"
         else:
-            name = "cpu" if cpu_paged_attention.is_available() else "torch"
+            name = "cpu" if cpu_paged_attention.is_available(cache_dir) else "torch"
     if name == "torch":
         return TorchAttentionBackend()
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError("the cpu attention backend runs on the CPU only")
-        cpu_paged_attention.build()  # fails here, with the compiler's message, not mid-step
+        cpu_paged_attention.build(cache_dir)  # fails here, with the compiler's message, not mid-step
+        cpu_fused_ops.available(cache_dir)  # its one-call KV write (else two index_copy_)
         return TorchAttentionBackend(native_decode=True)
     if name == "triton":
         # Imported here, not at the top: importing the kernels fixes Triton's compiled-or-interpreted

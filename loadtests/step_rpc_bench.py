@@ -29,6 +29,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.clients import WorkerInfo
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import worker_pb2
@@ -37,13 +38,12 @@ from services.common.scheduler_output import CachedRequestData, NewRequestData, 
 from services.common.config import ServingConfig
 from services.worker.client import GrpcWorkerClient, InProcessWorkerClient
 from services.worker.server import serve
-from services.worker.worker import ModelInfo
 
 
 class InstantCore:
     """Stands in for services.worker.worker.Worker: answers each step without computing."""
 
-    info = ModelInfo("instant", "/nowhere", 49152, 8192, 16)
+    info = WorkerInfo(model_id="instant", model_path="/nowhere", vocab_size=49152, max_model_len=8192, block_size=16)
 
     def determine_num_blocks(self) -> int:
         return 4096

@@ -1,6 +1,7 @@
 """The interfaces between services. Each has an in-process implementation (the core itself, or a
 thin async wrapper of it) and a gRPC implementation (a client of the next service's server), so
-the offline API, the tests and the pods run the same cores.
+the offline API, the tests and the pods run the same cores. Both raise the same exceptions for the
+same faults (services/common/errors.py; tests/services/test_client_contract.py).
 
     gateway --ProcessorClient--> processor --EngineClient--> engine --WorkerClient--> worker
 """
@@ -145,7 +146,7 @@ class Tokenized:
 class ProcessorClient(Protocol):
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """Deltas until every choice finished. Closing early aborts the engine request(s).
-        Invalid input raises ValueError (in-process) or INVALID_ARGUMENT (gRPC)."""
+        Invalid input raises ValueError, the engine's errors pass on (services/common/errors.py)."""
     async def tokenize(self, request: TokenizeRequest) -> Tokenized: ...
     async def detokenize(self, token_ids: Sequence[int]) -> str: ...
     async def model_info(self) -> EngineInfo: ...

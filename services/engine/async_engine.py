@@ -32,16 +32,13 @@ from dataclasses import replace
 from services.common.clients import EngineInfo, EngineStats, WorkerClient
 from services.common.config import SchedulerConfig
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.common.errors import EngineDeadError
 from services.engine.engine_core import EngineCore
 from services.engine.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
 IDLE_SCHEDULE_WAIT = 0.001  # seconds; see _step
-
-
-class EngineDeadError(RuntimeError):
-    """The engine has stopped serving (its worker failed, or it shut down)."""
 
 
 # What the engine-loop thread hands a stream: an output, or the exception it ends with.
@@ -72,7 +69,8 @@ class AsyncEngine:
         """Ask the worker for its model, block size and KV-cache size, build the core (and its
         metrics, which need the core's sizes), start the loop."""
         core = await asyncio.to_thread(EngineCore.create, worker, scheduler_config)
-        info = EngineInfo(core.model_id, core.worker_info.model_path, core.max_model_len, core.block_size)
+        info = EngineInfo(model_id=core.model_id, model_path=core.worker_info.model_path,
+                          max_model_len=core.max_model_len, block_size=core.block_size)
         engine = cls(core, worker, info, metrics(core) if metrics is not None else None)
         engine.start()
         return engine
@@ -162,7 +160,10 @@ class AsyncEngine:
                 self._send(items)
         except Exception as exc:  # the worker died or failed a step: fatal, see the module docstring
             logger.exception("engine step failed")
-            error = EngineDeadError(f"engine step failed: {_describe(exc)}")
+            # The reason stays in the log (and in __cause__, in-process): callers learn that the
+            # engine is dead, not how its worker failed.
+            error = EngineDeadError("engine step failed: the engine stopped serving")
+            error.__cause__ = exc
             self._loop.call_soon_threadsafe(self._fail, error)
 
     def _take_inbox(self) -> list[tuple[str, Item]]:
@@ -232,10 +233,3 @@ class AsyncEngine:
         for queue in self._queues.values():
             queue.put_nowait(self._error)
 
-
-def _describe(exc: BaseException) -> str:
-    """One line for an error, with a gRPC status and details when it is an RPC error."""
-    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
-    if callable(code) and callable(details):
-        return f"{code().name}: {details()}"
-    return f"{type(exc).__name__}: {exc}"

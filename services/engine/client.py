@@ -1,8 +1,8 @@
 """EngineClient over gRPC (the in-process one is services.engine.async_engine.AsyncEngine).
 
-Errors arrive as grpc.aio.AioRpcError with the engine's status: INVALID_ARGUMENT where the
-in-process engine raises ValueError, UNAVAILABLE where it raises EngineDeadError (or when the
-engine process is gone), DEADLINE_EXCEEDED when a call outlives its deadline.
+A failed call raises what AsyncEngine raises for the same fault (services/common/errors.py):
+ValueError, EngineOverloadedError, EngineDeadError; ConnectionError when the engine cannot be
+reached, TimeoutError when a call outlives its deadline.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.clients import EngineInfo, EngineStats
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.common.errors import raising_errors
 from services.common.metrics import GrpcMetrics
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
@@ -36,22 +37,27 @@ class GrpcEngineClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def info(self) -> EngineInfo:
-        reply = await self._stub.GetInfo(engine_pb2.GetEngineInfoRequest(), timeout=self.timeout)
+        with raising_errors():
+            reply = await self._stub.GetInfo(engine_pb2.GetEngineInfoRequest(), timeout=self.timeout)
         return convert.engine_info_from_proto(reply)
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         call = self._stub.Generate(convert.engine_request_to_proto(request), timeout=self.stream_timeout)
         try:
-            async for message in call:
-                yield convert.engine_output_from_proto(message)
+            with raising_errors():
+                async for message in call:
+                    yield convert.engine_output_from_proto(message)
         finally:
             call.cancel()  # a no-op once the stream has ended
 
     async def abort(self, request_ids: Sequence[str], reason: str = "abort") -> None:
-        await self._stub.Abort(engine_pb2.AbortRequest(request_ids=request_ids, reason=reason), timeout=self.timeout)
+        with raising_errors():
+            await self._stub.Abort(engine_pb2.AbortRequest(request_ids=request_ids, reason=reason),
+                                   timeout=self.timeout)
 
     async def stats(self) -> EngineStats:
-        reply = await self._stub.GetStats(engine_pb2.GetStatsRequest(), timeout=self.timeout)
+        with raising_errors():
+            reply = await self._stub.GetStats(engine_pb2.GetStatsRequest(), timeout=self.timeout)
         return convert.engine_stats_from_proto(reply)
 
     async def is_healthy(self) -> bool:

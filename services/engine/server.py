@@ -19,21 +19,21 @@ import asyncio
 import logging
 import socket
 import sys
+from contextlib import aclosing
 from dataclasses import replace
 from typing import NamedTuple
 
-import grpc
 
 from services.common.clients import EngineClient
 from services.common.config import EngineServiceConfig, ModelConfig, SchedulerConfig, ServingConfig
 from services.common.flags import add_flags, build
 from services.common.discovery import EndpointWatcher, kube_configuration
-from services.common.errors import EngineOverloadedError
+from services.common.errors import answers_with_status
 from services.common.metrics import MetricsEndpoint, ServiceMetrics
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.common.rpc.server import RpcServer, service_name
-from services.engine.async_engine import AsyncEngine, EngineDeadError
+from services.engine.async_engine import AsyncEngine
 from services.engine.metrics import EngineLabels, EngineMetrics
 from services.worker.client import GrpcWorkerClient
 
@@ -47,44 +47,35 @@ SERVICE_NAME = service_name(engine_pb2.DESCRIPTOR, "Engine")
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    """Converts proto <-> core and calls the engine; maps its errors to status codes:
-    ValueError -> INVALID_ARGUMENT, EngineOverloadedError -> RESOURCE_EXHAUSTED, EngineDeadError -> UNAVAILABLE."""
+    """Converts proto <-> core and calls the engine; its errors end the call with their status
+    (services/common/errors.py)."""
 
     def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
+    @answers_with_status
     async def Generate(self, request: engine_pb2.EngineRequest, context):
-        try:
-            core_request = convert.engine_request_from_proto(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # A cancelled call (the caller went away) cancels this coroutine at an await; closing the
         # stream then aborts the request in the engine.
-        stream = self.engine.generate(core_request)
-        try:
+        async with aclosing(self.engine.generate(convert.engine_request_from_proto(request))) as stream:
             async for output in stream:
                 yield convert.engine_output_to_proto(output)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except EngineOverloadedError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except EngineDeadError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        finally:
-            await stream.aclose()
 
+    @answers_with_status
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
         await self.engine.abort(list(request.request_ids), request.reason or "abort")
         return engine_pb2.AbortResponse()
 
+    @answers_with_status
     async def GetStats(self, request: engine_pb2.GetStatsRequest, context) -> engine_pb2.EngineStats:
         return convert.engine_stats_to_proto(await self.engine.stats())
 
+    @answers_with_status
     async def GetInfo(self, request: engine_pb2.GetEngineInfoRequest, context) -> engine_pb2.EngineInfo:
         return convert.engine_info_to_proto(await self.engine.info())
 
 
-async def _follow_health(engine: AsyncEngine, server: RpcServer) -> None:
+async def follow_engine_health(engine: AsyncEngine, server: RpcServer) -> None:
     """Turn the health service NOT_SERVING once the engine is unhealthy (it does not recover)."""
     await engine.wait_until_unhealthy()
     logger.error("engine unhealthy: health is NOT_SERVING")
@@ -100,7 +91,7 @@ async def serve(worker: GrpcWorkerClient, scheduler_config: SchedulerConfig, ser
     server = RpcServer(serving.host, serving.port, [SERVICE_NAME], [metrics.grpc.server_interceptor()])
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server.server)
     await server.start()
-    health = asyncio.create_task(_follow_health(engine, server))
+    health = asyncio.create_task(follow_engine_health(engine, server))
     await server.wait_for_termination_signal()
     health.cancel()
     await server.shutdown(serving.grace, serving.drain)

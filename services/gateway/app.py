@@ -21,16 +21,14 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.datastructures import Headers, MutableHeaders
-from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.clients import GenerateRequest, ProcessorClient
-from services.common.errors import EngineOverloadedError
 from services.common.sampling_params import SamplingParams
 from services.gateway.auth import APIKeyMiddleware
 from services.gateway.chat import chat_chunks, chat_response, generate_request
 from services.gateway.completion import completion_chunks, completion_response, generate_requests
-from services.gateway.errors import OPENAPI_ERRORS, APIError, api_error_of, model_not_found
+from services.gateway.errors import ANSWERED_ERRORS, OPENAPI_ERRORS, APIError, api_error_of, model_not_found
 from services.gateway.generation import Generation
 from services.common.config import Limits
 from services.gateway.limits import BodyLimitMiddleware, check_limits
@@ -80,7 +78,7 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
     app.add_exception_handler(RequestValidationError, _validation_error)
     # The errors a request can meet are answered here; any other exception is a bug of ours and
     # goes to Starlette's last-resort handler too (a 500 in our shape, and a logged traceback).
-    for kind in (APIError, HTTPException, EngineOverloadedError, ValueError, ConnectionError, TimeoutError, Exception):
+    for kind in (*ANSWERED_ERRORS, Exception):
         app.add_exception_handler(kind, _error)
     api = app.state.api = _API(processor, served_model_name, limits)
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from services.common.errors import EngineOverloadedError
+from services.common.errors import EngineDeadError, EngineOverloadedError, InternalError
 from services.gateway.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,13 @@ def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found")
 
 
+# What a request can meet (api_error_of answers each): the app's handlers for these answer and keep
+# the connection; anything else is a bug of ours, for Starlette's last-resort handler.
+ANSWERED_ERRORS: tuple[type[Exception], ...] = (
+    APIError, HTTPException, EngineOverloadedError, EngineDeadError, InternalError, ValueError, ConnectionError,
+    TimeoutError)
+
+
 def error_of(exc: BaseException) -> tuple[int, ErrorResponse]:
     """The status and body for `exc` (api_error_of)."""
     error = api_error_of(exc)
@@ -48,10 +55,12 @@ def error_of(exc: BaseException) -> tuple[int, ErrorResponse]:
 
 
 def api_error_of(exc: BaseException) -> APIError:
-    """What the client gets for `exc`. The processor client raises ValueError for invalid input,
-    EngineOverloadedError when the engine's queue is full, ConnectionError when a service behind the
-    gateway is unreachable or not serving, TimeoutError for a deadline that passed; Starlette raises
-    HTTPException for an unknown path or method; anything else is a failure of ours."""
+    """What the client gets for `exc`: the processor client's exceptions (services/common/errors.py:
+    ValueError for invalid input, EngineOverloadedError when the engine's queue is full,
+    EngineDeadError when it stopped serving, ConnectionError when a service behind the gateway is
+    unreachable or not serving, TimeoutError for a deadline that passed), Starlette's HTTPException
+    for an unknown path or method; anything else is a failure of ours, logged here and answered
+    without a word about it."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineOverloadedError):
@@ -63,12 +72,12 @@ def api_error_of(exc: BaseException) -> APIError:
                         headers=exc.headers)
     if isinstance(exc, ValueError):
         return APIError(400, str(exc), "invalid_request_error")
-    if isinstance(exc, ConnectionError):
+    if isinstance(exc, (EngineDeadError, ConnectionError)):
         return APIError(503, f"the model is not available: {exc}", "service_unavailable", code="service_unavailable")
     if isinstance(exc, TimeoutError):
         return APIError(504, f"the model did not answer in time: {exc}", "timeout", code="timeout")
     logger.error("request failed: %r", exc, exc_info=exc)
-    return APIError(500, f"internal error: {exc}", "internal_error", code="internal_error")
+    return APIError(500, "internal error", "internal_error", code="internal_error")
 
 
 # Declared on every route of the OpenAPI schema; "default" also keeps FastAPI from declaring its

@@ -25,7 +25,7 @@ from services.common.config import GatewayConfig, Limits, ModelConfig, ServingCo
 from services.common.flags import add_flags, build
 from services.common.metrics import GrpcMetrics
 from services.gateway.app import create_app, end_requests
-from services.gateway.auth import API_KEY_ENV, api_keys_from
+from services.gateway.auth import api_keys_from
 from services.gateway.metrics import GatewayMetrics
 from services.processor.client import GrpcProcessorClient
 

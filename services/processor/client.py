@@ -1,9 +1,7 @@
 """ProcessorClient over gRPC (the in-process one is services.processor.async_processor.AsyncProcessor).
 
-Status codes become the exceptions the gateway maps to HTTP: INVALID_ARGUMENT -> ValueError (400),
-UNAVAILABLE / CANCELLED -> ConnectionError (503), RESOURCE_EXHAUSTED -> EngineOverloadedError (503 with
-Retry-After), DEADLINE_EXCEEDED -> TimeoutError (504), any other -> RuntimeError (500); each with the
-server's message.
+A failed call raises what AsyncProcessor raises for the same fault (services/common/errors.py),
+with the server's message: the exceptions the gateway maps to HTTP.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.clients import EngineInfo, GenerateDelta, GenerateRequest, Tokenized, TokenizeRequest
-from services.common.errors import EngineOverloadedError
+from services.common.errors import raising_errors
 from services.common.metrics import GrpcMetrics
 from services.common.rpc import convert
 from services.common.rpc.convert import generate_delta_from_proto, generate_request_to_proto
@@ -22,19 +20,6 @@ from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
 from services.common.rpc.server import GRPC_OPTIONS, SERVING, service_name
 
 SERVICE_NAME = service_name(processor_pb2.DESCRIPTOR, "Processor")
-
-
-def error_of(exc: grpc.aio.AioRpcError) -> Exception:
-    code, details = exc.code(), exc.details() or exc.code().name
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ValueError(details)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return ConnectionError(details)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return EngineOverloadedError(details)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return TimeoutError(details)
-    return RuntimeError(f"{code.name}: {details}")
 
 
 class GrpcProcessorClient:
@@ -55,33 +40,26 @@ class GrpcProcessorClient:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         call = self._stub.Generate(generate_request_to_proto(request), timeout=self.stream_timeout)
         try:
-            async for message in call:
-                yield generate_delta_from_proto(message)
-        except grpc.aio.AioRpcError as exc:
-            raise error_of(exc) from None
+            with raising_errors():
+                async for message in call:
+                    yield generate_delta_from_proto(message)
         finally:
             call.cancel()  # a no-op once the stream has ended
 
     async def tokenize(self, request: TokenizeRequest) -> Tokenized:
-        try:
+        with raising_errors():
             reply = await self._stub.Tokenize(convert.tokenize_request_to_proto(request), timeout=self.timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise error_of(exc) from None
         return convert.tokenized_from_proto(reply)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
-        try:
+        with raising_errors():
             reply = await self._stub.Detokenize(processor_pb2.DetokenizeRequest(token_ids=token_ids),
                                                 timeout=self.timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise error_of(exc) from None
         return reply.text
 
     async def model_info(self) -> EngineInfo:
-        try:
+        with raising_errors():
             reply = await self._stub.GetModelInfo(processor_pb2.GetModelInfoRequest(), timeout=self.timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise error_of(exc) from None
         return convert.engine_info_from_proto(reply)
 
     async def is_healthy(self) -> bool:

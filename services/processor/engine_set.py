@@ -6,8 +6,8 @@ per ready endpoint, and the choice of engine per request. An `EngineClient` itse
 
 An endpoint that leaves the ready set stops getting new requests at once; its streams in flight
 run on (an engine that turned unready to drain, e.g. on SIGTERM, finishes them; one that died
-fails them with UNAVAILABLE), and its channel closes when the last one ends. An endpoint that comes
-back before then is routable again on the same channel.
+fails them with EngineDeadError or ConnectionError), and its channel closes when the last one
+ends. An endpoint that comes back before then is routable again on the same channel.
 """
 
 from __future__ import annotations
@@ -104,9 +104,7 @@ class EngineSet:
         """The ready engines' stats, summed."""
         ready = [m for m in self.members.values() if m.ready]
         stats = await asyncio.gather(*(m.client.stats() for m in ready))
-        if not stats:
-            return EngineStats(*(0 for _ in fields(EngineStats)))
-        return EngineStats(*(sum(values) for values in zip(*stats)))
+        return EngineStats(**{f.name: sum(getattr(s, f.name) for s in stats) for f in fields(EngineStats)})
 
     async def is_healthy(self) -> bool:
         """True while at least one ready engine says SERVING; records each one's answer for choose()."""

@@ -34,7 +34,11 @@ class Processor:
     @classmethod
     def load(cls, model_path: str | os.PathLike[str], max_model_len: int) -> Processor:
         """The processor of a local model folder (its tokenizer, chat template and eos ids)."""
-        tokenizer = load_tokenizer(model_path)
+        return cls.for_tokenizer(load_tokenizer(model_path), model_path, max_model_len)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, model_path: str | os.PathLike[str],
+                      max_model_len: int) -> Processor:
         return cls(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, model_path), max_model_len)
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, info: TokenizerInfo, max_model_len: int) -> None:

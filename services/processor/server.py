@@ -23,17 +23,15 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import replace
 from typing import NamedTuple
-
-import grpc
 
 from services.common.clients import EngineClient, EngineInfo, ProcessorClient
 from services.common.config import PROCESSOR_MODEL_FIELDS, ModelConfig, ProcessorServiceConfig, ServingConfig
 from services.common.flags import add_flags, build
 from services.common.discovery import EndpointWatcher, kube_configuration
-from services.common.errors import EngineOverloadedError
+from services.common.errors import answers_with_status
 from services.common.metrics import GrpcMetrics, MetricsEndpoint, ServiceMetrics
 from services.common.model_files import model_id_of, resolve_tokenizer
 from services.common.rpc import convert
@@ -45,6 +43,7 @@ from services.processor.engine_set import EngineSet
 from services.processor.metrics import ProcessorMetrics
 from services.common.rpc.convert import generate_delta_to_proto, generate_request_from_proto
 from services.processor.processor import Processor
+from services.processor.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -56,62 +55,32 @@ HEALTH_INTERVAL = 1.0  # seconds between checks of the engine's health
 ENV_PREFIX = "KVMESH_PROCESSOR"  # KVMESH_PROCESSOR_PORT for --port, ...
 
 
-def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    """The status a failed Generate ends with: the engine's own status passes through."""
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, EngineOverloadedError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code(), f"engine: {exc.details()}"
-    if isinstance(exc, ConnectionError):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
-
-
 class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
-    """Converts proto <-> core and calls the processor core; errors become status codes (status_of)."""
+    """Converts proto <-> core and calls the processor core; its errors (and its engine's, which
+    pass through) end the call with their status (services/common/errors.py)."""
 
     def __init__(self, processor: ProcessorClient) -> None:
         self.processor = processor
 
+    @answers_with_status
     async def Generate(self, request: processor_pb2.GenerateRequest, context):
-        try:
-            core_request = generate_request_from_proto(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # A cancelled call (the gateway's client went away) cancels this coroutine at an await;
         # closing the stream then aborts the request's engine requests.
-        stream = self.processor.generate(core_request)
-        try:
+        async with aclosing(self.processor.generate(generate_request_from_proto(request))) as stream:
             async for delta in stream:
                 yield generate_delta_to_proto(delta)
-        except Exception as exc:
-            code, message = status_of(exc)
-            if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):  # not ours
-                logger.warning("request %s failed: %s %s", core_request.request_id, code.name, message)
-            await context.abort(code, message)
-        finally:
-            await stream.aclose()
 
+    @answers_with_status
     async def Tokenize(self, request: processor_pb2.TokenizeRequest, context):
-        try:
-            return convert.tokenized_to_proto(await self.processor.tokenize(convert.tokenize_request_from_proto(request)))
-        except Exception as exc:
-            await context.abort(*status_of(exc))
+        return convert.tokenized_to_proto(await self.processor.tokenize(convert.tokenize_request_from_proto(request)))
 
+    @answers_with_status
     async def Detokenize(self, request: processor_pb2.DetokenizeRequest, context):
-        try:
-            return processor_pb2.DetokenizeResponse(text=await self.processor.detokenize(list(request.token_ids)))
-        except Exception as exc:
-            await context.abort(*status_of(exc))
+        return processor_pb2.DetokenizeResponse(text=await self.processor.detokenize(list(request.token_ids)))
 
+    @answers_with_status
     async def GetModelInfo(self, request: processor_pb2.GetModelInfoRequest, context):
-        try:
-            info = await self.processor.model_info()
-        except Exception as exc:
-            await context.abort(*status_of(exc))
-        return convert.engine_info_to_proto(info)
+        return convert.engine_info_to_proto(await self.processor.model_info())
 
 
 async def wait_for_engine(engine: EngineClient, timeout: float) -> EngineInfo:
@@ -121,10 +90,7 @@ async def wait_for_engine(engine: EngineClient, timeout: float) -> EngineInfo:
     while True:
         try:
             return await engine.info()
-        except (grpc.aio.AioRpcError, ConnectionError) as exc:  # ConnectionError: none discovered yet
-            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in (grpc.StatusCode.UNAVAILABLE,
-                                                                           grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise
+        except (ConnectionError, TimeoutError) as exc:  # not up (or none discovered) yet
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no engine answered in {timeout}s: {exc}") from exc
         await asyncio.sleep(0.5)
@@ -173,12 +139,14 @@ async def serve(model: ModelConfig, engine: EngineClient, serving: ServingConfig
     The caller owns `engine` (open_engines). `metrics` makes this processor's metrics once the
     engine's context length (their token buckets' top) is known."""
     model_path = resolve_tokenizer(model.model, model.cache_dir)
+    tokenizer = load_tokenizer(model_path)  # before waiting for an engine: a bad model fails at once
     engine_info = await wait_for_engine(engine, startup_timeout)
     if engine_info.model_id != model_id_of(model_path):
         logger.warning("the engine serves %s, this processor tokenizes for %s", engine_info.model_id,
                        model_id_of(model_path))
     processor_metrics = metrics(engine_info.max_model_len) if metrics is not None else None
-    processor = AsyncProcessor(Processor.load(model_path, engine_info.max_model_len), engine, processor_metrics)
+    processor = AsyncProcessor(Processor.for_tokenizer(tokenizer, model_path, engine_info.max_model_len), engine,
+                               processor_metrics)
     interceptors = [processor_metrics.service.grpc.server_interceptor()] if processor_metrics is not None else []
     server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors)
     processor_pb2_grpc.add_ProcessorServicer_to_server(ProcessorServicer(processor), server.server)

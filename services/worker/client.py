@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from services.common.clients import WorkerInfo
+from services.common.errors import raising_errors
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.metrics import GrpcMetrics
 from services.common.rpc import convert
@@ -35,7 +36,7 @@ class InProcessWorkerClient:
         self._lock = threading.Lock()
 
     def get_info(self) -> WorkerInfo:
-        return WorkerInfo(*self.worker.info)
+        return self.worker.info
 
     def initialize_cache(self, max_num_reqs: int) -> int:
         if max_num_reqs < 1:
@@ -59,7 +60,8 @@ class GrpcWorkerClient:
     """A worker server over gRPC, on a blocking channel. Every call has a deadline: `timeout` for
     the set-up calls (which also wait for the worker to come up), `step_timeout` for each
     ExecuteModel (a long prefill on a CPU takes seconds). A lost worker fails the call at once with
-    UNAVAILABLE (no waiting for ready), so the engine notices within one step."""
+    ConnectionError (no waiting for ready), so the engine notices within one step. Errors are those
+    of services/common/errors.py, as for every client."""
 
     def __init__(self, address: str, timeout: float = 60.0, step_timeout: float = 60.0,
                  metrics: GrpcMetrics | None = None) -> None:
@@ -71,17 +73,20 @@ class GrpcWorkerClient:
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
     def get_info(self) -> WorkerInfo:
-        reply = self._stub.GetInfo(worker_pb2.GetWorkerInfoRequest(), timeout=self.timeout, wait_for_ready=True)
+        with raising_errors():
+            reply = self._stub.GetInfo(worker_pb2.GetWorkerInfoRequest(), timeout=self.timeout, wait_for_ready=True)
         return convert.worker_info_from_proto(reply)
 
     def initialize_cache(self, max_num_reqs: int) -> int:
-        reply = self._stub.InitializeCache(worker_pb2.InitializeCacheRequest(max_num_reqs=max_num_reqs),
-                                           timeout=self.timeout, wait_for_ready=True)
+        with raising_errors():
+            reply = self._stub.InitializeCache(worker_pb2.InitializeCacheRequest(max_num_reqs=max_num_reqs),
+                                               timeout=self.timeout, wait_for_ready=True)
         return reply.num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        reply = self._stub.ExecuteModel(convert.scheduler_output_to_proto(scheduler_output),
-                                        timeout=self.step_timeout)
+        with raising_errors():
+            reply = self._stub.ExecuteModel(convert.scheduler_output_to_proto(scheduler_output),
+                                            timeout=self.step_timeout)
         return convert.model_runner_output_from_proto(reply)
 
     def close(self) -> None:

@@ -18,10 +18,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-import grpc
-
 from services.common.clients import WorkerClient
 from services.common.config import CacheConfig, ModelConfig, ServingConfig, WorkerConfig
+from services.common.errors import answers_with_status
 from services.common.flags import add_flags, build
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import worker_pb2, worker_pb2_grpc
@@ -32,8 +31,6 @@ from services.common.scheduler_output import SchedulerOutput
 from services.worker.client import InProcessWorkerClient
 from services.worker.metrics import WorkerMetrics
 from services.worker.worker import Worker
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50053
 DEFAULT_METRICS_PORT = 9053
@@ -58,30 +55,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _call(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
+    @answers_with_status
     async def GetInfo(self, request: worker_pb2.GetWorkerInfoRequest, context) -> worker_pb2.WorkerInfo:
         return convert.worker_info_to_proto(self.worker.get_info())
 
+    @answers_with_status
     async def InitializeCache(self, request: worker_pb2.InitializeCacheRequest,
                               context) -> worker_pb2.InitializeCacheResponse:
-        try:
-            num_blocks = await self._call(self.worker.initialize_cache, request.max_num_reqs)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        num_blocks = await self._call(self.worker.initialize_cache, request.max_num_reqs)
         return worker_pb2.InitializeCacheResponse(num_blocks=num_blocks)
 
+    @answers_with_status
     async def ExecuteModel(self, request: worker_pb2.SchedulerOutput, context) -> worker_pb2.ModelRunnerOutput:
-        try:
-            scheduler_output = convert.scheduler_output_from_proto(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        try:
-            if scheduler_output.total_num_scheduled_tokens <= INLINE_STEP_TOKENS:
-                runner_output = self._execute_model(scheduler_output)
-            else:
-                runner_output = await self._call(self._execute_model, scheduler_output)
-        except Exception as exc:  # the boundary: the engine gets the reason, the log the traceback
-            logger.exception("step failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
+        # A failed step is logged with its traceback (status_of); the engine gets INTERNAL.
+        scheduler_output = convert.scheduler_output_from_proto(request)
+        if scheduler_output.total_num_scheduled_tokens <= INLINE_STEP_TOKENS:
+            runner_output = self._execute_model(scheduler_output)
+        else:
+            runner_output = await self._call(self._execute_model, scheduler_output)
         return convert.model_runner_output_to_proto(runner_output)
 
     def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -8,11 +8,10 @@ builds its block pool from), `initialize_cache(num_blocks, ...)` allocates it. T
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from kernels import cpu_fused_ops
+from services.common.clients import WorkerInfo
 from services.common.config import CacheConfig, ModelConfig, WorkerConfig, default_cache_dir
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
@@ -23,14 +22,6 @@ from services.worker.loader import load_model, resolve_model
 from services.worker.model_runner import ModelRunner
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelInfo(NamedTuple):
-    model_id: str
-    model_path: str
-    vocab_size: int
-    max_model_len: int
-    block_size: int
 
 
 class Worker:
@@ -50,8 +41,9 @@ class Worker:
             if model_config.max_model_len > max_len:
                 raise ValueError(f"max_model_len {model_config.max_model_len} exceeds the model's {max_len}")
             max_len = model_config.max_model_len
-        self.info = ModelInfo(model_id_of(self.model_path), str(self.model_path),
-                              self.hf_config.vocab_size, max_len, cache_config.block_size)
+        self.info = WorkerInfo(model_id=model_id_of(self.model_path), model_path=str(self.model_path),
+                               vocab_size=self.hf_config.vocab_size, max_model_len=max_len,
+                               block_size=cache_config.block_size)
         self.runner: ModelRunner | None = None
 
     @property

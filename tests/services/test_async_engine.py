@@ -10,10 +10,11 @@ import pytest
 from services.common.clients import WorkerInfo
 from services.common.config import SchedulerConfig
 from services.common.engine_output import EngineCoreRequest
+from services.common.errors import EngineDeadError
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import SchedulerOutput
-from services.engine.async_engine import AsyncEngine, EngineDeadError
+from services.engine.async_engine import AsyncEngine
 
 TOKEN = 7
 
@@ -36,7 +37,7 @@ class ScriptedWorker:
         pass
 
     def get_info(self) -> WorkerInfo:
-        return WorkerInfo("scripted", "/nowhere", 1000, 4096, 4)
+        return WorkerInfo(model_id="scripted", model_path="/nowhere", vocab_size=1000, max_model_len=4096, block_size=4)
 
     def initialize_cache(self, max_num_reqs: int) -> int:
         return self.num_blocks
@@ -192,10 +193,13 @@ def test_a_failed_step_fails_every_stream_and_every_later_request():
         worker.fail_with = RuntimeError("the device fell off the bus")
         worker.permits.release(1000)
         for s in streams:
-            with pytest.raises(EngineDeadError, match="device fell off the bus"):
+            with pytest.raises(EngineDeadError, match="engine step failed") as dead:
                 async with asyncio.timeout(2):
                     async for _ in s:
                         pass
+            # The worker's reason stays in the log and the cause, out of the message callers pass on.
+            assert "device fell off the bus" not in str(dead.value)
+            assert str(dead.value.__cause__) == "the device fell off the bus"
         assert not await engine.is_healthy()
         async with asyncio.timeout(1):
             await engine.wait_until_unhealthy()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from services.common.clients import EngineInfo, EngineStats, WorkerInfo
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput, TokenLogprobs
 from services.common.rpc import convert
-from services.common.rpc.kvmesh.v1 import common_pb2, engine_pb2
+from services.common.rpc.kvmesh.v1 import common_pb2, engine_pb2, worker_pb2
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -32,10 +34,9 @@ def test_sampling_params_round_trip(params: SamplingParams):
         params.seed, params.max_tokens, params.logprobs, params.prompt_logprobs)
 
 
-def test_sampling_params_extra_and_empty_logit_bias():
-    params = SamplingParams(extra={"tag": "a", "nested": {"x": [1, 2]}}, logit_bias={})
+def test_sampling_params_empty_logit_bias():
+    params = SamplingParams(logit_bias={})
     back = convert.sampling_params_from_proto(convert.sampling_params_to_proto(params))
-    assert back.extra == {"tag": "a", "nested": {"x": [1.0, 2.0]}}  # JSON numbers
     assert back.logit_bias is None  # an empty map is None
 
 
@@ -114,3 +115,13 @@ def test_stats_and_info_round_trip():
     assert convert.engine_info_from_proto(convert.engine_info_to_proto(info)) == info
     worker = WorkerInfo("smollm2", "/models/smollm2", 49152, 8192, 16)
     assert convert.worker_info_from_proto(convert.worker_info_to_proto(worker)) == worker
+
+
+@pytest.mark.parametrize("cls, message_type", [
+    (WorkerInfo, worker_pb2.WorkerInfo), (EngineInfo, engine_pb2.EngineInfo), (EngineStats, engine_pb2.EngineStats),
+])
+def test_conversions_by_name_cover_every_field_of_both_sides(cls, message_type):
+    """fields_to_proto / fields_from_proto match fields by name: the two sides must name the same ones."""
+    assert [f.name for f in dataclasses.fields(cls)] == [f.name for f in message_type.DESCRIPTOR.fields]
+    value = cls(**{f.name: f"v{i}" if f.type == "str" else i + 1 for i, f in enumerate(dataclasses.fields(cls))})
+    assert convert.fields_from_proto(convert.fields_to_proto(value, message_type), cls) == value

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import grpc
@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2
 from kubernetes.client import Configuration
 
 from services.common import discovery
-from services.common.clients import GenerateRequest
+from services.common.clients import EngineStats, GenerateRequest
 from services.common.discovery import Backoff, Endpoint, EndpointWatcher, kube_configuration
 from services.common.engine_output import EngineCoreRequest
 from services.common.rpc.convert import generate_request_to_proto
@@ -242,6 +242,7 @@ async def test_engine_set_routes_to_the_least_busy_ready_engine():
     try:
         with pytest.raises(ConnectionError, match="no ready engine in service engines"):
             engines.choose(request)
+        assert await engines.stats() == EngineStats(**{f.name: 0 for f in fields(EngineStats)})
         a, b = Endpoint("127.0.0.1:1", "engine-0"), Endpoint("127.0.0.1:2", "engine-1")
         engines.update(frozenset({a, b}))
         engines.members[a.address].in_flight = 2

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services import LLM, SamplingParams
 from services.common.engine_output import EngineCoreRequest
+from services.common.errors import EngineDeadError
 from services.engine.client import GrpcEngineClient
 from tests.services.procs import PYTHON, ServiceProcess, free_port, grpc_health_status, start_service
 
@@ -142,14 +143,12 @@ def test_invalid_request_is_invalid_argument(stack: Stack, offline: LLM):
 
     async def main():
         client = GrpcEngineClient(stack.engine.address, timeout=10)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
+        with pytest.raises(ValueError, match="context"):  # as the in-process engine raises
             async with asyncio.timeout(10):
                 [o async for o in client.generate(too_long)]
         await client.close()
-        return err.value
 
-    err = asyncio.run(main())
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in err.details()
+    asyncio.run(main())
 
 
 def test_health_and_reflection_name_the_services(stack: Stack):
@@ -184,7 +183,7 @@ def test_killed_worker_fails_streams_health_and_new_requests_fast(model_path: Pa
             stack.worker.kill()  # kill -9, mid-stream
             errors = []
             for s in streams:
-                with pytest.raises(grpc.aio.AioRpcError) as err:
+                with pytest.raises(EngineDeadError) as err:
                     async with asyncio.timeout(10):
                         async for _ in s:
                             pass
@@ -192,7 +191,7 @@ def test_killed_worker_fails_streams_health_and_new_requests_fast(model_path: Pa
             await wait_for(lambda: _not(client.is_healthy()), timeout=5)
             stats = await client.stats()
             start = time.monotonic()
-            with pytest.raises(grpc.aio.AioRpcError) as late:
+            with pytest.raises(EngineDeadError) as late:
                 async with asyncio.timeout(5):
                     await anext(client.generate(engine_requests(offline, GREEDY, "late-")[0]))
             elapsed = time.monotonic() - start
@@ -201,10 +200,10 @@ def test_killed_worker_fails_streams_health_and_new_requests_fast(model_path: Pa
 
         errors, stats, late, elapsed = asyncio.run(main())
         for err in errors:
-            assert err.code() == grpc.StatusCode.UNAVAILABLE, err
-            assert "engine step failed" in err.details() and "UNAVAILABLE" in err.details(), err.details()
+            assert "engine step failed" in str(err), err
         assert (stats.num_running, stats.num_waiting, stats.num_used_blocks) == (0, 0, 0)
-        assert late.code() == grpc.StatusCode.UNAVAILABLE and elapsed < 1.0, (late, elapsed)
+        assert elapsed < 1.0, (late, elapsed)
+        assert "ConnectionError" in stack.engine.log()  # the reason (the worker is gone) is in the log
         assert grpc_health_status(stack.engine.address) == health_pb2.HealthCheckResponse.NOT_SERVING
         assert stack.engine.terminate(timeout=10) == 0, stack.engine.log()
 

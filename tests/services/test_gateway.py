@@ -15,8 +15,10 @@ import pytest
 
 from services.common.clients import EngineInfo, EngineStats
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.common.errors import EngineDeadError, EngineOverloadedError, InternalError
 from services.common.model_runner_output import TokenLogprobs
 from services.gateway.app import create_app, end_requests
+from services.gateway.errors import api_error_of
 from services.processor.async_processor import AsyncProcessor
 from services.processor.processor import Processor
 from services.processor.tokenizer import TokenizerInfo
@@ -37,7 +39,8 @@ class ScriptedEngine:
         self.eos_token_id = eos_token_id
         self.step_delay = step_delay
         self.healthy = True
-        self.fail_after: int | None = None  # raise after this many outputs
+        self.fail_after: int | None = None  # raise fail_with after this many outputs
+        self.fail_with: Exception = ConnectionError("the engine lost its worker")
         self.requests: list[EngineCoreRequest] = []
         self.aborted: list[str] = []
         self.running: set[str] = set()
@@ -59,7 +62,7 @@ class ScriptedEngine:
             for i, token in enumerate(tokens):
                 await asyncio.sleep(self.step_delay)
                 if self.fail_after is not None and i >= self.fail_after:
-                    raise ConnectionError("the engine lost its worker")
+                    raise self.fail_with
                 reason = None
                 if token == self.eos_token_id:
                     reason = "stop"
@@ -230,6 +233,21 @@ async def test_engine_failure_mid_stream_is_an_error_event_then_done(client, eng
     assert "lost its worker" in error["message"] and error["type"] == "service_unavailable"
     r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
     assert_openai_error(r, 503)
+
+
+@pytest.mark.parametrize("error, status", [
+    (EngineDeadError("engine step failed"), 503), (EngineOverloadedError("full"), 503),
+    (TimeoutError("deadline"), 504), (InternalError("internal error"), 500),
+])
+async def test_each_engine_error_has_its_status(client, engine, error, status):
+    engine.fail_after, engine.fail_with = 0, error
+    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+    assert_openai_error(r, status)
+
+
+def test_a_bug_of_ours_is_a_500_that_says_nothing_of_it():
+    error = api_error_of(KeyError("secret-of-another-client"))
+    assert error.status == 500 and "secret" not in error.info.message and "KeyError" not in error.info.message
 
 
 # ----------------------------------------------------------------------------- errors

@@ -32,8 +32,8 @@ LONG_PROMPT = ("Rivers carry water from the mountains to the sea, shaping valley
 
 @pytest.fixture(scope="module")
 def serve(model_path: Path) -> Iterator[Serve]:
-    serve = start_serve(model_path, extra_args=["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1"],
-                        env={"KVMESH_ENGINE_SCHEDULING_POLICY": "priority"})
+    serve = start_serve(model_path, extra_args=["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1",
+                                                "--scheduling-policy", "priority"])
     try:
         yield serve
     finally:

@@ -20,11 +20,9 @@ from pathlib import Path
 import services.cli, services.gateway.app, services.gateway.server, services.processor.server
 from services.common.model_files import model_id_of, resolve_tokenizer
 from services.processor.processor import Processor
-from services.processor.tokenizer import TokenizerInfo, load_tokenizer
 
 path = resolve_tokenizer("smollm2", Path(sys.argv[1]))  # what processor.server.serve does
-tokenizer = load_tokenizer(path)
-processor = Processor(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, path), 2048)
+processor = Processor.load(path, 2048)
 ids = processor.tokenize_chat([{"role": "user", "content": "Hi 👋"}])
 print(json.dumps({"torch": "torch" in sys.modules, "model_id": model_id_of(path),
                   "text": processor.detokenize(ids), "cache": sorted(p.name for p in Path(sys.argv[1]).iterdir())}))
@@ -62,6 +60,17 @@ def test_processor_core_imports_no_torch(tmp_path: Path) -> None:
 
 def test_kernels_import_nothing_from_services() -> None:
     assert json.loads(run_python(KERNELS_IMPORTS)) == []
+
+
+def test_worker_and_engine_import_no_web_stack_and_the_engine_no_model_code() -> None:
+    """A worker pod needs no HTTP server; an engine pod neither that nor torch or transformers."""
+    code = """
+import json, sys
+import services.cli, services.{service}.server
+print(json.dumps(sorted(m for m in ("fastapi", "starlette", "uvicorn", "torch", "transformers") if m in sys.modules)))
+"""
+    assert json.loads(run_python(code.format(service="worker"))) == ["torch", "transformers"]
+    assert json.loads(run_python(code.format(service="engine"))) == []
 
 
 def test_processor_and_gateway_processes_map_no_libtorch(tmp_path: Path) -> None:

@@ -8,9 +8,12 @@ message raises ValueError, which servers answer with INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from typing import TypeVar
 
 from google.protobuf import json_format, struct_pb2
+from google.protobuf.message import Message
 
 from services.common.clients import (
     ChoiceDelta,
@@ -28,11 +31,25 @@ from services.common.rpc.kvmesh.v1 import common_pb2, engine_pb2, processor_pb2,
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
+T = TypeVar("T")
+M = TypeVar("M", bound=Message)
+
 # ----------------------------------------------------------------------------- common
 
 
+def fields_to_proto(value: object, message_type: type[M]) -> M:
+    """A message of a dataclass whose every field is a scalar field of the message with the same
+    name (the message may not lack one: protobuf refuses an unknown keyword)."""
+    return message_type(**{f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
+
+
+def fields_from_proto(message: Message, cls: type[T]) -> T:
+    """The dataclass `cls` of a message, field by name (fields_to_proto's inverse)."""
+    return cls(**{f.name: getattr(message, f.name) for f in dataclasses.fields(cls)})
+
+
 def sampling_params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
+    return common_pb2.SamplingParams(
         n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, max_tokens=p.max_tokens,
@@ -41,9 +58,6 @@ def sampling_params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, skip_special_tokens=p.skip_special_tokens,
         spaces_between_special_tokens=p.spaces_between_special_tokens,
     )
-    if p.extra:
-        msg.extra.update(p.extra)
-    return msg
 
 
 def sampling_params_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
@@ -58,7 +72,6 @@ def sampling_params_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
         logprobs=m.logprobs if m.HasField("logprobs") else None,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         skip_special_tokens=m.skip_special_tokens, spaces_between_special_tokens=m.spaces_between_special_tokens,
-        extra=json_format.MessageToDict(m.extra) if m.HasField("extra") else {},
     )
 
 
@@ -67,7 +80,7 @@ def token_logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
 
 
 def token_logprobs_from_proto(m: common_pb2.TokenLogprobs) -> TokenLogprobs:
-    return TokenLogprobs(list(m.token_ids), list(m.logprobs), m.rank)
+    return TokenLogprobs(token_ids=list(m.token_ids), logprobs=list(m.logprobs), rank=m.rank)
 
 
 def _logprobs_list_from_proto(items) -> list[TokenLogprobs]:
@@ -78,13 +91,11 @@ def _logprobs_list_from_proto(items) -> list[TokenLogprobs]:
 
 
 def worker_info_to_proto(info: WorkerInfo) -> worker_pb2.WorkerInfo:
-    return worker_pb2.WorkerInfo(model_id=info.model_id, model_path=info.model_path,
-                                 vocab_size=info.vocab_size, max_model_len=info.max_model_len,
-                                 block_size=info.block_size)
+    return fields_to_proto(info, worker_pb2.WorkerInfo)
 
 
 def worker_info_from_proto(m: worker_pb2.WorkerInfo) -> WorkerInfo:
-    return WorkerInfo(m.model_id, m.model_path, m.vocab_size, m.max_model_len, m.block_size)
+    return fields_from_proto(m, WorkerInfo)
 
 
 def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.SchedulerOutput:
@@ -124,13 +135,16 @@ def scheduler_output_from_proto(m: worker_pb2.SchedulerOutput) -> SchedulerOutpu
         raise ValueError("scheduled_req_ids and num_scheduled_tokens differ in length")
     return SchedulerOutput(
         scheduled_new_reqs=[
-            NewRequestData(r.req_id, list(r.prompt_token_ids), list(r.output_token_ids),
-                           sampling_params_from_proto(r.sampling_params), frozenset(r.stop_token_ids),
-                           list(r.block_ids), r.num_computed_tokens)
+            NewRequestData(req_id=r.req_id, prompt_token_ids=list(r.prompt_token_ids),
+                           output_token_ids=list(r.output_token_ids),
+                           sampling_params=sampling_params_from_proto(r.sampling_params),
+                           stop_token_ids=frozenset(r.stop_token_ids), block_ids=list(r.block_ids),
+                           num_computed_tokens=r.num_computed_tokens)
             for r in m.scheduled_new_reqs
         ],
         scheduled_cached_reqs=[
-            CachedRequestData(req_id, new_block_ids[end - n:end], num_computed)
+            CachedRequestData(req_id=req_id, new_block_ids=new_block_ids[end - n:end],
+                              num_computed_tokens=num_computed)
             for req_id, num_computed, n, end in zip(cached.req_ids, cached.num_computed_tokens,
                                                     cached.num_new_blocks, ends)
         ],
@@ -214,25 +228,19 @@ def engine_output_from_proto(m: engine_pb2.EngineOutput) -> EngineCoreOutput:
 
 
 def engine_stats_to_proto(s: EngineStats) -> engine_pb2.EngineStats:
-    return engine_pb2.EngineStats(
-        num_running=s.num_running, num_waiting=s.num_waiting, num_used_blocks=s.num_used_blocks,
-        num_total_blocks=s.num_total_blocks, num_preemptions=s.num_preemptions,
-        prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-    )
+    return fields_to_proto(s, engine_pb2.EngineStats)
 
 
 def engine_stats_from_proto(m: engine_pb2.EngineStats) -> EngineStats:
-    return EngineStats(m.num_running, m.num_waiting, m.num_used_blocks, m.num_total_blocks,
-                       m.num_preemptions, m.prefix_cache_queries, m.prefix_cache_hits)
+    return fields_from_proto(m, EngineStats)
 
 
 def engine_info_to_proto(info: EngineInfo) -> engine_pb2.EngineInfo:
-    return engine_pb2.EngineInfo(model_id=info.model_id, model_path=info.model_path,
-                                 max_model_len=info.max_model_len, block_size=info.block_size)
+    return fields_to_proto(info, engine_pb2.EngineInfo)
 
 
 def engine_info_from_proto(m: engine_pb2.EngineInfo) -> EngineInfo:
-    return EngineInfo(m.model_id, m.model_path, m.max_model_len, m.block_size)
+    return fields_from_proto(m, EngineInfo)
 
 
 # ----------------------------------------------------------------------------- gateway <-> processor
@@ -375,5 +383,5 @@ def tokenized_to_proto(t: Tokenized) -> processor_pb2.TokenizeResponse:
 
 
 def tokenized_from_proto(m: processor_pb2.TokenizeResponse) -> Tokenized:
-    return Tokenized(list(m.token_ids), m.max_model_len,
-                     list(m.token_strs.texts) if m.HasField("token_strs") else None)
+    return Tokenized(token_ids=list(m.token_ids), max_model_len=m.max_model_len,
+                     token_strs=list(m.token_strs.texts) if m.HasField("token_strs") else None)

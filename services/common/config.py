@@ -167,9 +167,14 @@ class EngineArgs:
         return cls(**parts)
 
 
+def flag_name(f: Field) -> str:
+    """A field's command-line flag: `--max-num-seqs`, or its own (`--scheduling-policy` for SchedulerConfig.policy)."""
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
 def kwarg_name(f: Field) -> str:
     """A field's name as a keyword argument: its flag's (`scheduling_policy` for SchedulerConfig.policy)."""
-    return (f.metadata.get("flag") or f.name).lstrip("-").replace("-", "_")
+    return flag_name(f).removeprefix("--").replace("-", "_")
 
 
 # ----------------------------------------------------------------------------- services
@@ -290,4 +295,4 @@ class ServeConfig:
 
 def flag_of(config_class: type, name: str) -> str:
     """The command-line flag of a field, e.g. `--max-tokens-limit` for Limits.max_tokens."""
-    return "--" + kwarg_name(next(f for f in fields(config_class) if f.name == name)).replace("_", "-")
+    return flag_name(next(f for f in fields(config_class) if f.name == name))

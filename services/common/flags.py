@@ -22,6 +22,8 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from services.common.config import flag_name
+
 T = TypeVar("T")
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
@@ -90,7 +92,7 @@ def add_flags(parser: argparse.ArgumentParser, config_class: type, env_prefix: s
                           metavar=f.name.upper())
             if meta.get("choices") is not None:
                 kwargs["choices"] = meta["choices"]
-        group.add_argument(meta.get("flag") or "--" + f.name.replace("_", "-"), **kwargs)
+        group.add_argument(flag_name(f), **kwargs)
 
 
 def build(parser: argparse.ArgumentParser, config_class: type[T], args: argparse.Namespace, **values: Any) -> T:
@@ -122,7 +124,7 @@ def to_argv(config: object, *, only: Iterable[str] | None = None, exclude: Itera
     argv: list[str] = []
     for f in _selected(type(config), only, exclude):
         value = getattr(config, f.name)
-        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        flag = flag_name(f)
         if value is None:
             assert f.default is None, f"{f.name}: None cannot be passed as a flag"
         elif isinstance(value, bool):

@@ -344,6 +344,13 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(tls_worker, certs: Pa
         assert client.get_info().vocab_size > 0
     finally:
         client.close()
+    # The chart's exec probe (kubelet's own gRPC probe cannot speak TLS).
+    tls_flags = [f"--tls-{name}-file={certs / file}" for name, file in
+                 (("cert", "tls.crt"), ("key", "tls.key"), ("ca", "ca.crt"))]
+    probe = [PYTHON, "-m", "services.common.rpc.health_probe", f"--port={worker.port}"]
+    assert subprocess.run([*probe, *tls_flags, "--tls-server-name=kvmesh-internal"], cwd=REPO_ROOT,
+                          timeout=60).returncode == 0
+    assert subprocess.run(probe, cwd=REPO_ROOT, timeout=60, capture_output=True).returncode == 1
 
 
 def test_a_new_engine_takes_the_worker_over_once_the_old_one_is_silent(tls_worker):

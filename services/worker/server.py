@@ -58,20 +58,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     during a long prefill. Steps never overlap either way: the engine sends one at a time.
 
     Ownership: a worker serves one engine. Each engine session (a random id its GrpcWorkerClient
-    sends with every call, SESSION_METADATA_KEY) must claim the worker with InitializeCache; every
+    sends with every call, SESSION_METADATA_KEY) must claim the worker with InitializeCache; each
     call of the owner renews its lease. Then:
       - InitializeCache from another session while the owner's lease runs (it called within the
         last `owner_lease` seconds) is refused with FAILED_PRECONDITION before anything is touched:
         the KV cache and the persistent batch in use stay as they are;
       - once the lease has run out (the owner is gone: an engine pod restarted alone, or an engine
-        idle that long), InitializeCache from a new session takes the worker over: the cache is
+        idle that long; a step still running is not silence), InitializeCache from a new session takes the worker over: the cache is
         reallocated, every request of the old session forgotten, and the old session's later
         calls are refused (its engine fails and is restarted);
       - ExecuteModel from any session but the owner's is refused with FAILED_PRECONDITION.
     A restarted engine retries InitializeCache until its set-up deadline (GrpcWorkerClient), which
     is longer than the lease, so it takes over a worker whose old engine died without help. When
     `kvmesh serve` restarts an engine it restarts its worker too: a fresh worker has no owner.
-    GetInfo changes nothing and is open to every caller with the internal token."""
+    GetInfo changes nothing and is open to every caller with the internal token; from the owner it
+    renews the lease (an idle engine that checks on its worker keeps it)."""
 
     def __init__(self, worker: WorkerClient, metrics: WorkerMetrics | None = None,
                  owner_lease: float = WorkerConfig.owner_lease) -> None:
@@ -81,6 +82,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
         self._owner: str | None = None  # the engine session that claimed the worker
         self._owner_seen = 0.0  # time.monotonic() of the owner's last call
+        self._steps_in_flight = 0  # the owner's: a step longer than the lease is not silence
 
     async def _call(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -88,7 +90,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _claim(self, session: str) -> None:
         # On the event loop, without an await: no other call runs in between.
         now = time.monotonic()
-        idle = now - self._owner_seen
+        idle = 0.0 if self._steps_in_flight else now - self._owner_seen
         if self._owner not in (None, session) and idle < self.owner_lease:
             raise WorkerClaimedError(
                 f"this worker serves another engine (its last call was {idle:.1f}s ago); another engine may "
@@ -106,6 +108,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     @answers_with_status
     async def GetInfo(self, request: worker_pb2.GetWorkerInfoRequest, context) -> worker_pb2.WorkerInfo:
+        if self._owner is not None and session_of(context) == self._owner:
+            self._owner_seen = time.monotonic()  # an idle engine that asks keeps its worker
         return convert.worker_info_to_proto(self.worker.get_info())
 
     @answers_with_status
@@ -123,7 +127,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if scheduler_output.total_num_scheduled_tokens <= INLINE_STEP_TOKENS:
             runner_output = self._execute_model(scheduler_output)
         else:
-            runner_output = await self._call(self._execute_model, scheduler_output)
+            self._steps_in_flight += 1
+            try:
+                runner_output = await self._call(self._execute_model, scheduler_output)
+            finally:
+                self._steps_in_flight -= 1
+                self._owner_seen = time.monotonic()
         return convert.model_runner_output_to_proto(runner_output)
 
     def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -277,7 +277,7 @@ def test_every_kvmesh_container_reads_the_internal_token_from_the_secret(auth: d
         volume = volume_of(pod, container, TOKEN_FILE)
         assert volume["secret"]["secretName"] == name
         assert volume["secret"]["items"] == [{"key": auth.get("key", "token"), "path": "token"}]
-        assert volume["secret"]["defaultMode"] == 0o400
+        assert volume["secret"]["defaultMode"] == 0o440  # root and the fsGroup
         assert "KVMESH_INTERNAL_TOKEN" not in str(container.get("env"))
 
 

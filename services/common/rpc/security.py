@@ -25,7 +25,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +43,7 @@ OPEN_METHOD_PREFIXES = (f"/{health.SERVICE_NAME}/",)
 UNAUTHENTICATED_MESSAGE = "this service needs the internal token (missing or wrong)"
 
 
-def read_token(config: SecurityConfig, environ: dict[str, str] | os._Environ = os.environ) -> str | None:
+def read_token(config: SecurityConfig, environ: Mapping[str, str] = os.environ) -> str | None:
     """The token from the file, else from $KVMESH_INTERNAL_TOKEN, else None. ValueError for an
     empty one (a Secret mounted without its key would otherwise mean "no authentication")."""
     if config.internal_token_file is not None:

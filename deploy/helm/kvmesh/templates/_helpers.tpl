@@ -268,12 +268,12 @@ failureThreshold: 3
 {{- end }}
 {{- end }}
 
-{{/* Mode 0400: only the service's user (the pod's runAsUser) reads them. */}}
+{{/* Mode 0440: the files belong to root and to the pod's fsGroup (the service's group), readable by nothing else. */}}
 {{- define "kvmesh.internalSecurityVolumes" -}}
 - name: internal-token
   secret:
     secretName: {{ include "kvmesh.internalTokenSecretName" . }}
-    defaultMode: 0400
+    defaultMode: 0440
     items:
       - key: {{ .Values.internalAuth.key }}
         path: token
@@ -281,7 +281,7 @@ failureThreshold: 3
 - name: internal-tls
   secret:
     secretName: {{ .Values.internalAuth.tls.secretName }}
-    defaultMode: 0400
+    defaultMode: 0440
     items:
       - {key: tls.crt, path: tls.crt}
       - {key: tls.key, path: tls.key}

@@ -53,9 +53,9 @@ class Serve:
 
     @property
     def security(self) -> RpcSecurity:
-        """The internal token serve gave its children: the file its engine's argv names (only the
-        same user may read it)."""
-        argv = Path(f"/proc/{self.services['engine']['pid']}/cmdline").read_bytes().split(b"\0")
+        """The internal token serve gave its children: the file its gateway's argv names (only the
+        same user may read it; the gateway, which is never restarted on its own)."""
+        argv = Path(f"/proc/{self.services['gateway']['pid']}/cmdline").read_bytes().split(b"\0")
         path = Path(argv[argv.index(b"--internal-token-file") + 1].decode())
         return RpcSecurity.load(SecurityConfig(internal_token_file=path))
 

@@ -20,15 +20,18 @@ import ctypes
 import importlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import NamedTuple
 
 import grpc
@@ -43,6 +46,7 @@ from services.common.config import (
     ModelConfig,
     ProcessorServiceConfig,
     SchedulerConfig,
+    SecurityConfig,
     ServeConfig,
     ServingConfig,
     WorkerConfig,
@@ -220,12 +224,25 @@ class ServeSpec(NamedTuple):
 def serve(spec: ServeSpec) -> int:
     supervisor = Supervisor()
     previous = {sig: signal.signal(sig, supervisor.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return _serve(spec, supervisor)
-    finally:
-        supervisor.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    # The children's internal token, new each run: in a file only this user can read (never in an
+    # argv, which `ps` shows to everyone), in a directory that lives as long as they may restart.
+    with tempfile.TemporaryDirectory(prefix="kvmesh-serve-") as private:
+        try:
+            return _serve(spec, supervisor, write_token_file(Path(private)))
+        finally:
+            supervisor.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def write_token_file(directory: Path) -> SecurityConfig:
+    """A random internal token in `directory`/internal-token (mode 0600; mkdtemp's directory is
+    0700), as the config that points the services at it."""
+    path = directory / "internal-token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32))
+    return SecurityConfig(internal_token_file=path)
 
 
 class Layout(NamedTuple):
@@ -249,8 +266,9 @@ class Layout(NamedTuple):
 INTERNAL = ("worker", "engine", "processor")
 
 
-def service_argvs(spec: ServeSpec, layout: Layout) -> dict[str, list[str]]:
-    """Each child's flags, every field of its configs spelled out (services/common/flags.py)."""
+def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = SecurityConfig()) -> dict[str, list[str]]:
+    """Each child's flags, every field of its configs spelled out (services/common/flags.py);
+    `security` (the token file) goes to every one of them."""
     model = replace(spec.model, served_model_name=spec.model.name)  # one name for every service's metrics
 
     def serving(name: str) -> list[str]:
@@ -259,7 +277,7 @@ def service_argvs(spec: ServeSpec, layout: Layout) -> dict[str, list[str]]:
 
     gateway = replace(spec.gateway, processor_address=layout.address("processor"),
                       aggregate_metrics=tuple(layout.metrics_url(name) for name in INTERNAL))
-    return {
+    argvs = {
         "worker": [*to_argv(model), *to_argv(spec.cache),
                    *to_argv(replace(spec.worker, max_num_seqs=spec.scheduler.max_num_seqs)), *serving("worker")],
         "engine": [*to_argv(EngineServiceConfig(worker_address=layout.address("worker"))), *to_argv(spec.scheduler),
@@ -270,11 +288,12 @@ def service_argvs(spec: ServeSpec, layout: Layout) -> dict[str, list[str]]:
                     *to_argv(ServingConfig(spec.serve.host, spec.serve.port, GATEWAY_GRACE),
                              only=["host", "port", "grace"])],
     }
+    return {name: [*argv, *to_argv(security)] for name, argv in argvs.items()}
 
 
-def _serve(spec: ServeSpec, supervisor: Supervisor) -> int:
+def _serve(spec: ServeSpec, supervisor: Supervisor, security: SecurityConfig) -> int:
     layout = Layout.on_free_ports()
-    argvs = service_argvs(spec, layout)
+    argvs = service_argvs(spec, layout, security)
     host, port = spec.serve.host, spec.serve.port
     api = f"http://{_url_host(host)}:{port}"
     worker, engine, processor = (layout.address(name) for name in INTERNAL)

@@ -136,6 +136,9 @@ class WorkerConfig:
     attention_backend: str = option("auto", "attention kernels (auto: cpu on a CPU, triton on a GPU)",
                                     choices=ATTENTION_BACKENDS)
     max_num_seqs: int = option(1024, "the largest batch an engine may ask this worker for", minimum=1)
+    owner_lease: float = option(
+        15.0, "seconds an engine keeps this worker after its last call; another engine may take the worker "
+              "over only after that (see services/worker/server.py WorkerServicer)", minimum=0.0)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -193,6 +196,36 @@ class ServingConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """How the internal gRPC services (worker, engine, processor) know their callers, on both
+    sides of each call (services/common/rpc/security.py). The token is never a flag: a file (a
+    mounted Kubernetes Secret) or $KVMESH_INTERNAL_TOKEN, so that `ps` does not show it."""
+
+    internal_token_file: Path | None = option(
+        None, "file holding the shared token every internal gRPC call carries and every internal service "
+              "requires (default: $KVMESH_INTERNAL_TOKEN; neither: no authentication, with a warning)")
+    tls_cert_file: Path | None = option(
+        None, "PEM certificate this service presents, as server and as client (mutual TLS; needs "
+              "--tls-key-file and --tls-ca-file)")
+    tls_key_file: Path | None = option(None, "PEM private key of --tls-cert-file")
+    tls_ca_file: Path | None = option(None, "PEM CA bundle that peers' certificates must chain to")
+    tls_server_name: str | None = option(
+        None, "the name clients expect in servers' certificates (default: the host of the address dialled)")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        tls = (self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+        if any(f is not None for f in tls) and not all(f is not None for f in tls):
+            raise ValueError("mutual TLS needs --tls-cert-file, --tls-key-file and --tls-ca-file together")
+        if self.tls_server_name is not None and self.tls_cert_file is None:
+            raise ValueError("--tls-server-name needs --tls-cert-file")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
 
 
 @dataclass(frozen=True)

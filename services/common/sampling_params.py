@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Below this temperature sampling is greedy (and top-k/top-p/min-p are off), as in vLLM.
 GREEDY_EPSILON = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: a bias of +-100 already forces or bans a token
+REALS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,10 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        # NaN passes every comparison below (and poisons every logit it touches): finite first.
+        for name in REALS:
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.temperature < 0:
@@ -71,6 +78,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # False for NaN
+                raise ValueError(f"logit_bias of token {token_id} must be in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {bias}")
 
     @property
     def greedy(self) -> bool:

@@ -6,7 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.common.engine_output import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
+
+# What one engine request may carry beyond its prompt. Generous for every real caller (the
+# processor sends a model's few eos ids and the gateway's bounded stop lists); they bound the
+# work and memory of a request that comes from anywhere else.
+MAX_REQUEST_ID_LENGTH = 1024
+MAX_STOP_TOKEN_IDS = 1024  # eos_token_ids and stop_token_ids, each
+MAX_STOP_STRINGS = 1024
+MAX_CACHE_SALT_LENGTH = 1024
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, where: str | None = None) -> None:
@@ -34,3 +43,26 @@ def check_params_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """Token ids in the sampling parameters index the logits: each must be in the vocabulary."""
     check_token_ids(list(params.logit_bias or {}), vocab_size, "logit_bias")
     check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+
+
+def check_engine_request(request: EngineCoreRequest, max_model_len: int, vocab_size: int) -> None:
+    """Everything an engine request carries, checked as if it came from anywhere (the engine's
+    gRPC port is reachable by more than its processor): the prompt, every token id that indexes the
+    logits (eos ids too: the min_tokens mask writes them), the counts and lengths the engine holds
+    on to, one sequence per request (the processor splits n). Ranges and finiteness of the sampling
+    parameters were checked when they were built (SamplingParams, also for the proto path)."""
+    params = request.sampling_params
+    if not request.request_id or len(request.request_id) > MAX_REQUEST_ID_LENGTH:
+        raise ValueError(f"request_id must have 1 to {MAX_REQUEST_ID_LENGTH} characters")
+    if params.n != 1:
+        raise ValueError(f"an engine request is one sequence (n=1; the processor splits n), got n={params.n}")
+    for name, count, limit in (("eos_token_ids", len(request.eos_token_ids), MAX_STOP_TOKEN_IDS),
+                               ("stop_token_ids", len(params.stop_token_ids), MAX_STOP_TOKEN_IDS),
+                               ("stop", len(params.stop), MAX_STOP_STRINGS)):
+        if count > limit:
+            raise ValueError(f"{name} has {count} entries; at most {limit}")
+    if request.cache_salt is not None and len(request.cache_salt) > MAX_CACHE_SALT_LENGTH:
+        raise ValueError(f"cache_salt must have at most {MAX_CACHE_SALT_LENGTH} characters")
+    check_prompt(request.prompt_token_ids, max_model_len, vocab_size)
+    check_params_token_ids(params, vocab_size)
+    check_token_ids(request.eos_token_ids, vocab_size, "eos_token_ids")

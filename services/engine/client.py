@@ -18,21 +18,23 @@ from services.common.errors import raising_errors
 from services.common.metrics import GrpcMetrics
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
+from services.common.rpc.security import RpcSecurity
 from services.common.rpc.server import GRPC_OPTIONS, SERVING
 
 
 class GrpcEngineClient:
     """`timeout` is the deadline of each unary call; `stream_timeout` of each Generate stream
-    (the whole generation). Closing a generate() iterator early cancels the call, which aborts the
-    request in the engine. Construct inside the running event loop."""
+    (the whole generation); `security` puts the internal token (and mTLS) on every call. Closing a
+    generate() iterator early cancels the call, which aborts the request in the engine. Construct
+    inside the running event loop."""
 
     def __init__(self, address: str, timeout: float = 10.0, stream_timeout: float = 3600.0,
-                 metrics: GrpcMetrics | None = None) -> None:
+                 metrics: GrpcMetrics | None = None, security: RpcSecurity = RpcSecurity()) -> None:
         self.address = address
         self.timeout = timeout
         self.stream_timeout = stream_timeout
-        self._channel = grpc.aio.insecure_channel(
-            address, options=GRPC_OPTIONS, interceptors=metrics.aio_client_interceptors() if metrics else None)
+        self._channel = security.aio_channel(address, GRPC_OPTIONS,
+                                             metrics.aio_client_interceptors() if metrics else ())
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

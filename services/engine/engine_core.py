@@ -11,7 +11,7 @@ from services.common.config import SchedulerConfig
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
-from services.common.validation import check_params_token_ids, check_prompt
+from services.common.validation import check_engine_request
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.kv_events import KVEventQueue
 from services.engine.request import Request, RequestStatus
@@ -66,8 +66,7 @@ class EngineCore:
     def check_request(self, request: EngineCoreRequest) -> None:
         """ValueError unless the request fits this engine (the processor checked it too; the engine
         trusts no caller). Reads nothing that changes: safe from any thread."""
-        check_prompt(request.prompt_token_ids, self.max_model_len, self.vocab_size)
-        check_params_token_ids(request.sampling_params, self.vocab_size)
+        check_engine_request(request, self.max_model_len, self.vocab_size)
         if request.priority and self.scheduling_policy != "priority":
             # As vLLM: a priority the scheduler would ignore is the caller's mistake, said at once.
             raise ValueError(f"priority is not supported by the {self.scheduling_policy!r} scheduling policy; "

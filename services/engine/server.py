@@ -25,13 +25,14 @@ from typing import NamedTuple
 
 
 from services.common.clients import EngineClient
-from services.common.config import EngineServiceConfig, ModelConfig, SchedulerConfig, ServingConfig
+from services.common.config import EngineServiceConfig, ModelConfig, SchedulerConfig, SecurityConfig, ServingConfig
 from services.common.flags import add_flags, build
 from services.common.discovery import EndpointWatcher, kube_configuration
 from services.common.errors import answers_with_status
 from services.common.metrics import MetricsEndpoint, ServiceMetrics
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
+from services.common.rpc.security import RpcSecurity
 from services.common.rpc.server import RpcServer, service_name
 from services.engine.async_engine import AsyncEngine
 from services.engine.metrics import EngineLabels, EngineMetrics
@@ -83,12 +84,13 @@ async def follow_engine_health(engine: AsyncEngine, server: RpcServer) -> None:
 
 
 async def serve(worker: GrpcWorkerClient, scheduler_config: SchedulerConfig, serving: ServingConfig,
-                metrics: ServiceMetrics, model_name: str | None = None) -> None:
+                metrics: ServiceMetrics, model_name: str | None = None,
+                security: RpcSecurity = RpcSecurity()) -> None:
     """Serve until SIGTERM/SIGINT. The worker's client deadlines bound the wait for it to come up.
     vLLM's metrics are labelled `model_name` (default: the worker's model id)."""
     engine = await AsyncEngine.create(worker, scheduler_config, lambda core: EngineMetrics.for_core(
         metrics.registry, EngineLabels(model_name or core.model_id), core))
-    server = RpcServer(serving.host, serving.port, [SERVICE_NAME], [metrics.grpc.server_interceptor()])
+    server = RpcServer(serving.host, serving.port, [SERVICE_NAME], [metrics.grpc.server_interceptor()], security)
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server.server)
     await server.start()
     health = asyncio.create_task(follow_engine_health(engine, server))
@@ -123,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, SchedulerConfig, ENV_PREFIX)
     add_flags(parser, ModelConfig, ENV_PREFIX, only=["served_model_name"])
     add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})
+    add_flags(parser, SecurityConfig, ENV_PREFIX)
     return parser
 
 
@@ -131,6 +134,7 @@ class EngineServiceArgs(NamedTuple):
     scheduler: SchedulerConfig
     model: ModelConfig
     serving: ServingConfig
+    security: SecurityConfig = SecurityConfig()
 
 
 def parse_args(argv: list[str] | None = None) -> EngineServiceArgs:
@@ -147,12 +151,13 @@ def parse_args(argv: list[str] | None = None) -> EngineServiceArgs:
             parser.error(f"--worker-hostname is needed: this host's name ({socket.gethostname()}) has no -engine-")
         service = replace(service, worker_hostname=hostname)
     return EngineServiceArgs(service, build(parser, SchedulerConfig, args), build(parser, ModelConfig, args),
-                      build(parser, ServingConfig, args))
+                             build(parser, ServingConfig, args), build(parser, SecurityConfig, args))
 
 
 def main(argv: list[str] | None = None) -> int:
-    service, scheduler_config, model_config, serving = parse_args(argv)
+    service, scheduler_config, model_config, serving, security_config = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
+    security = RpcSecurity.load(security_config)  # the engine's own port and its calls to the worker
 
     async def run() -> None:
         address = service.worker_address or await discover_worker(service.worker_service, service.worker_hostname,
@@ -161,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         endpoint = MetricsEndpoint.start(metrics.registry, serving.host, serving.metrics_port)
         # No client interceptor on the step channel: it is the hottest call there is, timed by
         # kvmesh_engine_step_rpc_seconds, and the worker's server side counts its calls by code.
-        worker = GrpcWorkerClient(address, timeout=service.worker_timeout, step_timeout=service.worker_timeout)
+        worker = GrpcWorkerClient(address, timeout=service.worker_timeout, step_timeout=service.worker_timeout,
+                                  security=security)
         try:
-            await serve(worker, scheduler_config, serving, metrics, model_config.served_model_name)
+            await serve(worker, scheduler_config, serving, metrics, model_config.served_model_name, security)
         finally:
             if endpoint is not None:
                 endpoint.close()

@@ -21,9 +21,10 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from services.common.config import GatewayConfig, Limits, ModelConfig, ServingConfig
+from services.common.config import GatewayConfig, Limits, ModelConfig, SecurityConfig, ServingConfig
 from services.common.flags import add_flags, build
 from services.common.metrics import GrpcMetrics
+from services.common.rpc.security import RpcSecurity
 from services.gateway.app import create_app, end_requests
 from services.gateway.auth import api_keys_from
 from services.gateway.metrics import GatewayMetrics
@@ -64,10 +65,11 @@ class GatewayServer(uvicorn.Server):
 
 
 async def serve(gateway: GatewayConfig, served_model_name: str, serving: ServingConfig, limits: Limits = Limits(),
-                api_keys: Sequence[str] = ()) -> None:
+                api_keys: Sequence[str] = (), security: RpcSecurity = RpcSecurity()) -> None:
+    """`security`: the internal token (and mTLS) of the calls to the processor."""
     metrics = GatewayMetrics(gateway.aggregate_metrics)
     processor = GrpcProcessorClient(gateway.processor_address, timeout=gateway.timeout,
-                                    metrics=GrpcMetrics(metrics.registry, "gateway"))
+                                    metrics=GrpcMetrics(metrics.registry, "gateway"), security=security)
     app = create_app(processor, served_model_name, health_timeout=gateway.timeout, metrics=metrics, limits=limits,
                      api_keys=api_keys)
     config = uvicorn.Config(app, host=serving.host, port=serving.port, timeout_graceful_shutdown=serving.grace,
@@ -84,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, ModelConfig, ENV_PREFIX, only=["served_model_name"])
     add_flags(parser, Limits, ENV_PREFIX)
     add_flags(parser, ServingConfig, ENV_PREFIX, only=["host", "port", "grace"], defaults={"port": DEFAULT_PORT})
+    add_flags(parser, SecurityConfig, ENV_PREFIX)
     return parser
 
 
@@ -92,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     gateway = build(parser, GatewayConfig, args)
     asyncio.run(serve(gateway, build(parser, ModelConfig, args).name, build(parser, ServingConfig, args),
-                      build(parser, Limits, args), api_keys_from(gateway.api_key)))
+                      build(parser, Limits, args), api_keys_from(gateway.api_key),
+                      RpcSecurity.load(build(parser, SecurityConfig, args))))
     return 0
 
 

@@ -28,7 +28,13 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from services.common.clients import EngineClient, EngineInfo, ProcessorClient
-from services.common.config import PROCESSOR_MODEL_FIELDS, ModelConfig, ProcessorServiceConfig, ServingConfig
+from services.common.config import (
+    PROCESSOR_MODEL_FIELDS,
+    ModelConfig,
+    ProcessorServiceConfig,
+    SecurityConfig,
+    ServingConfig,
+)
 from services.common.flags import add_flags, build
 from services.common.discovery import EndpointWatcher, kube_configuration
 from services.common.errors import answers_with_status
@@ -36,6 +42,7 @@ from services.common.metrics import GrpcMetrics, MetricsEndpoint, ServiceMetrics
 from services.common.model_files import model_id_of, resolve_tokenizer
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
+from services.common.rpc.security import RpcSecurity
 from services.common.rpc.server import RpcServer, service_name
 from services.engine.client import GrpcEngineClient
 from services.processor.async_processor import AsyncProcessor
@@ -97,11 +104,12 @@ async def wait_for_engine(engine: EngineClient, timeout: float) -> EngineInfo:
 
 
 @asynccontextmanager
-async def open_engines(config: ProcessorServiceConfig,
-                       metrics: GrpcMetrics | None = None) -> AsyncIterator[EngineClient]:
-    """The one engine at --engine-address, or the ready engines of --engine-service as they come and go."""
+async def open_engines(config: ProcessorServiceConfig, metrics: GrpcMetrics | None = None,
+                       security: RpcSecurity = RpcSecurity()) -> AsyncIterator[EngineClient]:
+    """The one engine at --engine-address, or the ready engines of --engine-service as they come
+    and go; every connection carries `security`'s token (and mTLS)."""
     def connect(address: str) -> GrpcEngineClient:
-        return GrpcEngineClient(address, timeout=config.engine_timeout, metrics=metrics)
+        return GrpcEngineClient(address, timeout=config.engine_timeout, metrics=metrics, security=security)
 
     if config.engine_service is None:
         engine = connect(config.engine_address or DEFAULT_ENGINE_ADDRESS)
@@ -134,7 +142,8 @@ async def follow_engine_health(processor: AsyncProcessor, server: RpcServer, int
 
 
 async def serve(model: ModelConfig, engine: EngineClient, serving: ServingConfig, startup_timeout: float = 300.0,
-                metrics: Callable[[int], ProcessorMetrics] | None = None) -> None:
+                metrics: Callable[[int], ProcessorMetrics] | None = None,
+                security: RpcSecurity = RpcSecurity()) -> None:
     """Serve until SIGTERM/SIGINT. The model is resolved for its tokenizer only; no weights load.
     The caller owns `engine` (open_engines). `metrics` makes this processor's metrics once the
     engine's context length (their token buckets' top) is known."""
@@ -148,7 +157,7 @@ async def serve(model: ModelConfig, engine: EngineClient, serving: ServingConfig
     processor = AsyncProcessor(Processor.for_tokenizer(tokenizer, model_path, engine_info.max_model_len), engine,
                                processor_metrics)
     interceptors = [processor_metrics.service.grpc.server_interceptor()] if processor_metrics is not None else []
-    server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors)
+    server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors, security)
     processor_pb2_grpc.add_ProcessorServicer_to_server(ProcessorServicer(processor), server.server)
     await server.start()
     health = asyncio.create_task(follow_engine_health(processor, server, HEALTH_INTERVAL))
@@ -162,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, ProcessorServiceConfig, ENV_PREFIX)
     add_flags(parser, ModelConfig, ENV_PREFIX, only=PROCESSOR_MODEL_FIELDS)
     add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})
+    add_flags(parser, SecurityConfig, ENV_PREFIX)
     return parser
 
 
@@ -169,6 +179,7 @@ class ProcessorArgs(NamedTuple):
     service: ProcessorServiceConfig
     model: ModelConfig
     serving: ServingConfig
+    security: SecurityConfig = SecurityConfig()
 
 
 def parse_args(argv: list[str] | None = None) -> ProcessorArgs:
@@ -177,20 +188,22 @@ def parse_args(argv: list[str] | None = None) -> ProcessorArgs:
     service = build(parser, ProcessorServiceConfig, args)
     if service.engine_service is None and service.engine_address is None:
         service = replace(service, engine_address=DEFAULT_ENGINE_ADDRESS)
-    return ProcessorArgs(service, build(parser, ModelConfig, args), build(parser, ServingConfig, args))
+    return ProcessorArgs(service, build(parser, ModelConfig, args), build(parser, ServingConfig, args),
+                         build(parser, SecurityConfig, args))
 
 
 def main(argv: list[str] | None = None) -> int:
-    service, model, serving = parse_args(argv)
+    service, model, serving, security_config = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s processor: %(message)s")
+    security = RpcSecurity.load(security_config)  # the processor's own port and its calls to engines
     service_metrics = ServiceMetrics.create("processor")
 
     def metrics(max_model_len: int) -> ProcessorMetrics:
         return ProcessorMetrics(service_metrics, model.name, max_model_len)
 
     async def run() -> None:
-        async with open_engines(service, service_metrics.grpc) as engine:
-            await serve(model, engine, serving, service.startup_timeout, metrics)
+        async with open_engines(service, service_metrics.grpc, security) as engine:
+            await serve(model, engine, serving, service.startup_timeout, metrics, security)
 
     endpoint = MetricsEndpoint.start(service_metrics.registry, serving.host, serving.metrics_port)
     try:

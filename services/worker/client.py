@@ -7,22 +7,30 @@ gRPC stub call costs about 0.3 ms less per step on loopback than the same call t
 
 from __future__ import annotations
 
+import logging
+import secrets
 import threading
+import time
 from typing import TYPE_CHECKING
 
-import grpc
-
 from services.common.clients import WorkerInfo
-from services.common.errors import raising_errors
+from services.common.errors import EngineDeadError, raising_errors
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.metrics import GrpcMetrics
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.common.rpc.security import RpcSecurity
 from services.common.rpc.server import GRPC_OPTIONS
 from services.common.scheduler_output import SchedulerOutput
 
 if TYPE_CHECKING:  # the gRPC client (the engine's side) must not pull in torch
     from services.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+# The metadata that names the engine session a worker call comes from (see WorkerServicer).
+SESSION_METADATA_KEY = "kvmesh-engine-session"
+CLAIM_RETRY_SECONDS = 1.0  # between InitializeCache attempts while another engine holds the worker
 
 
 class InProcessWorkerClient:
@@ -61,32 +69,50 @@ class GrpcWorkerClient:
     the set-up calls (which also wait for the worker to come up), `step_timeout` for each
     ExecuteModel (a long prefill on a CPU takes seconds). A lost worker fails the call at once with
     ConnectionError (no waiting for ready), so the engine notices within one step. Errors are those
-    of services/common/errors.py, as for every client."""
+    of services/common/errors.py, as for every client.
+
+    Each client is one engine session, a random id sent with every call next to the internal token
+    (`security`): the worker serves only the session that claimed it with InitializeCache. While
+    another session still holds the worker, initialize_cache retries until `timeout` (the other
+    engine's lease runs out if it is gone; WorkerServicer)."""
 
     def __init__(self, address: str, timeout: float = 60.0, step_timeout: float = 60.0,
-                 metrics: GrpcMetrics | None = None) -> None:
+                 metrics: GrpcMetrics | None = None, security: RpcSecurity = RpcSecurity()) -> None:
         self.address = address
         self.timeout = timeout
         self.step_timeout = step_timeout
-        channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.session = secrets.token_hex(16)
+        # Passed on each call: no interceptor on the step, the hottest call there is.
+        self._metadata = (*security.call_metadata, (SESSION_METADATA_KEY, self.session))
+        channel = security.channel(address, GRPC_OPTIONS)
         self._channel = metrics.intercept_channel(channel) if metrics else channel
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
     def get_info(self) -> WorkerInfo:
         with raising_errors():
-            reply = self._stub.GetInfo(worker_pb2.GetWorkerInfoRequest(), timeout=self.timeout, wait_for_ready=True)
+            reply = self._stub.GetInfo(worker_pb2.GetWorkerInfoRequest(), timeout=self.timeout, wait_for_ready=True,
+                                       metadata=self._metadata)
         return convert.worker_info_from_proto(reply)
 
     def initialize_cache(self, max_num_reqs: int) -> int:
-        with raising_errors():
-            reply = self._stub.InitializeCache(worker_pb2.InitializeCacheRequest(max_num_reqs=max_num_reqs),
-                                               timeout=self.timeout, wait_for_ready=True)
-        return reply.num_blocks
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                with raising_errors():
+                    reply = self._stub.InitializeCache(worker_pb2.InitializeCacheRequest(max_num_reqs=max_num_reqs),
+                                                       timeout=self.timeout, wait_for_ready=True,
+                                                       metadata=self._metadata)
+                return reply.num_blocks
+            except EngineDeadError as exc:  # FAILED_PRECONDITION: another engine session holds the worker
+                if time.monotonic() + CLAIM_RETRY_SECONDS > deadline:
+                    raise
+                logger.warning("worker %s: %s; retrying", self.address, exc)
+                time.sleep(CLAIM_RETRY_SECONDS)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         with raising_errors():
             reply = self._stub.ExecuteModel(convert.scheduler_output_to_proto(scheduler_output),
-                                            timeout=self.step_timeout)
+                                            timeout=self.step_timeout, metadata=self._metadata)
         return convert.model_runner_output_from_proto(reply)
 
     def close(self) -> None:

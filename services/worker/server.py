@@ -18,19 +18,24 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import grpc
+
 from services.common.clients import WorkerClient
-from services.common.config import CacheConfig, ModelConfig, ServingConfig, WorkerConfig
-from services.common.errors import answers_with_status
+from services.common.config import CacheConfig, ModelConfig, SecurityConfig, ServingConfig, WorkerConfig
+from services.common.errors import EngineDeadError, answers_with_status
 from services.common.flags import add_flags, build
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.metrics import MetricsEndpoint, ServiceMetrics
 from services.common.model_runner_output import ModelRunnerOutput
+from services.common.rpc.security import RpcSecurity
 from services.common.rpc.server import RpcServer, service_name
 from services.common.scheduler_output import SchedulerOutput
-from services.worker.client import InProcessWorkerClient
+from services.worker.client import SESSION_METADATA_KEY, InProcessWorkerClient
 from services.worker.metrics import WorkerMetrics
 from services.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50053
 DEFAULT_METRICS_PORT = 9053
@@ -40,39 +45,94 @@ INLINE_STEP_TOKENS = 256  # see WorkerServicer
 SERVICE_NAME = service_name(worker_pb2.DESCRIPTOR, "Worker")
 
 
+class WorkerClaimedError(EngineDeadError):
+    """A mutating call from an engine session that does not own this worker. Travels as
+    FAILED_PRECONDITION (EngineDeadError's row in services/common/errors.py)."""
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Converts proto <-> core and calls the in-process worker client. Decode-sized steps (at most
     INLINE_STEP_TOKENS tokens) run on the event loop itself: the hop to another thread and back
     costs ~0.2 ms, a sixth of the whole step RPC on loopback, and such a step is short. Larger ones
     (and cache set-up) run on one dedicated thread, so that health checks are still answered
-    during a long prefill. Steps never overlap either way: the engine sends one at a time."""
+    during a long prefill. Steps never overlap either way: the engine sends one at a time.
 
-    def __init__(self, worker: WorkerClient, metrics: WorkerMetrics | None = None) -> None:
+    Ownership: a worker serves one engine. Each engine session (a random id its GrpcWorkerClient
+    sends with every call, SESSION_METADATA_KEY) must claim the worker with InitializeCache; each
+    call of the owner renews its lease. Then:
+      - InitializeCache from another session while the owner's lease runs (it called within the
+        last `owner_lease` seconds) is refused with FAILED_PRECONDITION before anything is touched:
+        the KV cache and the persistent batch in use stay as they are;
+      - once the lease has run out (the owner is gone: an engine pod restarted alone, or an engine
+        idle that long; a step still running is not silence), InitializeCache from a new session takes the worker over: the cache is
+        reallocated, every request of the old session forgotten, and the old session's later
+        calls are refused (its engine fails and is restarted);
+      - ExecuteModel from any session but the owner's is refused with FAILED_PRECONDITION.
+    A restarted engine retries InitializeCache until its set-up deadline (GrpcWorkerClient), which
+    is longer than the lease, so it takes over a worker whose old engine died without help. When
+    `kvmesh serve` restarts an engine it restarts its worker too: a fresh worker has no owner.
+    GetInfo changes nothing and is open to every caller with the internal token; from the owner it
+    renews the lease (an idle engine that checks on its worker keeps it)."""
+
+    def __init__(self, worker: WorkerClient, metrics: WorkerMetrics | None = None,
+                 owner_lease: float = WorkerConfig.owner_lease) -> None:
         self.worker = worker
         self.metrics = metrics
+        self.owner_lease = owner_lease
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
+        self._owner: str | None = None  # the engine session that claimed the worker
+        self._owner_seen = 0.0  # time.monotonic() of the owner's last call
+        self._steps_in_flight = 0  # the owner's: a step longer than the lease is not silence
 
     async def _call(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
+    def _claim(self, session: str) -> None:
+        # On the event loop, without an await: no other call runs in between.
+        now = time.monotonic()
+        idle = 0.0 if self._steps_in_flight else now - self._owner_seen
+        if self._owner not in (None, session) and idle < self.owner_lease:
+            raise WorkerClaimedError(
+                f"this worker serves another engine (its last call was {idle:.1f}s ago); another engine may "
+                f"take it over once that one has been silent for {self.owner_lease:g}s")
+        if self._owner not in (None, session):
+            logger.warning("engine session %s takes this worker over from %s (silent for %.1fs)", session[:8],
+                           self._owner[:8], idle)
+        self._owner, self._owner_seen = session, now
+
+    def _check_owner(self, session: str) -> None:
+        if session != self._owner:
+            raise WorkerClaimedError("this worker serves another engine" if self._owner is not None
+                                     else "this worker has no KV cache yet: InitializeCache first")
+        self._owner_seen = time.monotonic()
+
     @answers_with_status
     async def GetInfo(self, request: worker_pb2.GetWorkerInfoRequest, context) -> worker_pb2.WorkerInfo:
+        if self._owner is not None and session_of(context) == self._owner:
+            self._owner_seen = time.monotonic()  # an idle engine that asks keeps its worker
         return convert.worker_info_to_proto(self.worker.get_info())
 
     @answers_with_status
     async def InitializeCache(self, request: worker_pb2.InitializeCacheRequest,
                               context) -> worker_pb2.InitializeCacheResponse:
+        self._claim(session_of(context))  # before anything is touched
         num_blocks = await self._call(self.worker.initialize_cache, request.max_num_reqs)
         return worker_pb2.InitializeCacheResponse(num_blocks=num_blocks)
 
     @answers_with_status
     async def ExecuteModel(self, request: worker_pb2.SchedulerOutput, context) -> worker_pb2.ModelRunnerOutput:
         # A failed step is logged with its traceback (status_of); the engine gets INTERNAL.
+        self._check_owner(session_of(context))
         scheduler_output = convert.scheduler_output_from_proto(request)
         if scheduler_output.total_num_scheduled_tokens <= INLINE_STEP_TOKENS:
             runner_output = self._execute_model(scheduler_output)
         else:
-            runner_output = await self._call(self._execute_model, scheduler_output)
+            self._steps_in_flight += 1
+            try:
+                runner_output = await self._call(self._execute_model, scheduler_output)
+            finally:
+                self._steps_in_flight -= 1
+                self._owner_seen = time.monotonic()
         return convert.model_runner_output_to_proto(runner_output)
 
     def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -84,11 +144,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return runner_output
 
 
-async def serve(worker: WorkerClient, serving: ServingConfig, metrics: WorkerMetrics | None = None) -> None:
+def session_of(context: grpc.aio.ServicerContext) -> str:
+    """The caller's engine session ("" when it sent none: a session like any other)."""
+    return next((value for key, value in context.invocation_metadata() or () if key == SESSION_METADATA_KEY), "")
+
+
+async def serve(worker: WorkerClient, serving: ServingConfig, metrics: WorkerMetrics | None = None,
+                security: RpcSecurity = RpcSecurity(), owner_lease: float = WorkerConfig.owner_lease) -> None:
     """Serve `worker` until SIGTERM/SIGINT, then NOT_SERVING and stop(grace)."""
     interceptors = [metrics.service.grpc.server_interceptor()] if metrics is not None else []
-    server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, metrics), server.server)
+    server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors, security)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, metrics, owner_lease), server.server)
     await server.start()
     await server.wait_for_termination_signal()
     await server.shutdown(serving.grace, serving.drain)
@@ -96,7 +162,7 @@ async def serve(worker: WorkerClient, serving: ServingConfig, metrics: WorkerMet
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh worker", description="The kvmesh worker service.")
-    for config_class in (ModelConfig, CacheConfig, WorkerConfig):
+    for config_class in (ModelConfig, CacheConfig, WorkerConfig, SecurityConfig):
         add_flags(parser, config_class, ENV_PREFIX)
     add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})
     return parser
@@ -105,15 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    model_config, cache_config, worker_config, serving = (
-        build(parser, c, args) for c in (ModelConfig, CacheConfig, WorkerConfig, ServingConfig))
+    model_config, cache_config, worker_config, serving, security_config = (
+        build(parser, c, args) for c in (ModelConfig, CacheConfig, WorkerConfig, ServingConfig, SecurityConfig))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker: %(message)s")
+    security = RpcSecurity.load(security_config)  # before the model loads: a bad file fails at once
     worker = Worker(model_config, cache_config, worker_config)
     metrics = WorkerMetrics(ServiceMetrics.create("worker"), model_config.served_model_name or worker.info.model_id)
     metrics.watch_forward(worker.model, worker.device)
     endpoint = MetricsEndpoint.start(metrics.service.registry, serving.host, serving.metrics_port)
     try:
-        asyncio.run(serve(InProcessWorkerClient(worker, worker_config.max_num_seqs), serving, metrics))
+        asyncio.run(serve(InProcessWorkerClient(worker, worker_config.max_num_seqs), serving, metrics, security,
+                          worker_config.owner_lease))
     finally:
         if endpoint is not None:
             endpoint.close()

@@ -3,6 +3,7 @@ output, linted, validated against Kubernetes' schemas, and its schema's typo che
 
 from __future__ import annotations
 
+import base64
 import difflib
 import importlib
 import os
@@ -242,3 +243,110 @@ def test_the_services_accept_the_chart_arguments(example: tuple[str, dict[str, s
         parser = importlib.import_module(SERVICES[component]).build_parser()
         parsed = parser.parse_args(args[1:])
         assert parsed.port == int(args_of(objs, component)["port"])
+
+
+# ----------------------------------------------------------------------------- internal security
+
+INTERNAL = ("processor", "engine", "worker")
+TOKEN_FILE = "/var/run/kvmesh/internal-token/token"
+
+
+def volume_of(pod: dict[str, Any], container: dict[str, Any], path: str) -> dict[str, Any]:
+    """The pod volume mounted at the directory of `path` in `container`."""
+    [mount] = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    assert mount.get("readOnly") is True
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return volume
+
+
+@pytest.mark.parametrize("auth", [{}, {"existingSecret": "my-token", "key": "secret"}], ids=["generated", "existing"])
+def test_every_kvmesh_container_reads_the_internal_token_from_the_secret(auth: dict[str, str]) -> None:
+    objs = objects(render({"internalAuth": auth}))
+    secrets = [o for o in objs if o["kind"] == "Secret"]
+    name = auth.get("existingSecret", "kvmesh-internal-token")
+    if auth:
+        assert secrets == []  # the user's own Secret
+    else:
+        [secret] = secrets
+        assert secret["metadata"]["name"] == name
+        assert len(base64.b64decode(secret["data"]["token"])) == 48
+    for component in COMPONENTS:
+        pod = pod_spec(objs, component)
+        container = pod["containers"][0]
+        assert args_of(objs, component)["internal-token-file"] == TOKEN_FILE
+        volume = volume_of(pod, container, TOKEN_FILE)
+        assert volume["secret"]["secretName"] == name
+        assert volume["secret"]["items"] == [{"key": auth.get("key", "token"), "path": "token"}]
+        assert volume["secret"]["defaultMode"] == 0o440  # root and the fsGroup
+        assert "KVMESH_INTERNAL_TOKEN" not in str(container.get("env"))
+
+
+def test_each_install_draws_its_own_token() -> None:
+    tokens = {find(objects(render()), "Secret", "kvmesh-internal-token")["data"]["token"] for _ in range(2)}
+    assert len(tokens) == 2
+
+
+def policy_for(objs: list[dict[str, Any]], component: str) -> dict[str, Any]:
+    [policy] = [o for o in objs if o["kind"] == "NetworkPolicy"
+                and o["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == component]
+    return policy["spec"]
+
+
+def test_network_policies_admit_only_the_next_hop_and_prometheus() -> None:
+    """gateway -> processor -> engine -> worker on the gRPC ports, Prometheus on the metrics ports:
+    each policy selects exactly its component's pods, names ports its container has, and admits
+    the pods of the component before it."""
+    prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}},
+                  "podSelector": {"matchLabels": {"app": "prom"}}}
+    # Helm merges maps with the defaults: null drops the default's label.
+    values = {"namespaceSelector": prometheus["namespaceSelector"],
+              "podSelector": {"matchLabels": {"app": "prom", "app.kubernetes.io/name": None}}}
+    objs = objects(render({"redis": {"enabled": True}, "networkPolicy": {"enabled": True, "prometheus": values}}))
+    for component, caller in zip(INTERNAL, ("gateway", "processor", "engine")):
+        pod = pod_spec(objs, component)
+        spec = policy_for(objs, component)
+        workload = next(o for o in objs if o["kind"] in ("Deployment", "StatefulSet")
+                        and o["metadata"]["name"] == f"kvmesh-{component}")
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert spec["podSelector"]["matchLabels"].items() <= labels.items()
+        assert spec["policyTypes"] == ["Ingress"]
+        grpc_rule, metrics_rule = spec["ingress"]
+        assert grpc_rule["ports"] == [{"port": "grpc"}] and metrics_rule["ports"] == [{"port": "metrics"}]
+        [peer] = grpc_rule["from"]
+        caller_labels = next(o for o in objs if o["kind"] in ("Deployment", "StatefulSet")
+                                          and o["metadata"]["name"] == f"kvmesh-{caller}")
+        assert peer["podSelector"]["matchLabels"].items() <= caller_labels["spec"]["template"]["metadata"][
+            "labels"].items()
+        assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == caller
+        assert metrics_rule["from"] == [prometheus]
+        assert {"grpc", "metrics"} <= {p["name"] for p in pod["containers"][0]["ports"]}
+    gateway = policy_for(objs, "gateway")
+    assert gateway["ingress"] == [{"ports": [{"port": "http"}]}]  # the API: anyone, on that port only
+    redis = policy_for(objs, "redis")
+    assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in redis["ingress"][0]["from"]] \
+        == ["processor", "engine"]
+    assert not [o for o in objects(render({"networkPolicy": {"enabled": False, "prometheus": {}}}))
+                if o["kind"] == "NetworkPolicy"]
+
+
+def test_mutual_tls_mounts_the_certificates_and_probes_with_them() -> None:
+    tls = {"enabled": True, "secretName": "kvmesh-tls", "serverName": "internal.kvmesh"}
+    objs = objects(render({"internalAuth": {"existingSecret": "", "key": "token", "tls": tls}}))
+    for obj in objs:
+        if obj["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(obj, KUBE_VERSIONS[0], strict=True)
+    for component in COMPONENTS:
+        pod = pod_spec(objs, component)
+        container = pod["containers"][0]
+        args = args_of(objs, component)
+        assert args["tls-server-name"] == "internal.kvmesh"
+        for flag in ("tls-cert-file", "tls-key-file", "tls-ca-file"):
+            assert volume_of(pod, container, args[flag])["secret"]["secretName"] == "kvmesh-tls"
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if "grpc" in container.get(probe, {}) or "exec" in container.get(probe, {}):
+                command = container[probe]["exec"]["command"]
+                assert command[:3] == ["python", "-m", "services.common.rpc.health_probe"]
+                assert f"--tls-ca-file={args['tls-ca-file']}" in command
+                assert f"--port={args['port']}" in command
+    with pytest.raises(helm.HelmValuesError):  # TLS needs its Secret
+        render({"internalAuth": {"existingSecret": "", "key": "token", "tls": {**tls, "secretName": ""}}})

@@ -166,6 +166,7 @@ async def test_a_failed_worker_step_raises_and_over_grpc_names_nothing_of_it(kin
     core = FakeCore()
     core.fail_with = RuntimeError(SECRET)
     async with worker_client(kind, core) as worker:
+        await asyncio.to_thread(worker.initialize_cache, 4)  # the step's engine owns the worker
         with pytest.raises(Exception) as failed:
             await asyncio.to_thread(worker.execute_model, one_step())
     if kind == "in-process":  # the core's own exception: the engine logs it, and says EngineDeadError

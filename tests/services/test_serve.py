@@ -22,6 +22,8 @@ import pytest
 
 from services import LLM, SamplingParams
 from services.common.clients import EngineStats
+from services.common.config import SecurityConfig
+from services.common.rpc.security import RpcSecurity
 from services.engine.client import GrpcEngineClient
 from tests.services.procs import PYTHON, REPO_ROOT, free_port
 
@@ -49,9 +51,17 @@ class Serve:
     def child_pids(self) -> list[int]:
         return [s["pid"] for s in self.services.values()]
 
+    @property
+    def security(self) -> RpcSecurity:
+        """The internal token serve gave its children: the file its gateway's argv names (only the
+        same user may read it; the gateway, which is never restarted on its own)."""
+        argv = Path(f"/proc/{self.services['gateway']['pid']}/cmdline").read_bytes().split(b"\0")
+        path = Path(argv[argv.index(b"--internal-token-file") + 1].decode())
+        return RpcSecurity.load(SecurityConfig(internal_token_file=path))
+
     def engine_stats(self) -> EngineStats:
         async def stats() -> EngineStats:
-            client = GrpcEngineClient(self.services["engine"]["address"], timeout=5)
+            client = GrpcEngineClient(self.services["engine"]["address"], timeout=5, security=self.security)
             try:
                 return await client.stats()
             finally:

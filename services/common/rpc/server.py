@@ -23,6 +23,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.rpc.security import RpcSecurity
+
 logger = logging.getLogger(__name__)
 
 # A step or a stream message can carry whole prompts and top-20 logprobs per prompt position;
@@ -43,21 +45,26 @@ def service_name(file_descriptor, name: str) -> str:
 
 
 class RpcServer:
-    """Construct inside the running event loop (grpc.aio binds to it)."""
+    """Construct inside the running event loop (grpc.aio binds to it). `security` decides who may
+    call (services/common/rpc/security.py): its token interceptor runs before `interceptors`, so a
+    refused call reaches no handler; without a token the server warns that it is open."""
 
     def __init__(self, host: str, port: int, service_names: Sequence[str],
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 security: RpcSecurity = RpcSecurity()) -> None:
         self.service_names = tuple(service_names)
         # Interceptors see every call, health and reflection included (kvmesh_grpc_server_*).
-        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=list(interceptors))
+        self.server = grpc.aio.server(options=GRPC_OPTIONS,
+                                      interceptors=[*security.server_interceptors(), *interceptors])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.address = f"{host}:{port}"
-        self.port = self.server.add_insecure_port(self.address)
+        self.port = security.add_port(self.server, self.address)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.address}")
+        security.warn_if_open(", ".join(self.service_names))
         self._terminate = asyncio.Event()
 
     async def start(self) -> None:

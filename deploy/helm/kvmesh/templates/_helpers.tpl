@@ -232,3 +232,115 @@ periodSeconds: 10
 timeoutSeconds: 5
 failureThreshold: 3
 {{- end }}
+
+{{/* ---- Internal security: the token (always) and mutual TLS (optional) of the gRPC services. */}}
+
+{{- define "kvmesh.internalTokenSecretName" -}}
+{{- default (include "kvmesh.componentName" (list . "internal-token")) .Values.internalAuth.existingSecret }}
+{{- end }}
+
+{{/* The TLS flags (a service's, and the exec health probe's). */}}
+{{- define "kvmesh.tlsArgs" -}}
+{{- if .Values.internalAuth.tls.enabled -}}
+- --tls-cert-file=/var/run/kvmesh/tls/tls.crt
+- --tls-key-file=/var/run/kvmesh/tls/tls.key
+- --tls-ca-file=/var/run/kvmesh/tls/ca.crt
+- --tls-server-name={{ .Values.internalAuth.tls.serverName }}
+{{- end }}
+{{- end }}
+
+{{/* Flags of every kvmesh container: the token file (never the token), and TLS when enabled. */}}
+{{- define "kvmesh.internalSecurityArgs" -}}
+- --internal-token-file=/var/run/kvmesh/internal-token/token
+{{- with include "kvmesh.tlsArgs" . }}
+{{ . }}
+{{- end }}
+{{- end }}
+
+{{- define "kvmesh.internalSecurityVolumeMounts" -}}
+- name: internal-token
+  mountPath: /var/run/kvmesh/internal-token
+  readOnly: true
+{{- if .Values.internalAuth.tls.enabled }}
+- name: internal-tls
+  mountPath: /var/run/kvmesh/tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* Mode 0440: the files belong to root and to the pod's fsGroup (the service's group), readable by nothing else. */}}
+{{- define "kvmesh.internalSecurityVolumes" -}}
+- name: internal-token
+  secret:
+    secretName: {{ include "kvmesh.internalTokenSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.internalAuth.key }}
+        path: token
+{{- if .Values.internalAuth.tls.enabled }}
+- name: internal-tls
+  secret:
+    secretName: {{ .Values.internalAuth.tls.secretName }}
+    defaultMode: 0440
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      - {key: ca.crt, path: ca.crt}
+{{- end }}
+{{- end }}
+
+{{/* A gRPC health probe's handler: kubelet's own, or with mutual TLS (which kubelet's cannot
+speak) the health_probe module in the container. Usage: include "kvmesh.grpcProbe" (list . port) */}}
+{{- define "kvmesh.grpcProbe" -}}
+{{- $root := index . 0 -}}
+{{- $port := int (index . 1) -}}
+{{- if $root.Values.internalAuth.tls.enabled -}}
+exec:
+  command:
+    - python
+    - -m
+    - services.common.rpc.health_probe
+    - --port={{ $port }}
+    {{- include "kvmesh.tlsArgs" $root | nindent 4 }}
+{{- else -}}
+grpc:
+  port: {{ $port }}
+{{- end -}}
+{{- end }}
+
+{{/* A component's NetworkPolicy: ingress to its `port` (named) from the pods of component `from`
+(anyone when empty), and to its metrics port (if any) from Prometheus.
+Usage: include "kvmesh.networkPolicy" (list . "engine" "grpc" "processor" true) */}}
+{{- define "kvmesh.networkPolicy" -}}
+{{- $root := index . 0 }}
+{{- $name := index . 1 }}
+{{- $from := index . 3 }}
+{{- if $root.Values.networkPolicy.enabled }}
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: {{ include "kvmesh.componentName" (list $root $name) }}
+  labels:
+    {{- include "kvmesh.labels" (list $root $name) | nindent 4 }}
+spec:
+  podSelector:
+    matchLabels:
+      {{- include "kvmesh.selectorLabels" (list $root $name) | nindent 6 }}
+  policyTypes: [Ingress]
+  ingress:
+    - ports:
+        - port: {{ index . 2 }}
+      {{- if $from }}
+      from:
+        - podSelector:
+            matchLabels:
+              {{- include "kvmesh.selectorLabels" (list $root $from) | nindent 14 }}
+      {{- end }}
+    {{- if index . 4 }}
+    - ports:
+        - port: metrics
+      from:
+        {{- toYaml (list $root.Values.networkPolicy.prometheus) | nindent 8 }}
+    {{- end }}
+{{- end }}
+{{- end }}

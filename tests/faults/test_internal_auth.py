@@ -1,0 +1,431 @@
+"""Issue #11, item 1: the internal gRPC ports trust no one without the internal token.
+
+Real worker, engine and processor processes on loopback, started with a token file as a pod gets
+it from a Secret: every RPC of every kvmesh service and reflection refuse a caller without the
+token (or with a wrong one) with UNAUTHENTICATED, health stays open; `kvmesh serve`'s children are
+authenticated by default; a worker serves only the engine that owns it and lets a new engine take
+it over once the old one has gone silent; mutual TLS refuses a client without a certificate; the
+engine fails a poisoned request alone with INVALID_ARGUMENT and serves the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import stat
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from services import SamplingParams
+from services.common.config import SecurityConfig
+from services.common.engine_output import EngineCoreRequest
+from services.common.errors import EngineDeadError
+from services.common.rpc import convert
+from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc, processor_pb2, worker_pb2, worker_pb2_grpc
+from services.common.rpc.security import RpcSecurity
+from services.common.rpc.server import GRPC_OPTIONS
+from services.common.scheduler_output import SchedulerOutput
+from services.common.validation import MAX_STOP_TOKEN_IDS
+from services.engine.client import GrpcEngineClient
+from services.processor.client import GrpcProcessorClient
+from services.worker.client import SESSION_METADATA_KEY, GrpcWorkerClient
+from tests.services.procs import PYTHON, REPO_ROOT, ServiceProcess, free_port, grpc_health_status, start_service
+
+TOKEN = "the-internal-token-of-this-test"
+KV_BYTES = 64 * 2**20
+OWNER_LEASE = 2.0  # seconds; the TLS worker's, short so that a take-over is quick to show
+SERVING = health_pb2.HealthCheckResponse.SERVING
+SERVICES = {"worker": worker_pb2.DESCRIPTOR.services_by_name["Worker"],
+            "engine": engine_pb2.DESCRIPTOR.services_by_name["Engine"],
+            "processor": processor_pb2.DESCRIPTOR.services_by_name["Processor"]}
+
+
+@dataclass
+class Stack:
+    worker: ServiceProcess
+    engine: ServiceProcess
+    processor: ServiceProcess
+    security: RpcSecurity
+
+
+@pytest.fixture(scope="module")
+def token_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="kvmesh-auth-") as directory:
+        path = Path(directory)
+        (path / "token").write_text(TOKEN + "\n")  # a trailing newline, as `kubectl create secret` may leave
+        yield path
+
+
+@pytest.fixture(scope="module")
+def stack(model_path: Path, token_dir: Path) -> Iterator[Stack]:
+    token_flag = ["--internal-token-file", str(token_dir / "token")]
+    ports = [free_port() for _ in range(3)]
+    with ExitStack() as exits:
+        worker = start_service([PYTHON, "-m", "services.worker.server", "--model", str(model_path),
+                                "--port", str(ports[0]), "--kv-cache-memory", str(KV_BYTES), *token_flag], ports[0])
+        exits.callback(worker.kill)
+        engine = start_service([PYTHON, "-m", "services.engine.server", "--worker-address", worker.address,
+                                "--port", str(ports[1]), *token_flag], ports[1])
+        exits.callback(engine.kill)
+        processor = start_service([PYTHON, "-m", "services.processor.server", "--model", str(model_path),
+                                   "--engine-address", engine.address, "--port", str(ports[2]), *token_flag], ports[2])
+        exits.callback(processor.kill)
+        yield Stack(worker, engine, processor, RpcSecurity(TOKEN))
+
+
+def call_raw(channel: grpc.Channel, service, method, metadata) -> grpc.StatusCode:
+    """Call `method` with an empty message (raw bytes: no stub needed); the status it ends with."""
+    path = f"/{service.full_name}/{method.name}"
+    try:
+        if method.server_streaming:
+            for _ in channel.unary_stream(path)(b"", timeout=10, metadata=metadata):
+                pass
+        else:
+            channel.unary_unary(path)(b"", timeout=10, metadata=metadata)
+    except grpc.RpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+def reflect(channel: grpc.Channel, metadata) -> set[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                        timeout=10, metadata=metadata)
+    return {s.name for reply in replies for s in reply.list_services_response.service}
+
+
+# ----------------------------------------------------------------------------- the token
+
+
+@pytest.mark.parametrize("metadata", [None, (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)],
+                         ids=["no token", "wrong token", "token without Bearer"])
+def test_every_internal_rpc_refuses_a_caller_without_the_token(stack: Stack, metadata):
+    for name, service in SERVICES.items():
+        address = getattr(stack, name).address
+        with grpc.insecure_channel(address) as channel:
+            codes = {m.name: call_raw(channel, service, m, metadata) for m in service.methods}
+            assert codes == {m.name: grpc.StatusCode.UNAUTHENTICATED for m in service.methods}, name
+            with pytest.raises(grpc.RpcError) as refused:
+                reflect(channel, metadata)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Health stays open: kubelet's probes and `kvmesh serve` send no token.
+        assert grpc_health_status(address, service=service.full_name) == SERVING
+
+
+def test_the_token_opens_every_service(stack: Stack):
+    with grpc.insecure_channel(stack.engine.address) as channel:
+        assert "kvmesh.v1.Engine" in reflect(channel, stack.security.call_metadata)
+
+    async def calls() -> None:
+        processor = GrpcProcessorClient(stack.processor.address, timeout=30, security=stack.security)
+        engine = GrpcEngineClient(stack.engine.address, timeout=10, security=stack.security)
+        try:
+            assert (await processor.model_info()).max_model_len > 0
+            assert await processor.detokenize([28, 29]) != ""
+            assert (await engine.stats()).num_total_blocks > 0
+        finally:
+            await processor.close()
+            await engine.close()
+    asyncio.run(calls())
+    worker = GrpcWorkerClient(stack.worker.address, timeout=10, security=stack.security)
+    try:
+        assert worker.get_info().vocab_size > 0
+    finally:
+        worker.close()
+
+
+def test_an_empty_token_file_is_refused_at_start(tmp_path: Path):
+    (tmp_path / "token").write_text("\n")
+    port = free_port()
+    result = subprocess.run([PYTHON, "-m", "services.engine.server", "--worker-address", f"127.0.0.1:{free_port()}",
+                             "--port", str(port), "--internal-token-file", str(tmp_path / "token")],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "is empty" in result.stderr
+
+
+# ----------------------------------------------------------------------------- the engine's own checks
+
+
+def good_request(request_id: str, **params) -> engine_pb2.EngineRequest:
+    sampling = SamplingParams(**{"temperature": 0, "max_tokens": 4, **params})
+    return convert.engine_request_to_proto(EngineCoreRequest(request_id, [504, 3458, 282, 4649, 314], sampling,
+                                                             eos_token_ids=(2,)))
+
+
+def poisoned(name: str, change: Callable[[engine_pb2.EngineRequest], None]) -> tuple[str, engine_pb2.EngineRequest]:
+    request = good_request(f"poisoned-{name}")
+    change(request)
+    return name, request
+
+
+def set_params(**values) -> Callable[[engine_pb2.EngineRequest], None]:
+    def change(request: engine_pb2.EngineRequest) -> None:
+        for field, value in values.items():
+            setattr(request.sampling_params, field, value)
+    return change
+
+
+POISONED = [
+    *(poisoned(f"{field}={value}", set_params(**{field: value})) for field, value in (
+        ("temperature", math.nan), ("temperature", math.inf), ("temperature", -1.0),
+        ("top_p", 0.0), ("top_p", 1.5), ("top_p", math.nan),
+        ("top_k", -2), ("min_p", math.nan), ("min_p", 2.0),
+        ("presence_penalty", math.nan), ("presence_penalty", 3.0), ("frequency_penalty", -math.inf),
+        ("repetition_penalty", math.nan), ("repetition_penalty", 0.0), ("repetition_penalty", math.inf),
+        ("max_tokens", 0), ("max_tokens", -5), ("logprobs", 21), ("logprobs", -1), ("prompt_logprobs", 10**6),
+        ("n", 2), ("n", 2**31 - 1), ("n", 0))),
+    poisoned("min_tokens>max_tokens", set_params(min_tokens=5, max_tokens=2)),
+    poisoned("logit_bias out of vocabulary", lambda r: r.sampling_params.logit_bias.update({10**9: 5.0})),
+    poisoned("logit_bias negative id", lambda r: r.sampling_params.logit_bias.update({-1: 5.0})),
+    poisoned("logit_bias NaN", lambda r: r.sampling_params.logit_bias.update({28: math.nan})),
+    poisoned("logit_bias 1e30", lambda r: r.sampling_params.logit_bias.update({28: 1e30})),
+    poisoned("stop_token_ids out of vocabulary", lambda r: r.sampling_params.stop_token_ids.append(10**9)),
+    poisoned("too many stop_token_ids",
+             lambda r: r.sampling_params.stop_token_ids.extend([7] * (MAX_STOP_TOKEN_IDS + 1))),
+    poisoned("too many stop strings", lambda r: r.sampling_params.stop.extend(["x"] * 5000)),
+    poisoned("empty stop string", lambda r: r.sampling_params.stop.append("")),
+    # With min_tokens the worker masks every eos id in the logits: an id outside them failed the step.
+    poisoned("eos out of vocabulary", lambda r: (r.eos_token_ids.append(10**9), set_params(min_tokens=2)(r))),
+    poisoned("eos negative", lambda r: (r.eos_token_ids.append(-7), set_params(min_tokens=2)(r))),
+    poisoned("empty request id", lambda r: setattr(r, "request_id", "")),
+    poisoned("huge request id", lambda r: setattr(r, "request_id", "r" * 100_000)),
+    poisoned("no sampling params", lambda r: r.ClearField("sampling_params")),
+    poisoned("empty prompt", lambda r: r.ClearField("prompt_token_ids")),
+    poisoned("prompt out of vocabulary", lambda r: r.prompt_token_ids.append(10**9)),
+    poisoned("prompt negative id", lambda r: r.prompt_token_ids.append(-1)),
+    poisoned("prompt as long as the context", lambda r: r.prompt_token_ids.extend([28] * 10**5)),
+    poisoned("priority under fcfs", lambda r: setattr(r, "priority", -5)),
+]
+
+
+def test_poisoned_requests_fail_alone_and_the_engine_serves_on(stack: Stack):
+    with grpc.insecure_channel(stack.engine.address, options=GRPC_OPTIONS) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        metadata = stack.security.call_metadata
+        # A request in flight whose id a duplicate then reuses.
+        running = stub.Generate(good_request("in-flight", max_tokens=500, ignore_eos=True), metadata=metadata,
+                                timeout=120)
+        first = next(running)
+        duplicate = good_request(first.request_id)
+        codes = {}
+        for name, request in [*POISONED, ("duplicate id", duplicate)]:
+            try:
+                list(stub.Generate(request, metadata=metadata, timeout=30))
+                codes[name] = grpc.StatusCode.OK
+            except grpc.RpcError as error:
+                codes[name] = error.code()
+        assert codes == {name: grpc.StatusCode.INVALID_ARGUMENT for name in codes}
+        running.cancel()
+        # The engine serves the next request, and says it is healthy.
+        outputs = list(stub.Generate(good_request("after", temperature=0.8, top_p=0.9, top_k=5, min_tokens=2,
+                                                  logit_bias={28: 100.0}, repetition_penalty=1.2),
+                                     metadata=metadata, timeout=60))
+        assert outputs[-1].finish_reason == "length"
+        assert sum(len(o.new_token_ids) for o in outputs) == 4
+        assert grpc_health_status(stack.engine.address) == SERVING
+
+
+# ----------------------------------------------------------------------------- the worker's owner
+
+
+def empty_step() -> SchedulerOutput:
+    return SchedulerOutput([], [], {}, 0)
+
+
+def test_worker_steps_only_for_the_engine_that_owns_it(stack: Stack):
+    """The stack's engine owns its worker and steps it all the time: neither a second InitializeCache
+    nor a step from another session gets through, and the engine serves on."""
+    with grpc.insecure_channel(stack.worker.address, options=GRPC_OPTIONS) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        intruder = (*stack.security.call_metadata, (SESSION_METADATA_KEY, "intruder"))
+
+        async def stream_while(probe: Callable[[], None]) -> None:
+            engine = GrpcEngineClient(stack.engine.address, timeout=10, security=stack.security)
+            request = EngineCoreRequest("owner-busy", [504, 3458, 282], SamplingParams(temperature=0, max_tokens=40,
+                                                                                       ignore_eos=True))
+            try:
+                count = 0
+                async for output in engine.generate(request):
+                    count += len(output.new_token_ids)
+                    if count == 2:
+                        await asyncio.to_thread(probe)
+                assert count == 40
+            finally:
+                await engine.close()
+
+        def probe() -> None:
+            for call, message in ((stub.InitializeCache, worker_pb2.InitializeCacheRequest(max_num_reqs=4)),
+                                  (stub.ExecuteModel, convert.scheduler_output_to_proto(empty_step()))):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(message, metadata=intruder, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        asyncio.run(stream_while(probe))
+    assert grpc_health_status(stack.engine.address) == SERVING
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    """A CA, and one certificate for every internal service (server and client) with the name
+    kvmesh-internal, made with the openssl command-line tool."""
+    d = tmp_path_factory.mktemp("certs")
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
+            "-subj", "/CN=kvmesh test CA", cwd=d)
+    (d / "ext.cnf").write_text("subjectAltName=DNS:kvmesh-internal\nextendedKeyUsage=serverAuth,clientAuth\n")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "tls.key", "-out", "tls.csr",
+            "-subj", "/CN=kvmesh-internal", cwd=d)
+    openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "tls.crt", "-days", "1", "-extfile", "ext.cnf", cwd=d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tls_worker(model_path: Path, token_dir: Path, certs: Path) -> Iterator[tuple[ServiceProcess, RpcSecurity]]:
+    """A worker with mutual TLS and the token; its engine lease is OWNER_LEASE seconds."""
+    config = SecurityConfig(internal_token_file=token_dir / "token", tls_cert_file=certs / "tls.crt",
+                            tls_key_file=certs / "tls.key", tls_ca_file=certs / "ca.crt",
+                            tls_server_name="kvmesh-internal")
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="kvmesh-tls-worker-", suffix=".log", delete=False)
+    proc = subprocess.Popen([PYTHON, "-m", "services.worker.server", "--model", str(model_path), "--port", str(port),
+                             "--kv-cache-memory", str(KV_BYTES), "--owner-lease", str(OWNER_LEASE),
+                             "--internal-token-file", str(config.internal_token_file),
+                             "--tls-cert-file", str(config.tls_cert_file), "--tls-key-file", str(config.tls_key_file),
+                             "--tls-ca-file", str(config.tls_ca_file)],
+                            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    worker = ServiceProcess(proc, port, Path(log.name))
+    security = RpcSecurity.load(config)
+    try:
+        client = GrpcWorkerClient(worker.address, timeout=180, security=security)  # waits for it to come up
+        client.get_info()
+        client.close()
+        yield worker, security
+    finally:
+        worker.kill()
+        worker.log_path.unlink(missing_ok=True)
+
+
+def test_mutual_tls_refuses_a_client_without_a_certificate(tls_worker, certs: Path):
+    worker, security = tls_worker
+    override = [("grpc.ssl_target_name_override", "kvmesh-internal")]
+    ca = (certs / "ca.crt").read_bytes()
+    no_cert = grpc.secure_channel(worker.address, grpc.ssl_channel_credentials(root_certificates=ca), options=override)
+    plain = grpc.insecure_channel(worker.address)
+    for channel in (no_cert, plain):
+        with channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # no handshake, no call
+    # With the certificate: health without a token; the rest needs the token too.
+    with security.channel(worker.address, GRPC_OPTIONS) as channel:
+        assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status == SERVING
+        with pytest.raises(grpc.RpcError) as refused:
+            worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetWorkerInfoRequest(), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    client = GrpcWorkerClient(worker.address, timeout=10, security=security)
+    try:
+        assert client.get_info().vocab_size > 0
+    finally:
+        client.close()
+    # The chart's exec probe (kubelet's own gRPC probe cannot speak TLS).
+    tls_flags = [f"--tls-{name}-file={certs / file}" for name, file in
+                 (("cert", "tls.crt"), ("key", "tls.key"), ("ca", "ca.crt"))]
+    probe = [PYTHON, "-m", "services.common.rpc.health_probe", f"--port={worker.port}"]
+    assert subprocess.run([*probe, *tls_flags, "--tls-server-name=kvmesh-internal"], cwd=REPO_ROOT,
+                          timeout=60).returncode == 0
+    assert subprocess.run(probe, cwd=REPO_ROOT, timeout=60, capture_output=True).returncode == 1
+
+
+def test_a_new_engine_takes_the_worker_over_once_the_old_one_is_silent(tls_worker):
+    worker, security = tls_worker
+    old, new = (GrpcWorkerClient(worker.address, timeout=t, step_timeout=10, security=security) for t in (0.5, 20))
+    try:
+        assert old.initialize_cache(4) > 0
+        old.execute_model(empty_step())  # the owner steps; its lease runs
+        with pytest.raises(EngineDeadError, match="another engine"):  # refused while the lease runs
+            replace_attempt = GrpcWorkerClient(worker.address, timeout=0.5, security=security)
+            try:
+                replace_attempt.initialize_cache(4)
+            finally:
+                replace_attempt.close()
+        with pytest.raises(EngineDeadError, match="another engine"):
+            new.execute_model(empty_step())
+        start = time.monotonic()
+        assert new.initialize_cache(4) > 0  # retries until the old session has been silent OWNER_LEASE s
+        assert time.monotonic() - start < OWNER_LEASE + 5
+        new.execute_model(empty_step())
+        with pytest.raises(EngineDeadError, match="another engine"):  # the old session is out for good
+            old.execute_model(empty_step())
+    finally:
+        old.close()
+        new.close()
+
+
+# ----------------------------------------------------------------------------- kvmesh serve
+
+
+def test_kvmesh_serve_authenticates_its_children(model_path: Path):
+    port = free_port()
+    out = tempfile.NamedTemporaryFile(prefix="kvmesh-serve-", suffix=".out", delete=False)
+    err = tempfile.NamedTemporaryFile(prefix="kvmesh-serve-", suffix=".err", delete=False)
+    env = {k: v for k, v in os.environ.items() if k != "KVMESH_INTERNAL_TOKEN"}
+    proc = subprocess.Popen([PYTHON, "-m", "services.cli", "serve", "--model", str(model_path), "--port", str(port),
+                             "--kv-cache-memory", "64MiB", "--print-addresses"], cwd=REPO_ROOT, stdout=out,
+                            stderr=err, start_new_session=True, env=env)
+    services = {}
+    try:
+        deadline = time.monotonic() + 600
+        while not services:
+            assert proc.poll() is None and time.monotonic() < deadline, Path(err.name).read_text()[-4000:]
+            for line in Path(out.name).read_text().splitlines():
+                if line.startswith('{"kvmesh"'):
+                    services = json.loads(line)["services"]
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120)
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(model=model, max_tokens=5, temperature=0,
+                                               messages=[{"role": "user", "content": "Say hi"}])
+        assert reply.choices[0].message.content
+        for name in ("worker", "engine", "processor"):
+            address = services[name]["address"]
+            with grpc.insecure_channel(address) as channel:
+                service = SERVICES[name]
+                assert call_raw(channel, service, service.methods_by_name["GetInfo" if name != "processor"
+                                                                          else "GetModelInfo"], None) \
+                    == grpc.StatusCode.UNAUTHENTICATED
+            # The token is in a file of this user's only, never on a command line.
+            argv = Path(f"/proc/{services[name]['pid']}/cmdline").read_bytes().split(b"\0")
+            token_file = Path(argv[argv.index(b"--internal-token-file") + 1].decode())
+            token = token_file.read_text().strip()
+            assert len(token) >= 32 and token.encode() not in b" ".join(argv)
+            assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+            assert stat.S_IMODE(token_file.parent.stat().st_mode) == 0o700
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not token_file.parent.exists()  # removed with the run
+    finally:
+        for pid in [proc.pid, *(s["pid"] for s in services.values())]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+        for f in (out, err):
+            Path(f.name).unlink(missing_ok=True)

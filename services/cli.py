@@ -40,6 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.config import (
     CacheConfig,
     EngineServiceConfig,
+    GATEWAY_SERVE_FIELDS,
     GatewayConfig,
     Limits,
     PROCESSOR_MODEL_FIELDS,
@@ -105,7 +106,7 @@ SERVE_FLAGS: list[tuple[type, dict[str, object]]] = [
     (SchedulerConfig, {}),
     (WorkerConfig, {"exclude": ["max_num_seqs"]}),
     (Limits, {}),
-    (GatewayConfig, {"only": ["api_key"]}),
+    (GatewayConfig, {"only": GATEWAY_SERVE_FIELDS}),
     (ServeConfig, {}),
 ]
 

@@ -52,4 +52,5 @@ class AsyncStack(NamedTuple):
         return cls(worker.worker, engine, AsyncProcessor(processor, engine))
 
     async def shutdown(self) -> None:
+        self.processor.close()
         await self.engine.shutdown()

@@ -92,6 +92,7 @@ class GenerateRequest:
     cache_salt: str | None = None
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     echo: bool = False  # the first delta carries the prompt's text
+    group_id: str | None = None  # the client request this is part of (a completion's prompts); None: request_id
 
 
 @dataclass(slots=True)

@@ -267,6 +267,8 @@ class ProcessorServiceConfig:
         None, "the Service's namespace (default: this pod's, else $KVMESH_NAMESPACE, else default)")
     engine_timeout: float = option(10.0, "deadline (s) of each unary engine call", minimum=0.0)
     startup_timeout: float = option(300.0, "seconds to wait for an engine to come up", minimum=0.0)
+    tokenizer_threads: int = option(4, "threads that tokenize prompts and render chat templates, off the event loop",
+                                    minimum=1)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -287,9 +289,24 @@ class GatewayConfig:
     aggregate_metrics: tuple[str, ...] = option(
         (), "/metrics URL of a local service to merge into this /metrics (repeatable; set by `kvmesh serve`, "
             "never in a pod, where each is scraped on its own)", parse=http_url)
+    # A client's connection (services/gateway/connection_guard.py).
+    header_timeout: float = option(10.0, "seconds a client has to send a request's headers, from its connection "
+                                         "or its request's first byte; then it is closed (408)", minimum=0.1)
+    body_timeout: float = option(60.0, "seconds a client has to send a request's whole body once its headers are "
+                                       "in; then it is closed", minimum=0.1)
+    keep_alive_timeout: float = option(5.0, "seconds an idle keep-alive connection stays open", minimum=0.1)
+    max_connections: int = option(1000, "client connections open at once; more are answered 503 and closed at once "
+                                        "(lowered to fit the process's file-descriptor limit)", minimum=1)
+    max_header_bytes: int = option(16384, "bytes of a request's line and headers; more is a 431", minimum=1024)
+    max_headers: int = option(100, "headers of one request; more is a 431", minimum=1)
 
     def __post_init__(self) -> None:
         check_fields(self)
+
+
+# What `kvmesh serve` takes of GatewayConfig (the rest it sets itself, or leaves to a pod).
+GATEWAY_SERVE_FIELDS = ("api_key", "header_timeout", "body_timeout", "keep_alive_timeout", "max_connections",
+                        "max_header_bytes", "max_headers")
 
 
 @dataclass(frozen=True)
@@ -300,6 +317,12 @@ class Limits:
     max_body_bytes: int = option(8 * 2**20, "bytes of a request body", minimum=1)
     max_prompts: int = option(64, "prompts in one completion request", minimum=1)
     max_n: int = option(16, "choices per prompt (n)", minimum=1)
+    max_chars_per_token: int = option(
+        128, "characters one token may cover: a prompt (or chat messages) of more than the context length times "
+             "this many characters is refused before it is tokenized (the processor checks again with its "
+             "vocabulary's longest token)", minimum=1)
+    max_sequences_per_request: int = option(
+        64, "sequences one request may ask for: its prompts times n", minimum=1)
     max_logprobs: int = option(MAX_LOGPROBS, "top logprobs per token (logprobs, top_logprobs, prompt_logprobs)",
                                minimum=1, maximum=MAX_LOGPROBS)
     max_stop_strings: int = option(16, "stop strings in one request", minimum=1)

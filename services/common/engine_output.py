@@ -32,4 +32,7 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float | None = None
+    # The client request this one is part of (its choices, its prompts); None: its own request id.
+    # The engine's waiting queue shares the engine fairly between groups.
+    group_id: str | None = None
 

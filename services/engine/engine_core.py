@@ -86,6 +86,7 @@ class EngineCore:
             model_id=self.model_id,
             cache_salt=request.cache_salt,
             priority=request.priority,
+            group_id=request.group_id or request.request_id,
             arrival_time=request.arrival_time if request.arrival_time is not None else time.monotonic(),
         ))
 

@@ -54,6 +54,7 @@ class Request:
         cache_salt: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        group_id: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -63,6 +64,8 @@ class Request:
         self.max_tokens = max_tokens  # already clamped to the context by the caller
         self.eos_token_ids = frozenset(eos_token_ids)
         self.priority = priority
+        # The client request this sequence is part of (None: its own); the waiting queue is fair between groups.
+        self.group_id = request_id if group_id is None else group_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -26,36 +26,68 @@ class RequestQueue(Protocol):
 
 
 class FCFSRequestQueue:
-    """First come, first served; a preempted request goes back to the front; the victim is the
-    last running request (the latest admitted)."""
+    """First come, first served between client requests, and fair between them: the sequences of
+    one request (its choices and prompts share a `group_id`) take turns with those of the others,
+    round-robin, so that a request of many sequences cannot make a later small one wait for all of
+    them. With one sequence per request this is plain FCFS. A preempted request goes back to the
+    front (its group first in turn); the victim is the last running request (the latest admitted).
+
+        groups: {A: [a3, a4, a5], B: [b0], C: [c0, c1]}    turn order A, B, C
+        pop() -> a3, then b0, then c0, then a4, then c1, then a5
+    """
 
     def __init__(self) -> None:
-        self._queue: deque[Request] = deque()
+        # group id -> its waiting requests, in turn order (the group to pop from next first).
+        self._groups: OrderedDict[str, deque[Request]] = OrderedDict()
+        self._size = 0
 
     def add(self, request: Request) -> None:
-        self._queue.append(request)
+        group = self._groups.get(request.group_id)
+        if group is None:
+            group = self._groups[request.group_id] = deque()
+        group.append(request)
+        self._size += 1
 
     def add_preempted(self, request: Request) -> None:
-        self._queue.appendleft(request)
+        group = self._groups.get(request.group_id)
+        if group is None:
+            group = self._groups[request.group_id] = deque()
+        group.appendleft(request)
+        self._groups.move_to_end(request.group_id, last=False)
+        self._size += 1
 
     def peek(self) -> Request:
-        return self._queue[0]
+        return next(iter(self._groups.values()))[0]
 
     def pop(self) -> Request:
-        return self._queue.popleft()
+        group_id, group = next(iter(self._groups.items()))
+        request = group.popleft()
+        if group:
+            self._groups.move_to_end(group_id)  # its next sequence waits for the other groups' turns
+        else:
+            del self._groups[group_id]
+        self._size -= 1
+        return request
 
     def remove(self, request: Request) -> None:
         # Only on abort, which is off the step's hot path.
-        self._queue.remove(request)
+        group = self._groups[request.group_id]
+        group.remove(request)
+        if not group:
+            del self._groups[request.group_id]
+        self._size -= 1
 
     def choose_victim(self, running: list[Request]) -> Request:
         return running[-1]
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return self._size
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(self._queue)
+        """In the order pop() would take them."""
+        queues = [list(g) for g in self._groups.values()]
+        for turn in range(max(map(len, queues), default=0)):
+            yield from (q[turn] for q in queues if turn < len(q))
 
 
 class PriorityRequestQueue:

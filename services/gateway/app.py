@@ -12,7 +12,7 @@ import importlib.metadata
 import re
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -24,6 +24,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.clients import GenerateRequest, ProcessorClient
+from services.common.prompt_size import PromptSize, prompt_size
 from services.common.sampling_params import SamplingParams
 from services.gateway.auth import APIKeyMiddleware
 from services.gateway.chat import chat_chunks, chat_response, generate_request
@@ -31,7 +32,7 @@ from services.gateway.completion import completion_chunks, completion_response, 
 from services.gateway.errors import ANSWERED_ERRORS, OPENAPI_ERRORS, APIError, api_error_of, model_not_found
 from services.gateway.generation import Generation
 from services.common.config import Limits
-from services.gateway.limits import BodyLimitMiddleware, check_limits
+from services.gateway.limits import BodyLimitMiddleware, check_limits, check_prompt_sizes
 from services.gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -67,7 +68,8 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
     /metrics serves `metrics` (default: a registry of this app's own)."""
     app = FastAPI(title="kvmesh", version=_version(), docs_url=None, redoc_url=None, responses=OPENAPI_ERRORS)
     # Outermost last: request id, then the key (no body of an unauthenticated client is read), then
-    # the body's size, then routing.
+    # the body's size, then any error of ours answered, then routing.
+    app.add_middleware(answer_errors)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
@@ -134,10 +136,12 @@ class _API:
         self.processor = processor
         self.served_model_name = served_model_name
         self.limits = limits
+        self.max_model_len: int | None = None  # the model's context length, once asked
         self.generations: set[Generation] = set()  # in flight
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         params = self._params(body)
+        await self._check_sizes(prompt_size(p, None) for p in body.prompts() if isinstance(p, str))
         response_id, engine_id = _ids("cmpl", request, body.request_id)
         requests = generate_requests(body, engine_id, params)
         return await self._respond(request, requests, body.stream,
@@ -146,8 +150,10 @@ class _API:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         params = self._params(body)
+        await self._check_sizes([PromptSize(0, len(body.messages))])  # before converting each of them
         response_id, engine_id = _ids("chatcmpl", request, body.request_id)
         requests = [generate_request(body, engine_id, params)]
+        await self._check_sizes([prompt_size(None, requests[0].messages, requests[0].chat_template_kwargs.values())])
         return await self._respond(request, requests, body.stream,
                                    lambda g: chat_chunks(g, body, response_id, self.served_model_name),
                                    lambda g: chat_response(g, body, response_id, self.served_model_name))
@@ -160,9 +166,18 @@ class _API:
         if model is not None and model != self.served_model_name:
             raise model_not_found(model)
 
+    async def _check_sizes(self, sizes: Iterable[PromptSize]) -> None:
+        """400 for a prompt too long to fit the context, before it travels to be tokenized."""
+        if self.max_model_len is None:  # the context length, asked once
+            self.max_model_len = (await self.processor.model_info()).max_model_len
+        check_prompt_sizes(self.limits, sizes, self.max_model_len)
+
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self._check_model(body.model)
-        tokenized = await self.processor.tokenize(to_tokenize_request(body))
+        await self._check_sizes([PromptSize(0, len(body.messages or ()))])  # before converting each of them
+        request = to_tokenize_request(body)
+        await self._check_sizes([prompt_size(request.prompt, request.messages, request.chat_template_kwargs.values())])
+        tokenized = await self.processor.tokenize(request)
         return TokenizeResponse(count=len(tokenized.token_ids), max_model_len=tokenized.max_model_len,
                                 tokens=tokenized.token_ids, token_strs=tokenized.token_strs)
 
@@ -252,6 +267,30 @@ def _ids(prefix: str, request: Request, body_request_id: str | None = None) -> t
     if given or body_request_id is not None:
         return response_id, f"{response_id}-{secrets.token_hex(4)}"
     return response_id, response_id
+
+
+def answer_errors(app: ASGIApp) -> ASGIApp:
+    """Middleware answering an exception no handler took (a bug of ours) with a 500 that names
+    nothing of ours, keeping the connection: Starlette's last-resort handler answers too, but then
+    re-raises, and uvicorn closes the client's keep-alive connection over it. A response already
+    under way cannot be answered any more: that one still goes up."""
+
+    async def answering(scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await app(scope, receive, watched_send)
+        except Exception as exc:
+            if started or scope["type"] != "http":
+                raise
+            await api_error_of(exc).response()(scope, receive, send)
+
+    return answering
 
 
 class RequestIdMiddleware:

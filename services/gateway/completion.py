@@ -24,7 +24,8 @@ from services.gateway.protocol import (
 
 
 def generate_requests(body: CompletionRequest, request_id: str, params: SamplingParams) -> list[GenerateRequest]:
-    """One processor request per prompt: `request_id` for a single prompt, else `{request_id}-p{i}`."""
+    """One processor request per prompt: `request_id` for a single prompt, else `{request_id}-p{i}`;
+    all in the group `request_id` (the engine shares itself fairly between groups)."""
     prompts = body.prompts()
     return [
         GenerateRequest(
@@ -32,7 +33,7 @@ def generate_requests(body: CompletionRequest, request_id: str, params: Sampling
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=None if isinstance(prompt, str) else prompt,
             add_special_tokens=body.add_special_tokens, priority=body.priority, cache_salt=body.cache_salt,
-            truncate_prompt_tokens=body.truncate_prompt_tokens, echo=body.echo,
+            truncate_prompt_tokens=body.truncate_prompt_tokens, echo=body.echo, group_id=request_id,
         )
         for i, prompt in enumerate(prompts)
     ]

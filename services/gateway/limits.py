@@ -1,20 +1,23 @@
-"""What one request may ask of the server: body size, prompts, choices, logprobs, stop strings,
-tokens (services.common.config.Limits, built at the edge from flags); a request over a limit is a
-400 that names the limit and its flag.
+"""What one request may ask of the server: body size, prompts, choices and sequences, logprobs,
+stop strings, tokens, a prompt's characters (services.common.config.Limits, built at the edge from
+flags); a request over a limit is a 400 that names the limit and its flag.
 
 The body size is checked by an ASGI middleware as the body streams in (a client announcing or
-sending more than the limit is refused without the rest being read); everything else by
-`check_limits` on the parsed request, where the gateway turns it into SamplingParams.
+sending more than the limit is refused without the rest being read); the prompt's characters
+against the context length by `check_prompt_sizes`; everything else by `check_limits` on the
+parsed request, where the gateway turns it into SamplingParams.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.config import Limits, flag_of
+from services.common.prompt_size import PromptSize, check_prompt_size
 from services.common.sampling_params import SamplingParams
 from services.gateway.errors import APIError, bad_request
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -23,9 +26,11 @@ from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, 
 def check_limits(limits: Limits, body: SamplingRequest, params: SamplingParams) -> SamplingParams:
     """`params` (made from `body`) within the limits: APIError (400) for what is over one;
     max_tokens, when the request did not set it (or set it to null), capped at the limit."""
-    if isinstance(body, CompletionRequest):
-        _at_most(len(body.prompts()), limits.max_prompts, "prompts", "prompt", "max_prompts")
+    num_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
+    _at_most(num_prompts, limits.max_prompts, "prompts", "prompt", "max_prompts")
     _at_most(params.n, limits.max_n, "n", "n", "max_n")
+    _at_most(num_prompts * params.n, limits.max_sequences_per_request, "sequences (prompts x n)", "n",
+             "max_sequences_per_request")
     logprobs_param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
     for name, value in ((logprobs_param, params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
         if value is not None:
@@ -41,6 +46,17 @@ def check_limits(limits: Limits, body: SamplingRequest, params: SamplingParams) 
         return replace(params, max_tokens=min(params.max_tokens or limits.max_tokens, limits.max_tokens))
     _at_most(params.max_tokens, limits.max_tokens, given[0], given[0], "max_tokens")
     return params
+
+
+def check_prompt_sizes(limits: Limits, sizes: Iterable[PromptSize], max_model_len: int) -> None:
+    """APIError (400) for a prompt that cannot fit `max_model_len` tokens, told from its characters
+    before anything tokenizes it (services/common/prompt_size.py)."""
+    for size in sizes:
+        try:
+            check_prompt_size(size, max_model_len, limits.max_chars_per_token, flag_of(Limits, "max_chars_per_token"))
+        except ValueError as e:
+            raise APIError(400, str(e), "invalid_request_error", "messages" if size.messages else "prompt",
+                           "limit_exceeded") from None
 
 
 def _at_most(value: int, limit: int, what: str, param: str, name: str) -> None:

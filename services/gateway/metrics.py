@@ -22,7 +22,11 @@ from services.common.metrics import COMPONENT, LATENCY_BUCKETS, Scrape, fetch_pa
 logger = logging.getLogger(__name__)
 
 COMPONENT_NAME = "gateway"
-OTHER_ROUTE = "other"  # no route matched: a label value that cannot grow with what clients send
+# Label values that cannot grow with what clients send: every path no route matches is one route,
+# every method outside HTTP's own is one method.
+UNMATCHED_ROUTE = "unmatched"
+OTHER_METHOD = "other"
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
 CLIENT_CLOSED_REQUEST = 499
 SCRAPE_TIMEOUT = 2.0  # seconds for each local service's page
 
@@ -62,7 +66,9 @@ class GatewayMetrics:
 
 class HttpMetricsMiddleware:
     """Counts and times every HTTP request by route template (matched here, so that a request
-    refused before routing, e.g. by the API-key check, still gets its route)."""
+    refused before routing, e.g. by the API-key check, still gets its route) and method; a path or
+    method of a client's invention is counted under one label value (UNMATCHED_ROUTE, OTHER_METHOD),
+    so that no client can grow the series without bound."""
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics, routes: Sequence[BaseRoute]) -> None:
         self.app = app
@@ -73,14 +79,15 @@ class HttpMetricsMiddleware:
         for route in self.routes:
             match, _ = route.matches(scope)
             if match != Match.NONE:  # PARTIAL: the path matched, the method did not (a 405)
-                return getattr(route, "path", OTHER_ROUTE)
-        return OTHER_ROUTE
+                return getattr(route, "path", UNMATCHED_ROUTE)
+        return UNMATCHED_ROUTE
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        metrics, route, method = self.metrics, self._route_of(scope), scope["method"]
+        method = scope["method"] if scope["method"] in METHODS else OTHER_METHOD
+        metrics, route = self.metrics, self._route_of(scope)
         start = time.perf_counter()
         status: int | None = None
         stream_start: float | None = None

@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 
 class OpenAIRequest(BaseModel):
     # Strict: a wrong type is a 400, never coerced ("3" is not n=3, 1 is not stream=true); a JSON
-    # integer still passes for a float.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # integer still passes for a float. NaN and infinities (Python's json reads `NaN`) are refused.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class OpenAIResponse(BaseModel):

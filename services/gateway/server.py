@@ -2,7 +2,8 @@
 
     python -m services.gateway.server --processor-address 127.0.0.1:50051 --port 8000
 
-config -> GrpcProcessorClient -> create_app -> uvicorn -> SIGTERM -> stop accepting, give
+config -> GrpcProcessorClient -> create_app -> uvicorn (with services/gateway/connection_guard.py:
+header and body deadlines, a connection cap, header limits) -> SIGTERM -> stop accepting, give
 in-flight requests `--grace` seconds, end those still running with a 503 / an error event (which
 aborts them down to the engine).
 Flags come from services/common/config.py (GatewayConfig, Limits, ServingConfig); each falls back
@@ -27,6 +28,7 @@ from services.common.metrics import GrpcMetrics
 from services.common.rpc.security import RpcSecurity
 from services.gateway.app import create_app, end_requests
 from services.gateway.auth import api_keys_from
+from services.gateway.connection_guard import quiet_accept_errors, uvicorn_options
 from services.gateway.metrics import GatewayMetrics
 from services.processor.client import GrpcProcessorClient
 
@@ -51,6 +53,7 @@ class GatewayServer(uvicorn.Server):
 
     async def serve(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
+        quiet_accept_errors(self.loop)
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -73,7 +76,7 @@ async def serve(gateway: GatewayConfig, served_model_name: str, serving: Serving
     app = create_app(processor, served_model_name, health_timeout=gateway.timeout, metrics=metrics, limits=limits,
                      api_keys=api_keys)
     config = uvicorn.Config(app, host=serving.host, port=serving.port, timeout_graceful_shutdown=serving.grace,
-                            access_log=gateway.access_log, log_level=gateway.log_level)
+                            access_log=gateway.access_log, log_level=gateway.log_level, **uvicorn_options(gateway))
     try:
         await GatewayServer(config, app, serving.grace).serve()
     finally:

@@ -8,6 +8,11 @@ strings, the deltas), driven by engine streams instead of `EngineCore.step()`:
         ├── pump choice 1: engine.generate(req 1) ─┼──▶ queue ──▶ RequestState.apply ──▶ GenerateDelta
         └── ...                                    ─┘
 
+Tokenizing, chat templates and /detokenize run on a bounded pool of threads, never on the event
+loop, so that one long prompt does not stall every other stream's deltas; what one request may
+make them do is bounded by the prompt's size (services/common/prompt_size.py), so a request whose
+caller went away (its await cancelled) holds its thread for a bounded time only.
+
 Whatever ends the caller's iteration early (a stop string, the client going away, an engine error)
 cancels the pumps, which closes their engine streams, and aborts the choices still running.
 """
@@ -17,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
+from typing import TypeVar
 
 from services.common.clients import (
     ChoiceDelta,
@@ -35,16 +42,29 @@ from services.processor.processor import Processor
 from services.processor.request_state import Choice, RequestState
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+DEFAULT_TOKENIZER_THREADS = 4
 
 
 class AsyncProcessor:
     """Implements `ProcessorClient` in-process over an `EngineClient`."""
 
-    def __init__(self, processor: Processor, engine: EngineClient, metrics: ProcessorMetrics | None = None) -> None:
+    def __init__(self, processor: Processor, engine: EngineClient, metrics: ProcessorMetrics | None = None,
+                 tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS) -> None:
         self.processor = processor
         self.engine = engine
         self.metrics = metrics
         self._cleanups: set[asyncio.Task[None]] = set()  # strong references until they finish
+        self._tokenizer_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tokenizer")
+
+    async def _off_loop(self, work: Callable[..., T], *args: object) -> T:
+        """`work(*args)` on the tokenizer threads. Cancelled, the caller returns at once; the thread
+        finishes the (bounded) work and drops it."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work, *args)
+
+    def close(self) -> None:
+        """Lets the tokenizer threads go (work already started finishes)."""
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     async def model_info(self) -> EngineInfo:
         return await self.engine.info()
@@ -54,18 +74,18 @@ class AsyncProcessor:
         return await self.engine.is_healthy()
 
     async def tokenize(self, request: TokenizeRequest) -> Tokenized:
-        token_ids = self.processor.prompt_of(request)
-        return Tokenized(token_ids, self.processor.max_model_len,
-                         self.processor.token_strs(token_ids) if request.return_token_strs else None)
+        token_ids = await self._off_loop(self.processor.prompt_of, request)
+        strs = await self._off_loop(self.processor.token_strs, token_ids) if request.return_token_strs else None
+        return Tokenized(token_ids, self.processor.max_model_len, strs)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
-        return self.processor.detokenize(token_ids)
+        return await self._off_loop(self.processor.detokenize, token_ids)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """Deltas until every choice finished; the first carries the prompt. Raises ValueError for
         invalid input (before any delta), and the engine client's errors as they come."""
         start = time.perf_counter()
-        state = RequestState(self.processor, request)
+        state = await self._off_loop(RequestState, self.processor, request)
         if self.metrics is not None:
             self.metrics.tokenize_seconds.observe(time.perf_counter() - start)
         queue: asyncio.Queue[tuple[Choice, EngineCoreOutput | Exception]] = asyncio.Queue()

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from services.common.clients import GenerateRequest, TokenizeRequest
 from services.common.engine_output import EngineCoreRequest
+from services.common.prompt_size import PromptSize, check_prompt_size, prompt_size
 from services.common.sampling_params import SamplingParams
 from services.common.validation import check_params_token_ids, check_prompt, check_token_ids
 from services.processor.output_processor import RequestOutputState
@@ -107,6 +108,9 @@ class Processor:
         forms = [request.prompt is not None, token_ids is not None, request.messages is not None]
         if sum(forms) != 1:
             raise ValueError("exactly one of prompt, prompt_token_ids and messages must be given")
+        if token_ids is None:  # nothing is tokenized that cannot fit the context
+            inputs = self.template_kwargs_of(request.chat_template_kwargs or {}).values() if request.messages else ()
+            self.check_prompt_size(prompt_size(request.prompt, request.messages, inputs))
         if request.messages is not None:
             prompt = self.tokenize_chat(request.messages, request.add_generation_prompt,
                                         request.continue_final_message, request.chat_template_kwargs)
@@ -118,6 +122,10 @@ class Processor:
             return self.truncate(prompt, request.truncate_prompt_tokens)
         return prompt
 
+    def check_prompt_size(self, size: PromptSize) -> None:
+        """ValueError for a prompt too long to fit the context, told before tokenizing it."""
+        check_prompt_size(size, self.max_model_len, self.info.max_token_chars)
+
     def make_requests(
         self,
         request_id: str,
@@ -125,20 +133,22 @@ class Processor:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        group_id: str | None = None,
     ) -> list[EngineCoreRequest]:
         """One engine request per choice: `{request_id}` for n == 1, else `{request_id}-{i}` with
-        seed + i, so that a seeded request is reproducible choice by choice. ValueError for a prompt
-        or parameters the engine would refuse."""
+        seed + i, so that a seeded request is reproducible choice by choice; all of them in the group
+        `group_id` (default: `request_id`). ValueError for a prompt or parameters the engine would refuse."""
         check_prompt(prompt_token_ids, self.max_model_len, self.info.vocab_size)
         check_params_token_ids(params, self.info.vocab_size)
+        group_id = group_id or request_id
         if params.n == 1:
             return [EngineCoreRequest(request_id, prompt_token_ids, params, self.info.eos_token_ids,
-                                      priority, cache_salt)]
+                                      priority, cache_salt, group_id=group_id)]
         return [
             EngineCoreRequest(
                 f"{request_id}-{i}", prompt_token_ids,
                 replace(params, n=1, seed=None if params.seed is None else params.seed + i),
-                self.info.eos_token_ids, priority, cache_salt,
+                self.info.eos_token_ids, priority, cache_salt, group_id=group_id,
             )
             for i in range(params.n)
         ]

@@ -40,7 +40,7 @@ class RequestState:
         self.request = request
         self.prompt_token_ids = processor.prompt_of(request)
         engine_requests = processor.make_requests(request.request_id, self.prompt_token_ids, request.params,
-                                                  request.priority, request.cache_salt)
+                                                  request.priority, request.cache_salt, request.group_id)
         self.choices = [Choice(i, r, processor.output_state(self.prompt_token_ids, r.sampling_params))
                         for i, r in enumerate(engine_requests)]
         self._first = True
@@ -93,6 +93,8 @@ class RequestState:
             prompt_text=self._prompt_text() if self._first and self.request.echo else None,
         )
         prompt_logprobs = next((out.new_prompt_logprobs for out in outputs if out.new_prompt_logprobs), None)
+        if prompt_logprobs is None and len(self.prompt_token_ids) == 1:
+            prompt_logprobs = []  # a one-token prompt has nothing to score: its first token's None only
         if not self._prompt_logprobs_sent and prompt_logprobs is not None:
             self._add_prompt_logprobs(delta, prompt_logprobs)
             self._prompt_logprobs_sent = True

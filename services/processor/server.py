@@ -45,7 +45,7 @@ from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
 from services.common.rpc.security import RpcSecurity
 from services.common.rpc.server import RpcServer, service_name
 from services.engine.client import GrpcEngineClient
-from services.processor.async_processor import AsyncProcessor
+from services.processor.async_processor import DEFAULT_TOKENIZER_THREADS, AsyncProcessor
 from services.processor.engine_set import EngineSet
 from services.processor.metrics import ProcessorMetrics
 from services.common.rpc.convert import generate_delta_to_proto, generate_request_from_proto
@@ -143,7 +143,8 @@ async def follow_engine_health(processor: AsyncProcessor, server: RpcServer, int
 
 async def serve(model: ModelConfig, engine: EngineClient, serving: ServingConfig, startup_timeout: float = 300.0,
                 metrics: Callable[[int], ProcessorMetrics] | None = None,
-                security: RpcSecurity = RpcSecurity()) -> None:
+                security: RpcSecurity = RpcSecurity(),
+                tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS) -> None:
     """Serve until SIGTERM/SIGINT. The model is resolved for its tokenizer only; no weights load.
     The caller owns `engine` (open_engines). `metrics` makes this processor's metrics once the
     engine's context length (their token buckets' top) is known."""
@@ -155,7 +156,7 @@ async def serve(model: ModelConfig, engine: EngineClient, serving: ServingConfig
                        model_id_of(model_path))
     processor_metrics = metrics(engine_info.max_model_len) if metrics is not None else None
     processor = AsyncProcessor(Processor.for_tokenizer(tokenizer, model_path, engine_info.max_model_len), engine,
-                               processor_metrics)
+                               processor_metrics, tokenizer_threads)
     interceptors = [processor_metrics.service.grpc.server_interceptor()] if processor_metrics is not None else []
     server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors, security)
     processor_pb2_grpc.add_ProcessorServicer_to_server(ProcessorServicer(processor), server.server)
@@ -164,6 +165,7 @@ async def serve(model: ModelConfig, engine: EngineClient, serving: ServingConfig
     await server.wait_for_termination_signal()
     health.cancel()
     await server.shutdown(serving.grace, serving.drain)
+    processor.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         async with open_engines(service, service_metrics.grpc, security) as engine:
-            await serve(model, engine, serving, service.startup_timeout, metrics, security)
+            await serve(model, engine, serving, service.startup_timeout, metrics, security, service.tokenizer_threads)
 
     endpoint = MetricsEndpoint.start(service_metrics.registry, serving.host, serving.metrics_port)
     try:

@@ -59,7 +59,7 @@ def apply_chat_template(
             **template_kwargs,
         )
     except (jinja2.TemplateError, TypeError) as e:  # the messages are not what the template expects
-        raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
+        raise ValueError(f"the chat template cannot render these messages: {e}") from None
     # transformers 5 returns a BatchEncoding when return_dict is left at its default; older ones a list.
     if isinstance(out, Mapping):
         out = out["input_ids"]
@@ -112,6 +112,9 @@ class TokenizerInfo:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     has_chat_template: bool
+    # Characters of the vocabulary's longest token (services/common/prompt_size.py): at most this
+    # many characters of text per token.
+    max_token_chars: int = 1
 
     @classmethod
     def from_tokenizer(
@@ -124,4 +127,11 @@ class TokenizerInfo:
             bos_token_id=tokenizer.bos_token_id,
             eos_token_ids=tuple(eos_token_ids(tokenizer, generation_config_path)),
             has_chat_template=tokenizer.chat_template is not None,
+            max_token_chars=max_token_chars(tokenizer),
         )
+
+
+def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """Characters of the longest token's text (a vocabulary of 50k tokens: a few tens of ms, once)."""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max((len(tokenizer.convert_tokens_to_string([p])) for p in pieces if p is not None), default=1) or 1

@@ -48,6 +48,11 @@ class Serve:
         return self.stderr_path.read_text(errors="replace")[-tail:]
 
     @property
+    def port(self) -> int:
+        """The API's port."""
+        return int(self.api.rsplit(":", 1)[1].split("/")[0])
+
+    @property
     def child_pids(self) -> list[int]:
         return [s["pid"] for s in self.services.values()]
 
@@ -125,13 +130,18 @@ def gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
-@pytest.fixture(scope="module")
-def serve(model_path: Path) -> Iterator[Serve]:
-    serve = start_serve(model_path)
+def serving(model_path: Path, extra_args: Sequence[str] = ()) -> Iterator[Serve]:
+    """`kvmesh serve` for a module-scoped fixture (`yield from serving(...)`), killed at its end."""
+    serve = start_serve(model_path, extra_args=extra_args)
     try:
         yield serve
     finally:
         serve.kill()
+
+
+@pytest.fixture(scope="module")
+def serve(model_path: Path) -> Iterator[Serve]:
+    yield from serving(model_path)
 
 
 @pytest.fixture(scope="module")

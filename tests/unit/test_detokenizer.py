@@ -229,7 +229,7 @@ def test_eos_token_ids(tokenizer, tmp_path):
 def test_tokenizer_info(tokenizer):
     info = TokenizerInfo.from_tokenizer(tokenizer)
     assert info == TokenizerInfo(vocab_size=49152, bos_token_id=tokenizer.bos_token_id, eos_token_ids=(2,),
-                                 has_chat_template=True)
+                                 has_chat_template=True, max_token_chars=81)
 
 
 def test_load_tokenizer_refuses_what_is_not_local(tmp_path):

@@ -88,7 +88,8 @@ def test_same_tokenizer_info(tokenizer_folder: Path, references: list[PreTrained
     converted = resolve_model("smollm2", None)
     ours = TokenizerInfo.from_tokenizer(load_tokenizer(tokenizer_folder), tokenizer_folder)
     assert ours == TokenizerInfo.from_tokenizer(references[1], converted)
-    assert ours == TokenizerInfo(vocab_size=49152, bos_token_id=1, eos_token_ids=(2,), has_chat_template=True)
+    assert ours == TokenizerInfo(vocab_size=49152, bos_token_id=1, eos_token_ids=(2,), has_chat_template=True,
+                                 max_token_chars=81)
 
 
 def test_resolve_tokenizer_caches_and_keeps_hf_folders(tokenizer_folder: Path, gguf_path: Path,

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Mapping
 from typing import TypeVar
 
 from google.protobuf import json_format, struct_pb2
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from services.common.clients import (
     ChoiceDelta,
@@ -185,7 +186,7 @@ def engine_request_to_proto(r: EngineCoreRequest) -> engine_pb2.EngineRequest:
     return engine_pb2.EngineRequest(
         request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
         sampling_params=sampling_params_to_proto(r.sampling_params), eos_token_ids=r.eos_token_ids,
-        priority=r.priority, cache_salt=r.cache_salt,
+        priority=r.priority, cache_salt=r.cache_salt, group_id=r.group_id,
     )
 
 
@@ -198,6 +199,7 @@ def engine_request_from_proto(m: engine_pb2.EngineRequest) -> EngineCoreRequest:
         request_id=m.request_id, prompt_token_ids=list(m.prompt_token_ids),
         sampling_params=sampling_params_from_proto(m.sampling_params), eos_token_ids=tuple(m.eos_token_ids),
         priority=m.priority, cache_salt=m.cache_salt if m.HasField("cache_salt") else None,
+        group_id=m.group_id if m.HasField("group_id") else None,
     )
 
 
@@ -245,10 +247,35 @@ def engine_info_from_proto(m: engine_pb2.EngineInfo) -> EngineInfo:
 
 # ----------------------------------------------------------------------------- gateway <-> processor
 
-def _struct(value: dict) -> struct_pb2.Struct:
+# JSON nesting a Struct may carry: each JSON level is two protobuf levels (Struct -> Value), and
+# protobuf refuses to parse a message more than 100 levels deep, wrappers included.
+MAX_STRUCT_DEPTH = 32
+
+
+def _struct(value: Mapping[str, object], what: str) -> struct_pb2.Struct:
+    """`value` (JSON: a chat message, chat_template_kwargs) as a Struct; ValueError naming `what`
+    for what a Struct cannot carry: nesting deeper than MAX_STRUCT_DEPTH, a number beyond a double."""
+    if json_depth(value) > MAX_STRUCT_DEPTH:
+        raise ValueError(f"{what} is nested more than {MAX_STRUCT_DEPTH} levels deep")
     msg = struct_pb2.Struct()
-    msg.update(value)
+    try:
+        msg.update(value)
+    except OverflowError:
+        raise ValueError(f"{what} holds a number beyond the range of a double") from None
+    except (ValueError, TypeError, DecodeError):
+        raise ValueError(f"{what} holds a value that cannot be passed on") from None
     return msg
+
+
+def json_depth(value: object) -> int:
+    """How deeply `value` nests objects and arrays (a scalar 0, `{}` 1), without recursion."""
+    depth, level = 0, [value]
+    while True:
+        containers = [v for v in level if isinstance(v, (Mapping, list, tuple))]
+        if not containers:
+            return depth
+        depth += 1
+        level = [child for v in containers for child in (v.values() if isinstance(v, Mapping) else v)]
 
 
 def generate_request_to_proto(r: GenerateRequest) -> processor_pb2.GenerateRequest:
@@ -256,16 +283,16 @@ def generate_request_to_proto(r: GenerateRequest) -> processor_pb2.GenerateReque
         request_id=r.request_id, params=sampling_params_to_proto(r.params),
         add_generation_prompt=r.add_generation_prompt, continue_final_message=r.continue_final_message,
         add_special_tokens=r.add_special_tokens, priority=r.priority, cache_salt=r.cache_salt,
-        truncate_prompt_tokens=r.truncate_prompt_tokens, echo=r.echo,
+        truncate_prompt_tokens=r.truncate_prompt_tokens, echo=r.echo, group_id=r.group_id,
     )
     if r.prompt is not None:
         msg.text = r.prompt
     elif r.prompt_token_ids is not None:
         msg.token_ids.ids.extend(r.prompt_token_ids)
     elif r.messages is not None:
-        msg.chat.messages.extend(_struct(dict(m)) for m in r.messages)
+        msg.chat.messages.extend(_struct(m, f"messages[{i}]") for i, m in enumerate(r.messages))
     if r.chat_template_kwargs:
-        msg.chat_template_kwargs.update(r.chat_template_kwargs)
+        msg.chat_template_kwargs.CopyFrom(_struct(r.chat_template_kwargs, "chat_template_kwargs"))
     return msg
 
 
@@ -292,6 +319,7 @@ def generate_request_from_proto(m: processor_pb2.GenerateRequest) -> GenerateReq
         cache_salt=m.cache_salt if m.HasField("cache_salt") else None,
         truncate_prompt_tokens=m.truncate_prompt_tokens if m.HasField("truncate_prompt_tokens") else None,
         echo=m.echo,
+        group_id=m.group_id if m.HasField("group_id") else None,
     )
 
 
@@ -353,9 +381,9 @@ def tokenize_request_to_proto(r: TokenizeRequest) -> processor_pb2.TokenizeReque
     if r.prompt is not None:
         msg.text = r.prompt
     elif r.messages is not None:
-        msg.chat.messages.extend(_struct(dict(m)) for m in r.messages)
+        msg.chat.messages.extend(_struct(m, f"messages[{i}]") for i, m in enumerate(r.messages))
     if r.chat_template_kwargs:
-        msg.chat_template_kwargs.update(r.chat_template_kwargs)
+        msg.chat_template_kwargs.CopyFrom(_struct(r.chat_template_kwargs, "chat_template_kwargs"))
     return msg
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.rpc.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/engine.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xc2\x01\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\xa8\x02\n\x0c\x45ngineOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12.\n\x0cnew_logprobs\x18\x03 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x35\n\x13new_prompt_logprobs\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x1a\n\rfinish_reason\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\x42\r\n\x0bstop_reasonB\x10\n\x0e_finish_reason\"3\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0f\n\rAbortResponse\"\x11\n\x0fGetStatsRequest\"\xbc\x01\n\x0b\x45ngineStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x17\n\x0fnum_used_blocks\x18\x03 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x03\"\x16\n\x14GetEngineInfoRequest\"]\n\nEngineInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x32\x88\x02\n\x06\x45ngine\x12?\n\x08Generate\x12\x18.kvmesh.v1.EngineRequest\x1a\x17.kvmesh.v1.EngineOutput0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12>\n\x08GetStats\x12\x1a.kvmesh.v1.GetStatsRequest\x1a\x16.kvmesh.v1.EngineStats\x12\x41\n\x07GetInfo\x12\x1f.kvmesh.v1.GetEngineInfoRequest\x1a\x15.kvmesh.v1.EngineInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/engine.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xe6\x01\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x15\n\x08group_id\x18\x07 \x01(\tH\x01\x88\x01\x01\x42\r\n\x0b_cache_saltB\x0b\n\t_group_id\"\xa8\x02\n\x0c\x45ngineOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12.\n\x0cnew_logprobs\x18\x03 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x35\n\x13new_prompt_logprobs\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x1a\n\rfinish_reason\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\x42\r\n\x0bstop_reasonB\x10\n\x0e_finish_reason\"3\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0f\n\rAbortResponse\"\x11\n\x0fGetStatsRequest\"\xbc\x01\n\x0b\x45ngineStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x17\n\x0fnum_used_blocks\x18\x03 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x03\"\x16\n\x14GetEngineInfoRequest\"]\n\nEngineInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x32\x88\x02\n\x06\x45ngine\x12?\n\x08Generate\x12\x18.kvmesh.v1.EngineRequest\x1a\x17.kvmesh.v1.EngineOutput0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12>\n\x08GetStats\x12\x1a.kvmesh.v1.GetStatsRequest\x1a\x16.kvmesh.v1.EngineStats\x12\x41\n\x07GetInfo\x12\x1f.kvmesh.v1.GetEngineInfoRequest\x1a\x15.kvmesh.v1.EngineInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.engine_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENGINEREQUEST']._serialized_start=62
-  _globals['_ENGINEREQUEST']._serialized_end=256
-  _globals['_ENGINEOUTPUT']._serialized_start=259
-  _globals['_ENGINEOUTPUT']._serialized_end=555
-  _globals['_ABORTREQUEST']._serialized_start=557
-  _globals['_ABORTREQUEST']._serialized_end=608
-  _globals['_ABORTRESPONSE']._serialized_start=610
-  _globals['_ABORTRESPONSE']._serialized_end=625
-  _globals['_GETSTATSREQUEST']._serialized_start=627
-  _globals['_GETSTATSREQUEST']._serialized_end=644
-  _globals['_ENGINESTATS']._serialized_start=647
-  _globals['_ENGINESTATS']._serialized_end=835
-  _globals['_GETENGINEINFOREQUEST']._serialized_start=837
-  _globals['_GETENGINEINFOREQUEST']._serialized_end=859
-  _globals['_ENGINEINFO']._serialized_start=861
-  _globals['_ENGINEINFO']._serialized_end=954
-  _globals['_ENGINE']._serialized_start=957
-  _globals['_ENGINE']._serialized_end=1221
+  _globals['_ENGINEREQUEST']._serialized_end=292
+  _globals['_ENGINEOUTPUT']._serialized_start=295
+  _globals['_ENGINEOUTPUT']._serialized_end=591
+  _globals['_ABORTREQUEST']._serialized_start=593
+  _globals['_ABORTREQUEST']._serialized_end=644
+  _globals['_ABORTRESPONSE']._serialized_start=646
+  _globals['_ABORTRESPONSE']._serialized_end=661
+  _globals['_GETSTATSREQUEST']._serialized_start=663
+  _globals['_GETSTATSREQUEST']._serialized_end=680
+  _globals['_ENGINESTATS']._serialized_start=683
+  _globals['_ENGINESTATS']._serialized_end=871
+  _globals['_GETENGINEINFOREQUEST']._serialized_start=873
+  _globals['_GETENGINEINFOREQUEST']._serialized_end=895
+  _globals['_ENGINEINFO']._serialized_start=897
+  _globals['_ENGINEINFO']._serialized_end=990
+  _globals['_ENGINE']._serialized_start=993
+  _globals['_ENGINE']._serialized_end=1257
 # @@protoc_insertion_point(module_scope)

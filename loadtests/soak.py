@@ -1,0 +1,245 @@
+"""Soak: `kvmesh serve` under a mixed load for a while, counting every answer that is not what it
+should be and following each process's resident memory.
+
+    .venv/bin/python -m loadtests.soak --duration 600 [--clients 6] [--api http://127.0.0.1:8000/v1]
+
+Without --api it starts `python -m services.cli serve --print-addresses --kv-cache-memory 256MiB` on a
+free port (and stops it at the end). `--clients` loops run until the duration is over, each picking
+(seeded) one of:
+
+    chat          streamed chat, 8..48 tokens: 200, an SSE stream ending in [DONE] with a finish_reason
+    completion    a short or a ~1,000-token prompt, not streamed: 200 and `max_tokens` tokens
+    disconnect    a streamed chat dropped after its first chunks (the server must free it)
+    tokenize      /tokenize of a chat: 200
+    bad           one of BAD_REQUESTS: exactly the 4xx it names
+
+An answer with another status, a stream without [DONE], or an exception is *unexpected*. Every 15 s
+it reads VmRSS of each service's process; memory is "flat" when the last sample is within
+--rss-slack MB of the one taken after --warmup seconds. At the end it waits for the engine to be
+idle and reads its running / waiting requests and KV-cache usage from /metrics (nothing may be left
+behind). The summary is printed as Markdown (the table in docs/benchmarks.md) and, with --json, saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+
+SERVICES = ("gateway", "processor", "engine", "worker")
+MODEL = "smollm2"
+LONG_PROMPT = " ".join(f"Paragraph {i}: the river carried boats of grain and salt past the old mill." for i in range(60))
+
+
+def _nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {"leaf": 1}
+    for _ in range(depth):
+        value = {"x": value}
+    return value
+
+
+# (name, path, raw JSON body or a dict, the status it must get)
+BAD_REQUESTS: list[tuple[str, str, Any, int]] = [
+    ("nan temperature", "/chat/completions",
+     '{"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400),
+    ("deep chat_template_kwargs", "/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": _nested(60)}, 400),
+    ("prompt over the context", "/completions", {"model": MODEL, "prompt": "x" * 2_000_000, "max_tokens": 4}, 400),
+    ("unknown model", "/completions", {"model": "nope", "prompt": "hi"}, 404),
+    ("too many choices", "/completions", {"model": MODEL, "prompt": "hi", "n": 1000}, 400),
+    ("broken JSON", "/completions", '{"model": "smollm2", "prompt": ', 400),
+    ("logit_bias out of vocabulary", "/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 1}}, 400),
+    ("huge integer", "/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "hi", "extra": int("9" * 401)}]}, 400),
+]
+WEIGHTS = {"chat": 5, "completion": 3, "disconnect": 2, "tokenize": 1, "bad": 3}
+
+
+@dataclass
+class Tally:
+    counts: Counter = field(default_factory=Counter)
+    unexpected: list[str] = field(default_factory=list)
+
+    def bad(self, kind: str, what: str) -> None:
+        self.counts[f"{kind}: unexpected"] += 1
+        if len(self.unexpected) < 30:
+            self.unexpected.append(f"{kind}: {what}")
+
+
+async def chat(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+    body = {"model": MODEL, "stream": True, "max_tokens": rng.randint(8, 48), "temperature": rng.choice([0, 0.8]),
+            "messages": [{"role": "user", "content": f"Tell me about the number {rng.randint(0, 10**6)}."}]}
+    async with client.stream("POST", "/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            return tally.bad("chat", f"status {response.status_code}: {(await response.aread())[:200]!r}")
+        lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+    finishes = [json.loads(line[6:])["choices"][0].get("finish_reason") for line in lines[:-1]
+                if json.loads(line[6:]).get("choices")]
+    if not lines or lines[-1] != "data: [DONE]" or not any(finishes):
+        return tally.bad("chat", f"stream ended without [DONE] or a finish_reason: {lines[-2:]}")
+    tally.counts["chat"] += 1
+
+
+async def completion(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+    max_tokens = rng.randint(4, 32)
+    prompt = LONG_PROMPT if rng.random() < 0.3 else f"Count from {rng.randint(0, 100)}:"
+    response = await client.post("/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                                       "temperature": 0, "ignore_eos": True})
+    if response.status_code != 200 or response.json()["usage"]["completion_tokens"] != max_tokens:
+        return tally.bad("completion", f"status {response.status_code}: {response.text[:200]}")
+    tally.counts["completion"] += 1
+
+
+async def disconnect(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+    body = {"model": MODEL, "stream": True, "max_tokens": 200, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Write a long story."}]}
+    async with client.stream("POST", "/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            return tally.bad("disconnect", f"status {response.status_code}")
+        chunks = 0
+        async for _ in response.aiter_lines():
+            chunks += 1
+            if chunks >= rng.randint(2, 6):
+                break  # leaving the block closes the connection mid-stream
+    tally.counts["disconnect"] += 1
+
+
+async def tokenize(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+    response = await client.post(client.base_url.copy_with(path="/tokenize"), json={"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}]})
+    if response.status_code != 200 or not response.json().get("tokens"):
+        return tally.bad("tokenize", f"status {response.status_code}: {response.text[:200]}")
+    tally.counts["tokenize"] += 1
+
+
+async def bad(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+    name, path, body, status = rng.choice(BAD_REQUESTS)
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = await client.post(path, content=content, headers={"Content-Type": "application/json"})
+    if response.status_code != status or "error" not in response.json():
+        return tally.bad("bad", f"{name}: status {response.status_code} (expected {status}): {response.text[:200]}")
+    tally.counts[f"bad: {name}"] += 1
+
+
+SCENARIOS = {"chat": chat, "completion": completion, "disconnect": disconnect, "tokenize": tokenize, "bad": bad}
+
+
+async def client_loop(api: str, seed: int, deadline: float, tally: Tally) -> None:
+    rng = random.Random(seed)
+    names, weights = zip(*WEIGHTS.items())
+    async with httpx.AsyncClient(base_url=api, timeout=180) as client:
+        while time.monotonic() < deadline:
+            name = rng.choices(names, weights)[0]
+            try:
+                await SCENARIOS[name](client, rng, tally)
+            except Exception as exc:  # a failed connection or a timeout is what a soak must count
+                tally.bad(name, f"{type(exc).__name__}: {exc}")
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+async def sample_memory(pids: dict[str, int], every: float, samples: list[tuple[float, dict[str, float]]],
+                        start: float) -> None:
+    while True:
+        samples.append((time.monotonic() - start, {name: rss_mb(pid) for name, pid in pids.items()}))
+        await asyncio.sleep(every)
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+async def engine_left_over(api: str) -> dict[str, float]:
+    """Once idle (waits up to 60 s): requests still running or waiting, KV usage (must all be 0)."""
+    root = api.removesuffix("/v1")
+    async with httpx.AsyncClient(timeout=30) as client:
+        for _ in range(120):
+            text = (await client.get(f"{root}/metrics")).text
+            left = {name: metric(text, f"vllm:{name}") for name in
+                    ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
+            if not any(left.values()):
+                break
+            await asyncio.sleep(0.5)
+    return left
+
+
+async def soak(api: str, pids: dict[str, int], args: argparse.Namespace) -> dict[str, Any]:
+    tally, samples = Tally(), []
+    start = time.monotonic()
+    sampler = asyncio.create_task(sample_memory(pids, 15.0, samples, start))
+    await asyncio.gather(*(client_loop(api, args.seed + i, start + args.duration, tally) for i in range(args.clients)))
+    sampler.cancel()
+    samples.append((time.monotonic() - start, {name: rss_mb(pid) for name, pid in pids.items()}))
+    warm = next((s for t, s in samples if t >= args.warmup), samples[0][1])
+    last = samples[-1][1]
+    return {
+        "duration_s": round(time.monotonic() - start), "clients": args.clients,
+        "requests": sum(v for k, v in tally.counts.items() if "unexpected" not in k),
+        "counts": dict(sorted(tally.counts.items())), "unexpected": tally.unexpected,
+        "rss_mb": {name: {"after_warmup": round(warm[name], 1), "end": round(last[name], 1),
+                          "growth": round(last[name] - warm[name], 1), "peak": round(max(s[name] for _, s in samples), 1)}
+                   for name in pids},
+        "flat": all(last[name] - warm[name] <= args.rss_slack for name in pids),
+        "left_over": await engine_left_over(api),
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"{result['duration_s']} s, {result['clients']} clients, {result['requests']} answers as expected, "
+             f"{len(result['unexpected'])} unexpected; engine afterwards: {result['left_over']}", "",
+             "| process | RSS after warm-up (MB) | at the end | growth | peak |", "| --- | --- | --- | --- | --- |"]
+    for name, rss in result["rss_mb"].items():
+        lines.append(f"| {name} | {rss['after_warmup']} | {rss['end']} | {rss['growth']:+} | {rss['peak']} |")
+    lines += ["", "| outcome | count |", "| --- | --- |"]
+    lines += [f"| {name} | {count} |" for name, count in result["counts"].items()]
+    return "\n".join(lines + [f"unexpected: {u}" for u in result["unexpected"]])
+
+
+def start_serve(port: int) -> tuple[subprocess.Popen, dict[str, Any]]:
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--print-addresses", "--kv-cache-memory", "256MiB",
+           "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    ready = next(json.loads(line) for line in proc.stdout if line.startswith("{"))
+    return proc, ready
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
+    parser.add_argument("--clients", type=int, default=6, help="concurrent client loops")
+    parser.add_argument("--warmup", type=float, default=120.0, help="seconds before the memory baseline")
+    parser.add_argument("--rss-slack", type=float, default=30.0, help="MB a process may grow after warm-up")
+    parser.add_argument("--port", type=int, default=8321, help="port of the `kvmesh serve` this starts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="also write the result here")
+    args = parser.parse_args()
+    proc, ready = start_serve(args.port)
+    try:
+        pids = {name: ready["services"][name]["pid"] for name in SERVICES}
+        result = asyncio.run(soak(ready["api"], pids, args))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    print(markdown(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    sys.exit(0 if not result["unexpected"] and result["flat"] else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,7 @@ import threading
 from typing import TYPE_CHECKING
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.clients import WorkerInfo
 from services.common.errors import raising_errors
@@ -52,25 +53,38 @@ class InProcessWorkerClient:
         with self._lock:
             return self.worker.execute_model(scheduler_output)
 
+    def check_alive(self) -> None:
+        pass  # in this process: alive as long as we are
+
     def close(self) -> None:
         pass
 
 
 class GrpcWorkerClient:
-    """A worker server over gRPC, on a blocking channel. Every call has a deadline: `timeout` for
-    the set-up calls (which also wait for the worker to come up), `step_timeout` for each
-    ExecuteModel (a long prefill on a CPU takes seconds). A lost worker fails the call at once with
-    ConnectionError (no waiting for ready), so the engine notices within one step. Errors are those
-    of services/common/errors.py, as for every client."""
+    """A worker server over gRPC, on a blocking channel. The set-up calls have a deadline, `timeout`
+    (they also wait for the worker to come up). A step has none: a long prefill on a CPU may take
+    minutes, and slow is not dead. Instead, while a step is in flight, the worker's health service
+    is asked every `liveness_interval` seconds and must answer SERVING within `liveness_timeout`:
 
-    def __init__(self, address: str, timeout: float = 60.0, step_timeout: float = 60.0,
-                 metrics: GrpcMetrics | None = None) -> None:
+        ExecuteModel ──────────── (no deadline) ──────────────────────► reply
+             │ every liveness_interval: Health.Check (liveness_timeout) ─► SERVING? go on
+             └─ no answer (a stuck worker: SIGSTOP, a hung device) ──────► cancel, ConnectionError
+
+    A worker that is gone (connection refused or reset) fails the step at once, with
+    ConnectionError (no waiting for ready). The worker answers health from its event loop while a
+    large step runs on its step thread (services/worker/server.py), so a busy worker stays alive.
+    Errors are those of services/common/errors.py, as for every client."""
+
+    def __init__(self, address: str, timeout: float = 60.0, liveness_interval: float = 1.0,
+                 liveness_timeout: float = 5.0, metrics: GrpcMetrics | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self.step_timeout = step_timeout
+        self.liveness_interval = liveness_interval
+        self.liveness_timeout = liveness_timeout
         channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._channel = metrics.intercept_channel(channel) if metrics else channel
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def get_info(self) -> WorkerInfo:
         with raising_errors():
@@ -84,10 +98,29 @@ class GrpcWorkerClient:
         return reply.num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        call = self._stub.ExecuteModel.future(convert.scheduler_output_to_proto(scheduler_output))
         with raising_errors():
-            reply = self._stub.ExecuteModel(convert.scheduler_output_to_proto(scheduler_output),
-                                            timeout=self.step_timeout)
+            while True:
+                try:
+                    reply = call.result(timeout=self.liveness_interval)
+                    break
+                except grpc.FutureTimeoutError:
+                    pass
+                try:
+                    self.check_alive()
+                except ConnectionError:
+                    call.cancel()
+                    raise
         return convert.model_runner_output_from_proto(reply)
+
+    def check_alive(self) -> None:
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.liveness_timeout)
+        except grpc.RpcError as error:
+            raise ConnectionError(f"the worker at {self.address} failed its liveness check "
+                                  f"({error.code().name}, {self.liveness_timeout:g}s)") from None
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise ConnectionError(f"the worker at {self.address} is not serving")
 
     def close(self) -> None:
         self._channel.close()

@@ -358,24 +358,33 @@ def _serve(spec: ServeSpec, supervisor: Supervisor) -> int:
         services = {c.name: {"address": c.address, "pid": c.proc.pid, "metrics": metrics[c.name]}
                     for c in supervisor.children}
         print(json.dumps({"kvmesh": "ready", "api": f"{api}/v1", "services": services}), flush=True)
-    config = spec.serve
+    return supervise(supervisor, spec.serve)
+
+
+def supervise(supervisor: Supervisor, config: ServeConfig) -> int:
+    """Until a stop is requested (0): restart a dead engine+worker pair with back-off; give up (1)
+    when the budget is spent or when the processor or the gateway dies."""
     restarts = RestartBudget(config.restart_backoff, config.restart_backoff_max, config.max_restarts,
                              config.restart_window)
     while (died := supervisor.wait()) is not None:
-        code = died.proc.returncode
         if died.name not in PAIR:
-            print(f"kvmesh: the {died.name} exited with code {code}; stopping the others", file=sys.stderr)
+            print(f"kvmesh: the {died.name} exited with code {died.proc.returncode}; stopping the others",
+                  file=sys.stderr)
             return 1
-        delay = restarts.next_delay(time.monotonic())
-        if delay is None:
-            print(f"kvmesh: the {died.name} exited with code {code}, the engine+worker pair has been restarted "
-                  f"{config.max_restarts} times in {config.restart_window:.0f}s; giving up", file=sys.stderr)
+        why = f"the {died.name} exited with code {died.proc.returncode}"
+        # A pair that fails to come back counts as one more restart, with its back-off.
+        while (delay := restarts.next_delay(time.monotonic())) is not None:
+            print(f"kvmesh: {why}; restarting the worker and the engine in {delay:g}s", file=sys.stderr, flush=True)
+            if supervisor.restart(PAIR, delay, config.startup_timeout):
+                print("kvmesh: the worker and the engine are serving again", file=sys.stderr, flush=True)
+                break
+            if supervisor.stop_requested:
+                return 0
+            why = "the worker and the engine did not come back"
+        else:
+            print(f"kvmesh: {why}; the engine+worker pair was restarted {config.max_restarts} times in "
+                  f"{config.restart_window:.0f}s: giving up", file=sys.stderr)
             return 1
-        print(f"kvmesh: the {died.name} exited with code {code}; restarting the worker and the engine in "
-              f"{delay:g}s", file=sys.stderr, flush=True)
-        if not supervisor.restart(PAIR, delay, config.startup_timeout):
-            return 0 if supervisor.stop_requested else 1
-        print("kvmesh: the worker and the engine are serving again", file=sys.stderr, flush=True)
     return 0
 
 

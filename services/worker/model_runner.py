@@ -4,6 +4,7 @@ runs the model with paged attention, samples, and returns the new tokens."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -14,9 +15,14 @@ from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import NewRequestData, SchedulerOutput
 from services.worker.attention import AttentionBackend, AttentionMetadata
 from services.worker.forward_context import ForwardContext, set_forward_context
-from services.worker.input_batch import InputBatch
-from services.worker.sampler import Sampler, compute_prompt_logprobs
+from services.worker.input_batch import CachedRequestState, InputBatch
+from services.worker.sampler import Sampler, compute_prompt_logprobs, gather_logprobs
 from services.worker.sampling_metadata import SamplingMetadata
+
+
+class SampledTokens(NamedTuple):
+    token_ids: list[int]  # one per sampled row
+    logprobs: list[TokenLogprobs] | None  # aligned with token_ids when any row asked
 
 
 class ModelRunner:
@@ -123,6 +129,25 @@ class ModelRunner:
             return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs, failed=failed)
         logits = self.model.compute_logits(hidden[torch.from_numpy(ends[done] - 1)])  # [B, vocab]
         states = [batch.states[r] for r in sample_rows.tolist()]
+        try:
+            token_ids, logprobs = self._sample(logits, states)
+        except (ValueError, RuntimeError):  # torch's own errors are RuntimeErrors
+            # One row's parameters broke the batched sampler: sample row by row, fail the culprits.
+            sampled = self._sample_each(logits, states, failed)
+            sample_rows = sample_rows[[i for i, s in enumerate(states) if s.req_id not in failed]]
+            states = [s for s in states if s.req_id not in failed]
+            token_ids, logprobs = sampled.token_ids, sampled.logprobs
+        batch.append_sampled(sample_rows, token_ids)
+        return ModelRunnerOutput(
+            req_ids=[s.req_id for s in states],
+            sampled_token_ids=token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            failed=failed,
+        )
+
+    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SampledTokens:
+        """One batched sampler call over `logits` [len(states), vocab], row i being states[i]."""
         meta = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             output_token_ids=[s.output_token_ids for s in states],
@@ -133,18 +158,31 @@ class ModelRunner:
             device=logits.device,
         )
         sampled = self.sampler(logits, meta)
-        token_ids = sampled.sampled_token_ids.tolist()
-        batch.append_sampled(sample_rows, token_ids)
         logprobs = None
         if sampled.logprobs is not None:
             logprobs = sampled.logprobs.to_host([s.sampling_params.logprobs or 0 for s in states])
-        return ModelRunnerOutput(
-            req_ids=[s.req_id for s in states],
-            sampled_token_ids=token_ids,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            failed=failed,
-        )
+        return SampledTokens(sampled.sampled_token_ids.tolist(), logprobs)
+
+    def _sample_each(self, logits: torch.Tensor, states: list[CachedRequestState],
+                     failed: dict[str, str]) -> SampledTokens:
+        """The slow path after a failed batched call: each row alone; a row that fails again goes to
+        `failed`. (A seeded row may have drawn from its generator in the failed call: its tokens
+        stay valid samples, but no longer repeat a run without the culprit.)"""
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprobs] = []
+        for i, state in enumerate(states):
+            try:
+                one = self._sample(logits[i : i + 1], [state])
+            except (ValueError, RuntimeError) as exc:
+                failed[state.req_id] = f"request {state.req_id}: sampling failed ({type(exc).__name__})"
+                continue
+            token_ids += one.token_ids
+            # As the batched call: when any row asks for logprobs, every row has its sampled token's.
+            logprobs += one.logprobs or gather_logprobs(
+                logits[i : i + 1].log_softmax(dim=-1), torch.tensor(one.token_ids, device=logits.device), 0
+            ).to_host([0])
+        any_logprobs = any(s.sampling_params.logprobs is not None for s in states)
+        return SampledTokens(token_ids, logprobs if any_logprobs else None)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: np.ndarray, starts: np.ndarray,
                          computed: np.ndarray, q_lens: np.ndarray) -> dict[str, list[TokenLogprobs]]:

@@ -75,7 +75,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         failed = self._apply_diff(out)
-        num_scheduled_tokens = {r: n for r, n in out.num_scheduled_tokens.items() if r not in failed}
+        num_scheduled_tokens = out.num_scheduled_tokens
+        if failed:
+            num_scheduled_tokens = {r: n for r, n in num_scheduled_tokens.items() if r not in failed}
         if not num_scheduled_tokens:
             return ModelRunnerOutput([], [], failed=failed)
         batch = self.batch

@@ -5,8 +5,14 @@
 
 `kvmesh serve` starts worker, engine, processor and gateway as separate processes, the internal
 ones on free loopback ports, each after the one before it is healthy; prints where the API is;
-then supervises them. On Ctrl-C or SIGTERM, or when one of them dies, it stops them all, the
-gateway first so that requests in flight can finish, then the rest; SIGKILL after a grace. The
+then supervises them. An engine exits non-zero when its worker fails (gone, stuck, a failed step);
+when the engine or the worker exits, both are restarted, on the same ports (the processor
+reconnects to the same address), after a back-off (--restart-backoff, doubled per restart within
+--restart-window, at most --restart-backoff-max); after --max-restarts within the window it gives
+up. The processor and the gateway hold no state worth restarting for: one of them dying is a bug,
+and stops everything (exit 1). On Ctrl-C or SIGTERM, or on giving up, it stops them all, the
+gateway first so that requests in flight can finish (--grace), then the rest (--internal-grace);
+SIGKILL after a grace. The
 children get SIGTERM should this process die without stopping them (Linux's parent-death signal,
 which each child sets on itself first thing: a `preexec_fn` would make subprocess fork() instead of
 vfork(), and a fork() of this process, whose gRPC health checks leave gRPC's threads behind, can
@@ -70,9 +76,9 @@ commands:
   gateway     run the OpenAI-compatible HTTP gateway
 """
 LOOPBACK = "127.0.0.1"
-GATEWAY_GRACE = 5.0  # seconds the gateway gives requests in flight when stopping
-INTERNAL_GRACE = 2.0  # the same for the internal services, stopped once the gateway is gone
 KILL_AFTER = 1.5  # extra seconds past a grace before SIGKILL
+PAIR = ("worker", "engine")  # restarted together: an engine's worker state dies with it
+PARTNER_EXIT_WAIT = 3.0  # seconds the survivor of a pair gets to exit on its own (the engine, after its worker)
 PR_SET_PDEATHSIG = 1
 SERVICE_ENV_PREFIXES = tuple(f"KVMESH_{name.upper()}_" for name in SERVICES)
 
@@ -99,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # What `kvmesh serve` takes of each config: the model and the engine's knobs whole; of the worker's,
-# the attention backend (its batch cap is the engine's --max-num-seqs); the gateway's limits and keys.
+# the attention backend (its batch cap is the engine's --max-num-seqs); the gateway's limits and keys;
+# how the engine watches its worker.
 SERVE_FLAGS: list[tuple[type, dict[str, object]]] = [
     (ModelConfig, {}),
     (CacheConfig, {}),
@@ -107,6 +114,7 @@ SERVE_FLAGS: list[tuple[type, dict[str, object]]] = [
     (WorkerConfig, {"exclude": ["max_num_seqs"]}),
     (Limits, {}),
     (GatewayConfig, {"only": GATEWAY_SERVE_FIELDS}),
+    (EngineServiceConfig, {"only": ["worker_liveness_interval", "worker_liveness_timeout", "exit_grace"]}),
     (ServeConfig, {}),
 ]
 
@@ -124,6 +132,8 @@ class Child:
     name: str
     proc: subprocess.Popen
     address: str
+    argv: list[str]
+    ready: Callable[[], bool]
 
 
 SUPERVISOR_PID_ENV = "KVMESH_SUPERVISOR_PID"  # set by `kvmesh serve` for its children
@@ -143,8 +153,10 @@ def _follow_supervisor() -> None:
 class Supervisor:
     """The children of one `kvmesh serve`, started in order and stopped in reverse."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace: float = 5.0, internal_grace: float = 2.0) -> None:
         self.children: list[Child] = []
+        self.grace = grace  # the gateway's, for requests in flight
+        self.internal_grace = internal_grace  # the others', once the gateway is gone
         self.stop_requested = False
 
     def request_stop(self, signum: int, frame: object) -> None:
@@ -154,25 +166,58 @@ class Supervisor:
               timeout: float) -> bool:
         """Start `kvmesh <name> ...` and wait until `ready()`; False if it died, the wait timed out or
         a stop was requested meanwhile (then the caller stops everything)."""
+        child = Child(name, self._spawn(name, service_argv), address, service_argv, ready)
+        self.children.append(child)
+        return self._wait_ready(child, timeout)
+
+    def restart(self, names: Sequence[str], delay: float, timeout: float) -> bool:
+        """Stop the children named (the survivors get PARTNER_EXIT_WAIT to exit on their own first),
+        wait `delay`, start them again in their order with the same flags (same ports) and wait until
+        each is ready; False as start()."""
+        pair = [c for c in self.children if c.name in names]
+        deadline = time.monotonic() + PARTNER_EXIT_WAIT
+        while any(c.proc.poll() is None for c in pair) and time.monotonic() < deadline and not self.stop_requested:
+            time.sleep(0.1)
+        self._stop(pair, KILL_AFTER)
+        if not self._sleep(delay):
+            return False
+        for old in pair:
+            child = Child(old.name, self._spawn(old.name, old.argv), old.address, old.argv, old.ready)
+            self.children[self.children.index(old)] = child
+            if not self._wait_ready(child, timeout):
+                return False
+        return True
+
+    @staticmethod
+    def _spawn(name: str, service_argv: list[str]) -> subprocess.Popen:
         # A process group of its own: a Ctrl-C at the terminal reaches only us, and we stop the
         # children in order.
         # Every knob is in the argv: the service's own environment variables would only disagree.
         env = {k: v for k, v in os.environ.items() if not k.startswith(SERVICE_ENV_PREFIXES)}
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", name, *service_argv],
+        return subprocess.Popen([sys.executable, "-m", "services.cli", name, *service_argv],
                                 start_new_session=True, env={**env, SUPERVISOR_PID_ENV: str(os.getpid())})
-        self.children.append(Child(name, proc, address))
+
+    def _wait_ready(self, child: Child, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while not self.stop_requested:
-            if proc.poll() is not None:
-                print(f"kvmesh: the {name} exited with code {proc.returncode} while starting", file=sys.stderr)
+            if child.proc.poll() is not None:
+                print(f"kvmesh: the {child.name} exited with code {child.proc.returncode} while starting",
+                      file=sys.stderr)
                 return False
-            if ready():
+            if child.ready():
                 return True
             if time.monotonic() > deadline:
-                print(f"kvmesh: the {name} was not healthy after {timeout:.0f}s", file=sys.stderr)
+                print(f"kvmesh: the {child.name} was not healthy after {timeout:.0f}s", file=sys.stderr)
                 return False
             time.sleep(0.2)
         return False
+
+    def _sleep(self, seconds: float) -> bool:
+        """False if a stop was requested meanwhile."""
+        deadline = time.monotonic() + seconds
+        while not self.stop_requested and time.monotonic() < deadline:
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        return not self.stop_requested
 
     def wait(self) -> Child | None:
         """Until a stop is requested (None) or a child exits (that child)."""
@@ -187,8 +232,8 @@ class Supervisor:
         """The gateway first (it lets requests in flight finish), then the others together."""
         front = [c for c in self.children if c.name == "gateway"]
         back = [c for c in reversed(self.children) if c.name != "gateway"]
-        self._stop(front, GATEWAY_GRACE + KILL_AFTER)
-        self._stop(back, INTERNAL_GRACE + KILL_AFTER)
+        self._stop(front, self.grace + KILL_AFTER)
+        self._stop(back, self.internal_grace + KILL_AFTER)
 
     @staticmethod
     def _stop(children: list[Child], timeout: float) -> None:
@@ -219,11 +264,31 @@ class ServeSpec(NamedTuple):
     worker: WorkerConfig
     limits: Limits
     gateway: GatewayConfig
+    engine: EngineServiceConfig
     serve: ServeConfig
 
 
+class RestartBudget:
+    """When to restart a dead engine+worker pair: after backoff * 2^(restarts within the window),
+    at most backoff_max; never again (None) once max_restarts happened within the window. Restarts
+    older than the window are forgotten, so a pair that stayed up that long starts over at backoff."""
+
+    def __init__(self, backoff: float, backoff_max: float, max_restarts: int, window: float) -> None:
+        self.backoff, self.backoff_max = backoff, backoff_max
+        self.max_restarts, self.window = max_restarts, window
+        self.restarts: list[float] = []  # monotonic times, oldest first
+
+    def next_delay(self, now: float) -> float | None:
+        self.restarts = [t for t in self.restarts if now - t < self.window]
+        if len(self.restarts) >= self.max_restarts:
+            return None
+        delay = min(self.backoff * 2 ** len(self.restarts), self.backoff_max)
+        self.restarts.append(now)
+        return delay
+
+
 def serve(spec: ServeSpec) -> int:
-    supervisor = Supervisor()
+    supervisor = Supervisor(spec.serve.grace, spec.serve.internal_grace)
     previous = {sig: signal.signal(sig, supervisor.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     # The children's internal token, new each run: in a file only this user can read (never in an
     # argv, which `ps` shows to everyone), in a directory that lives as long as they may restart.
@@ -273,7 +338,7 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
     model = replace(spec.model, served_model_name=spec.model.name)  # one name for every service's metrics
 
     def serving(name: str) -> list[str]:
-        return to_argv(ServingConfig(LOOPBACK, layout.ports[name], INTERNAL_GRACE,
+        return to_argv(ServingConfig(LOOPBACK, layout.ports[name], spec.serve.internal_grace,
                                      metrics_port=layout.metrics_ports[name]))
 
     gateway = replace(spec.gateway, processor_address=layout.address("processor"),
@@ -281,12 +346,12 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
     argvs = {
         "worker": [*to_argv(model), *to_argv(spec.cache),
                    *to_argv(replace(spec.worker, max_num_seqs=spec.scheduler.max_num_seqs)), *serving("worker")],
-        "engine": [*to_argv(EngineServiceConfig(worker_address=layout.address("worker"))), *to_argv(spec.scheduler),
+        "engine": [*to_argv(replace(spec.engine, worker_address=layout.address("worker"))), *to_argv(spec.scheduler),
                    *to_argv(model, only=["served_model_name"]), *serving("engine")],
         "processor": [*to_argv(ProcessorServiceConfig(engine_address=layout.address("engine"))),
                       *to_argv(model, only=PROCESSOR_MODEL_FIELDS), *serving("processor")],
         "gateway": [*to_argv(gateway), *to_argv(model, only=["served_model_name"]), *to_argv(spec.limits),
-                    *to_argv(ServingConfig(spec.serve.host, spec.serve.port, GATEWAY_GRACE),
+                    *to_argv(ServingConfig(spec.serve.host, spec.serve.port, spec.serve.grace),
                              only=["host", "port", "grace"])],
     }
     return {name: [*argv, *to_argv(security)] for name, argv in argvs.items()}
@@ -313,10 +378,33 @@ def _serve(spec: ServeSpec, supervisor: Supervisor, security: SecurityConfig) ->
         services = {c.name: {"address": c.address, "pid": c.proc.pid, "metrics": metrics[c.name]}
                     for c in supervisor.children}
         print(json.dumps({"kvmesh": "ready", "api": f"{api}/v1", "services": services}), flush=True)
-    died = supervisor.wait()
-    if died is not None:
-        print(f"kvmesh: the {died.name} exited with code {died.proc.returncode}; stopping the others", file=sys.stderr)
-        return 1
+    return supervise(supervisor, spec.serve)
+
+
+def supervise(supervisor: Supervisor, config: ServeConfig) -> int:
+    """Until a stop is requested (0): restart a dead engine+worker pair with back-off; give up (1)
+    when the budget is spent or when the processor or the gateway dies."""
+    restarts = RestartBudget(config.restart_backoff, config.restart_backoff_max, config.max_restarts,
+                             config.restart_window)
+    while (died := supervisor.wait()) is not None:
+        if died.name not in PAIR:
+            print(f"kvmesh: the {died.name} exited with code {died.proc.returncode}; stopping the others",
+                  file=sys.stderr)
+            return 1
+        why = f"the {died.name} exited with code {died.proc.returncode}"
+        # A pair that fails to come back counts as one more restart, with its back-off.
+        while (delay := restarts.next_delay(time.monotonic())) is not None:
+            print(f"kvmesh: {why}; restarting the worker and the engine in {delay:g}s", file=sys.stderr, flush=True)
+            if supervisor.restart(PAIR, delay, config.startup_timeout):
+                print("kvmesh: the worker and the engine are serving again", file=sys.stderr, flush=True)
+                break
+            if supervisor.stop_requested:
+                return 0
+            why = "the worker and the engine did not come back"
+        else:
+            print(f"kvmesh: {why}; the engine+worker pair was restarted {config.max_restarts} times in "
+                  f"{config.restart_window:.0f}s: giving up", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -35,7 +35,11 @@ class WorkerClient(Protocol):
     def get_info(self) -> WorkerInfo: ...
     def initialize_cache(self, max_num_reqs: int) -> int:
         """Size the KV cache from the worker's memory budget, allocate it; returns num_blocks."""
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """No deadline: a slow step is not a failure. The gRPC client fails it (ConnectionError)
+        as soon as the worker is gone, or stops answering its liveness checks meanwhile."""
+    def check_alive(self) -> None:
+        """ConnectionError unless the worker answers (its health service) within its liveness timeout."""
     def close(self) -> None: ...
 
 

@@ -126,6 +126,10 @@ class SchedulerConfig:
               "Retry-After), never queued without bound", minimum=0)
     policy: str = option("fcfs", "the waiting queue's order", flag="--scheduling-policy", choices=POLICIES)
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompts' shared prefixes")
+    target_step_seconds: float = option(
+        0.5, "the step time the scheduler aims at: prefill chunks are cut to the tokens recent steps computed in "
+             "this long, so running streams get a token at least this often (0: always the full "
+             "--max-num-batched-tokens)", minimum=0.0)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -240,8 +244,17 @@ class EngineServiceConfig:
         None, "with --worker-service (default: this host's name with -engine- replaced by -worker-)")
     namespace: str | None = option(
         None, "the Service's namespace (default: this pod's, else $KVMESH_NAMESPACE, else default)")
-    worker_timeout: float = option(60.0, "deadline (s) of each worker call, and for the worker to come up",
-                                   minimum=0.0)
+    worker_timeout: float = option(60.0, "deadline (s) of the worker's set-up calls, and for it to come up "
+                                         "(a step has no deadline: see --worker-liveness-timeout)", minimum=0.0)
+    worker_liveness_interval: float = option(
+        1.0, "seconds between checks that the worker is alive (its health service), while a step runs and while "
+             "idle", minimum=0.01)
+    worker_liveness_timeout: float = option(
+        5.0, "seconds the worker may take to answer a liveness check; no answer is a stuck worker, fatal to the "
+             "engine (a slow step is never failed while the worker answers)", minimum=0.01)
+    exit_grace: float = option(
+        1.0, "seconds a dead engine (its worker failed) stays up NOT_SERVING, for open streams to get their "
+             "error, before it exits non-zero", minimum=0.0)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -344,6 +357,17 @@ class ServeConfig:
     port: int = option(8000, "port of the API", minimum=0, maximum=65535)
     startup_timeout: float = option(600.0, "seconds each service may take to become healthy", minimum=0.0)
     print_addresses: bool = option(False, "print one JSON line with every service's address and pid once ready")
+    grace: float = option(5.0, "seconds requests in flight get to finish at shutdown (the gateway's drain); those "
+                               "still running then end with an error", minimum=0.0)
+    internal_grace: float = option(2.0, "the same for processor, engine and worker, stopped once the gateway is "
+                                        "gone", minimum=0.0)
+    restart_backoff: float = option(1.0, "seconds before the first restart of a dead engine+worker pair; doubled "
+                                         "for each restart that follows within --restart-window", minimum=0.0)
+    restart_backoff_max: float = option(30.0, "the most seconds between restarts", minimum=0.0)
+    max_restarts: int = option(5, "restarts of the engine+worker pair within --restart-window before kvmesh serve "
+                                  "gives up and stops everything (exit 1)", minimum=0)
+    restart_window: float = option(300.0, "seconds over which restarts are counted; a pair healthy this long "
+                                          "starts again from --restart-backoff", minimum=1.0)
 
     def __post_init__(self) -> None:
         check_fields(self)

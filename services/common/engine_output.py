@@ -17,6 +17,9 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # stop, length, abort, error
     stop_reason: int | str | None = None  # the stop token id (None for EOS) or, later, the stop string
     num_cached_tokens: int = 0
+    # With finish_reason "error": why this request alone failed (its worker refused its data). The
+    # engine service raises it to the request's stream as ValueError; it never crosses the wire.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -22,3 +22,6 @@ class ModelRunnerOutput:
     logprobs: list[TokenLogprobs] | None = None  # aligned with req_ids when any request asked
     # Prompt logprobs of the chunk computed this step, per request that asked for them.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Requests this step could not compute for a fault of their own (parameters the worker refuses),
+    # with the reason; the worker has dropped them, the others' step went on.
+    failed: dict[str, str] = field(default_factory=dict)

@@ -14,10 +14,16 @@ stays free for the streams). Only the engine-loop thread changes the core's stat
 the event loop reads its counters (`stats()`), which the GIL keeps whole. New requests are admitted
 in arrival order at the start of a step, so `add_request`'s checks that depend on the queue (the
 waiting-queue limit) see every earlier request already queued; a refusal there reaches the caller
-as the exception its stream raises first. A failed step (the worker died, or answered an error) is
-fatal: every open stream raises EngineDeadError, the engine reports unhealthy and refuses new
-requests, and a supervisor restarts it (its worker's state is gone or suspect; recovering it is not
-a local decision).
+as the exception its stream raises first.
+
+Failures. A request the worker refuses for its own data (ModelRunnerOutput.failed) ends alone: its
+stream raises ValueError, the step goes on for the others. A failed step (the worker is gone, stuck
+— its client checks its liveness while a step runs, see services/worker/client.py — or answered an
+error) is fatal: every open stream raises EngineDeadError, the engine reports unhealthy and refuses
+new requests, and the engine service exits so that its supervisor (kvmesh serve, Kubernetes)
+restarts it with its worker (whose state is gone or suspect; recovering it is not a local
+decision). While idle, the loop checks its worker every `idle_check_interval` seconds, so a worker
+that died or hung between requests is noticed before the next request meets it.
 """
 
 from __future__ import annotations
@@ -47,8 +53,9 @@ Item = EngineCoreOutput | BaseException
 
 class AsyncEngine:
     def __init__(self, core: EngineCore, worker: WorkerClient, info: EngineInfo,
-                 metrics: EngineMetrics | None = None) -> None:
+                 metrics: EngineMetrics | None = None, idle_check_interval: float | None = None) -> None:
         self.core = core
+        self.idle_check_interval = idle_check_interval  # None: the idle loop never checks its worker
         self.metrics = metrics  # fed on the engine-loop thread only
         self.worker = worker
         self._info = info
@@ -65,13 +72,14 @@ class AsyncEngine:
 
     @classmethod
     async def create(cls, worker: WorkerClient, scheduler_config: SchedulerConfig,
-                     metrics: Callable[[EngineCore], EngineMetrics] | None = None) -> AsyncEngine:
+                     metrics: Callable[[EngineCore], EngineMetrics] | None = None,
+                     idle_check_interval: float | None = None) -> AsyncEngine:
         """Ask the worker for its model, block size and KV-cache size, build the core (and its
         metrics, which need the core's sizes), start the loop."""
         core = await asyncio.to_thread(EngineCore.create, worker, scheduler_config)
         info = EngineInfo(model_id=core.model_id, model_path=core.worker_info.model_path,
                           max_model_len=core.max_model_len, block_size=core.block_size)
-        engine = cls(core, worker, info, metrics(core) if metrics is not None else None)
+        engine = cls(core, worker, info, metrics(core) if metrics is not None else None, idle_check_interval)
         engine.start()
         return engine
 
@@ -154,7 +162,8 @@ class AsyncEngine:
                 if not self._has_pending_work():
                     if items:
                         self._send(items)
-                    self._wake.wait()
+                    if not self._wake.wait(self.idle_check_interval) and not self._stopping:
+                        self.worker.check_alive()
                     continue
                 items += self._step()
                 self._send(items)
@@ -205,9 +214,12 @@ class AsyncEngine:
         runner_output = self.worker.execute_model(scheduler_output)
         rpc_seconds = time.perf_counter() - rpc_start
         outputs = self.core.update_from_output(scheduler_output, runner_output)
+        step_seconds = time.perf_counter() - start
+        self.core.record_step_time(scheduler_output, step_seconds)
         if self.metrics is not None:
-            self.metrics.record_step(scheduler_output, outputs, time.perf_counter() - start, rpc_seconds)
-        return [(output.request_id, output) for output in outputs]
+            self.metrics.record_step(scheduler_output, outputs, step_seconds, rpc_seconds)
+        # A request that failed alone ends its stream with the reason, as a refusal at admission would.
+        return [(o.request_id, o if o.error is None else ValueError(o.error)) for o in outputs]
 
     def _send(self, items: list[tuple[str, Item]]) -> None:
         if items:

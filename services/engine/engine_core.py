@@ -12,6 +12,7 @@ from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
 from services.common.validation import check_engine_request
+from services.engine.chunk_policy import AdaptiveChunking
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.kv_events import KVEventQueue
 from services.engine.request import Request, RequestStatus
@@ -52,6 +53,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             policy=scheduler_config.policy,
             max_num_waiting=scheduler_config.max_num_waiting,
+            chunking=AdaptiveChunking(scheduler_config.max_num_batched_tokens, scheduler_config.target_step_seconds),
         )
 
     @classmethod
@@ -106,6 +108,12 @@ class EngineCore:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """How long a step took (schedule to outputs): the prefill chunks that follow are sized from
+        it (services/engine/chunk_policy.py). A service's engine calls this; the offline `step()`
+        does not, and always computes full chunks (throughput, not latency)."""
+        self.scheduler.chunking.record_step(scheduler_output.total_num_scheduled_tokens, seconds)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

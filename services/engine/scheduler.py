@@ -14,6 +14,7 @@ from services.common.engine_output import EngineCoreOutput
 from services.common.errors import EngineOverloadedError
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from services.engine.chunk_policy import AdaptiveChunking
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.request import Request, RequestStatus
 from services.engine.request_queue import make_request_queue
@@ -28,9 +29,12 @@ class Scheduler:
         max_model_len: int,
         policy: str = "fcfs",
         max_num_waiting: int | None = None,
+        chunking: AdaptiveChunking | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
+        # How many prompt tokens one request may compute per step (None: the whole budget).
+        self.chunking = chunking or AdaptiveChunking(max_num_batched_tokens, target_seconds=0.0)
         self.max_num_seqs = max_num_seqs
         # Counted over every request held (running or not), so that how many are admitted does not
         # depend on whether a step ran in between: exactly max_num_seqs + max_num_waiting.
@@ -88,6 +92,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        max_chunk = self.chunking.max_chunk()  # a decode's one token always fits
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: dict[str, CachedRequestData] = {}
@@ -98,7 +103,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, max_chunk)
             assert num_new > 0, f"running request with nothing to compute: {request}"
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
@@ -124,7 +129,7 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             hits, num_hit_tokens = self._prefix_hits(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            num_new = min(request.num_tokens - num_hit_tokens, budget, max_chunk)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit_tokens)
             if new_blocks is None:
                 break
@@ -204,6 +209,14 @@ class Scheduler:
                 self._free(request)
                 any_finished = True
             outputs.append(output)
+        for request_id, reason in runner_output.failed.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free(request)
+            any_finished = True
+            outputs.append(EngineCoreOutput(request_id, [], finish_reason=request.status.finish_reason, error=reason))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs

@@ -6,7 +6,9 @@
 
 config -> GrpcWorkerClient (blocking; the engine-loop thread calls it) -> AsyncEngine ->
 EngineServicer -> grpc.aio server (+ health, reflection) -> SIGTERM -> NOT_SERVING -> drain ->
-stop(grace) -> engine shutdown. Health follows the engine: NOT_SERVING as soon as its worker fails.
+stop(grace) -> engine shutdown. Health follows the engine: NOT_SERVING as soon as its worker fails
+(gone, stuck, or a failed step), and the process exits 1 after --exit-grace, so that its supervisor
+restarts it with its worker.
 The block size is the worker's (WorkerInfo). Flags come from services/common/config.py
 (EngineServiceConfig, SchedulerConfig, ServingConfig); each falls back to KVMESH_ENGINE_<FIELD>
 (KVMESH_ENGINE_PORT, KVMESH_ENGINE_WORKER_ADDRESS, ...).
@@ -76,28 +78,35 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return convert.engine_info_to_proto(await self.engine.info())
 
 
-async def follow_engine_health(engine: AsyncEngine, server: RpcServer) -> None:
-    """Turn the health service NOT_SERVING once the engine is unhealthy (it does not recover)."""
+async def follow_engine_health(engine: AsyncEngine, server: RpcServer, exit_grace: float = 1.0) -> None:
+    """Once the engine is dead (it does not recover): NOT_SERVING at once, `exit_grace` seconds for
+    open streams to carry their EngineDeadError out, then the server's termination (serve() returns
+    False: the process exits non-zero and its supervisor restarts it, with its worker)."""
     await engine.wait_until_unhealthy()
-    logger.error("engine unhealthy: health is NOT_SERVING")
+    logger.error("engine dead: health is NOT_SERVING; exiting in %gs", exit_grace)
     await server.set_serving(False)
+    await asyncio.sleep(exit_grace)
+    server.request_termination()
 
 
 async def serve(worker: GrpcWorkerClient, scheduler_config: SchedulerConfig, serving: ServingConfig,
                 metrics: ServiceMetrics, model_name: str | None = None,
-                security: RpcSecurity = RpcSecurity()) -> None:
-    """Serve until SIGTERM/SIGINT. The worker's client deadlines bound the wait for it to come up.
-    vLLM's metrics are labelled `model_name` (default: the worker's model id)."""
+                security: RpcSecurity = RpcSecurity(), exit_grace: float = 1.0) -> bool:
+    """Serve until SIGTERM/SIGINT (True) or until the engine dies (False). The worker's client
+    deadlines bound the wait for it to come up. vLLM's metrics are labelled `model_name` (default:
+    the worker's model id)."""
     engine = await AsyncEngine.create(worker, scheduler_config, lambda core: EngineMetrics.for_core(
-        metrics.registry, EngineLabels(model_name or core.model_id), core))
+        metrics.registry, EngineLabels(model_name or core.model_id), core), worker.liveness_interval)
     server = RpcServer(serving.host, serving.port, [SERVICE_NAME], [metrics.grpc.server_interceptor()], security)
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server.server)
     await server.start()
-    health = asyncio.create_task(follow_engine_health(engine, server))
+    health = asyncio.create_task(follow_engine_health(engine, server, exit_grace))
     await server.wait_for_termination_signal()
     health.cancel()
-    await server.shutdown(serving.grace, serving.drain)
+    healthy = await engine.is_healthy()
+    await server.shutdown(serving.grace if healthy else 0.0, serving.drain if healthy else 0.0)
     await engine.shutdown()
+    return healthy
 
 
 async def discover_worker(service: str, hostname: str, namespace: str | None) -> str:
@@ -166,16 +175,20 @@ def main(argv: list[str] | None = None) -> int:
         endpoint = MetricsEndpoint.start(metrics.registry, serving.host, serving.metrics_port)
         # No client interceptor on the step channel: it is the hottest call there is, timed by
         # kvmesh_engine_step_rpc_seconds, and the worker's server side counts its calls by code.
-        worker = GrpcWorkerClient(address, timeout=service.worker_timeout, step_timeout=service.worker_timeout,
-                                  security=security)
+        worker = GrpcWorkerClient(address, timeout=service.worker_timeout,
+                                  liveness_interval=service.worker_liveness_interval,
+                                  liveness_timeout=service.worker_liveness_timeout, security=security)
         try:
-            await serve(worker, scheduler_config, serving, metrics, model_config.served_model_name, security)
+            return await serve(worker, scheduler_config, serving, metrics, model_config.served_model_name,
+                               security, service.exit_grace)
         finally:
             if endpoint is not None:
                 endpoint.close()
             worker.close()
 
-    asyncio.run(run())
+    if not asyncio.run(run()):
+        logger.error("exiting: the engine's worker failed (restart the engine with its worker)")
+        return 1
     return 0
 
 

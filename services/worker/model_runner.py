@@ -3,17 +3,26 @@ runs the model with paged attention, samples, and returns the new tokens."""
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from torch import nn
 
 from services.common.model_runner_output import ModelRunnerOutput, TokenLogprobs
-from services.common.scheduler_output import SchedulerOutput
+from services.common.sampling_params import SamplingParams
+from services.common.scheduler_output import NewRequestData, SchedulerOutput
 from services.worker.attention import AttentionBackend, AttentionMetadata
 from services.worker.forward_context import ForwardContext, set_forward_context
-from services.worker.input_batch import InputBatch
-from services.worker.sampler import Sampler, compute_prompt_logprobs
+from services.worker.input_batch import CachedRequestState, InputBatch
+from services.worker.sampler import Sampler, compute_prompt_logprobs, gather_logprobs
 from services.worker.sampling_metadata import SamplingMetadata
+
+
+class SampledTokens(NamedTuple):
+    token_ids: list[int]  # one per sampled row
+    logprobs: list[TokenLogprobs] | None  # aligned with token_ids when any row asked
 
 
 class ModelRunner:
@@ -36,34 +45,47 @@ class ModelRunner:
         self.batch = InputBatch(max_num_reqs, max_model_len, block_size)
         self.sampler = Sampler()
 
-    def _apply_diff(self, out: SchedulerOutput) -> None:
+    def _apply_diff(self, out: SchedulerOutput) -> dict[str, str]:
+        """Returns the new requests refused (id -> why): they fail alone, the step goes on without them."""
+        failed: dict[str, str] = {}
         for req_id in out.finished_req_ids:
             self.batch.remove(req_id)
         for new in out.scheduled_new_reqs:
-            seed = new.sampling_params.seed
-            generator = None
-            if seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(seed)
-            self.batch.add(new, generator)
+            try:
+                self._add(new)
+            except (ValueError, RuntimeError) as exc:  # RuntimeError: torch refusing a seed
+                failed[new.req_id] = f"request {new.req_id}: {exc}"
         for cached in out.scheduled_cached_reqs:
             row = self.batch.row_of[cached.req_id]
             assert self.batch.num_computed_tokens[row] == cached.num_computed_tokens, (
                 f"{cached.req_id}: worker has {self.batch.num_computed_tokens[row]} computed tokens, "
                 f"engine says {cached.num_computed_tokens}")
             self.batch.append_blocks(row, cached.new_block_ids)
+        return failed
+
+    def _add(self, new: NewRequestData) -> None:
+        check_sampling_values(new.sampling_params)
+        seed = new.sampling_params.seed
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+        self.batch.add(new, generator)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        self._apply_diff(out)
-        if out.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [])
+        failed = self._apply_diff(out)
+        num_scheduled_tokens = out.num_scheduled_tokens
+        if failed:
+            num_scheduled_tokens = {r: n for r, n in num_scheduled_tokens.items() if r not in failed}
+        if not num_scheduled_tokens:
+            return ModelRunnerOutput([], [], failed=failed)
         batch = self.batch
         bs = self.block_size
 
         # Scheduled requests in row order; token j of request i is at flat index starts[i] + j.
-        rows = np.fromiter((batch.row_of[r] for r in out.num_scheduled_tokens), dtype=np.int64)
-        q_lens = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64)
+        rows = np.fromiter((batch.row_of[r] for r in num_scheduled_tokens), dtype=np.int64)
+        q_lens = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64)
         order = np.argsort(rows, kind="stable")
         rows, q_lens = rows[order], q_lens[order]
         ends = np.cumsum(q_lens)
@@ -106,9 +128,28 @@ class ModelRunner:
         done = seq_lens == batch.num_tokens[rows]
         sample_rows = rows[done]
         if not len(sample_rows):
-            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
+            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs, failed=failed)
         logits = self.model.compute_logits(hidden[torch.from_numpy(ends[done] - 1)])  # [B, vocab]
         states = [batch.states[r] for r in sample_rows.tolist()]
+        try:
+            token_ids, logprobs = self._sample(logits, states)
+        except (ValueError, RuntimeError):  # torch's own errors are RuntimeErrors
+            # One row's parameters broke the batched sampler: sample row by row, fail the culprits.
+            sampled = self._sample_each(logits, states, failed)
+            sample_rows = sample_rows[[i for i, s in enumerate(states) if s.req_id not in failed]]
+            states = [s for s in states if s.req_id not in failed]
+            token_ids, logprobs = sampled.token_ids, sampled.logprobs
+        batch.append_sampled(sample_rows, token_ids)
+        return ModelRunnerOutput(
+            req_ids=[s.req_id for s in states],
+            sampled_token_ids=token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            failed=failed,
+        )
+
+    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SampledTokens:
+        """One batched sampler call over `logits` [len(states), vocab], row i being states[i]."""
         meta = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             output_token_ids=[s.output_token_ids for s in states],
@@ -119,17 +160,31 @@ class ModelRunner:
             device=logits.device,
         )
         sampled = self.sampler(logits, meta)
-        token_ids = sampled.sampled_token_ids.tolist()
-        batch.append_sampled(sample_rows, token_ids)
         logprobs = None
         if sampled.logprobs is not None:
             logprobs = sampled.logprobs.to_host([s.sampling_params.logprobs or 0 for s in states])
-        return ModelRunnerOutput(
-            req_ids=[s.req_id for s in states],
-            sampled_token_ids=token_ids,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-        )
+        return SampledTokens(sampled.sampled_token_ids.tolist(), logprobs)
+
+    def _sample_each(self, logits: torch.Tensor, states: list[CachedRequestState],
+                     failed: dict[str, str]) -> SampledTokens:
+        """The slow path after a failed batched call: each row alone; a row that fails again goes to
+        `failed`. (A seeded row may have drawn from its generator in the failed call: its tokens
+        stay valid samples, but no longer repeat a run without the culprit.)"""
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprobs] = []
+        for i, state in enumerate(states):
+            try:
+                one = self._sample(logits[i : i + 1], [state])
+            except (ValueError, RuntimeError) as exc:
+                failed[state.req_id] = f"request {state.req_id}: sampling failed ({type(exc).__name__})"
+                continue
+            token_ids += one.token_ids
+            # As the batched call: when any row asks for logprobs, every row has its sampled token's.
+            logprobs += one.logprobs or gather_logprobs(
+                logits[i : i + 1].log_softmax(dim=-1), torch.tensor(one.token_ids, device=logits.device), 0
+            ).to_host([0])
+        any_logprobs = any(s.sampling_params.logprobs is not None for s in states)
+        return SampledTokens(token_ids, logprobs if any_logprobs else None)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: np.ndarray, starts: np.ndarray,
                          computed: np.ndarray, q_lens: np.ndarray) -> dict[str, list[TokenLogprobs]]:
@@ -150,3 +205,14 @@ class ModelRunner:
             result[state.req_id] = compute_prompt_logprobs(logits, targets, num).to_host([num] * (last - first))
         return result
 
+
+
+def check_sampling_values(params: SamplingParams) -> None:
+    """ValueError for a number the sampler cannot compute with: a NaN or infinite temperature,
+    top-p, min-p, penalty or bias turns a row's logits into NaN (garbage tokens, or a raising
+    sampler that would fail every request of the step). The engine checks its callers' requests
+    too; this is the worker's own guard, which fails that request alone."""
+    values = [params.temperature, params.top_p, params.min_p, params.presence_penalty, params.frequency_penalty,
+              params.repetition_penalty, *(params.logit_bias or {}).values()]
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError("sampling parameters must be finite numbers")

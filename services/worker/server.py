@@ -51,11 +51,12 @@ class WorkerClaimedError(EngineDeadError):
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Converts proto <-> core and calls the in-process worker client. Decode-sized steps (at most
-    INLINE_STEP_TOKENS tokens) run on the event loop itself: the hop to another thread and back
-    costs ~0.2 ms, a sixth of the whole step RPC on loopback, and such a step is short. Larger ones
-    (and cache set-up) run on one dedicated thread, so that health checks are still answered
-    during a long prefill. Steps never overlap either way: the engine sends one at a time.
+    """Converts proto <-> core and calls the in-process worker client. Decode steps (one token per
+    request, at most INLINE_STEP_TOKENS in all) run on the event loop itself: the hop to another
+    thread and back costs ~0.2 ms, a sixth of the whole step RPC on loopback, and such a step is
+    short. Steps with a prefill chunk (and cache set-up) run on one dedicated thread, so that
+    health checks — the engine's liveness checks during a step — are answered while a chunk is
+    computed, however long it takes. Steps never overlap either way: the engine sends one at a time.
 
     Ownership: a worker serves one engine. Each engine session (a random id its GrpcWorkerClient
     sends with every call, SESSION_METADATA_KEY) must claim the worker with InitializeCache; each
@@ -124,7 +125,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # A failed step is logged with its traceback (status_of); the engine gets INTERNAL.
         self._check_owner(session_of(context))
         scheduler_output = convert.scheduler_output_from_proto(request)
-        if scheduler_output.total_num_scheduled_tokens <= INLINE_STEP_TOKENS:
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        if num_tokens <= INLINE_STEP_TOKENS and num_tokens == len(scheduler_output.num_scheduled_tokens):
             runner_output = self._execute_model(scheduler_output)
         else:
             self._steps_in_flight += 1

@@ -139,7 +139,7 @@ def test_an_unexpected_error_is_internal_and_names_nothing_of_it():
 def worker_client(kind: str, core: FakeCore) -> AbstractAsyncContextManager[WorkerClient]:
     return implementation(kind, InProcessWorkerClient(core, max_num_reqs=8),
                           worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer,
-                          lambda address: GrpcWorkerClient(address, timeout=5, step_timeout=5))
+                          lambda address: GrpcWorkerClient(address, timeout=5, liveness_timeout=5))
 
 
 def one_step(req_id: str = "r") -> SchedulerOutput:
@@ -177,7 +177,7 @@ async def test_a_failed_worker_step_raises_and_over_grpc_names_nothing_of_it(kin
 
 
 async def test_an_unreachable_worker_is_connection_error_and_a_late_one_timeout():
-    worker = GrpcWorkerClient(unreachable(), timeout=0.5, step_timeout=0.5)
+    worker = GrpcWorkerClient(unreachable(), timeout=0.5, liveness_timeout=0.5)
     with pytest.raises(ConnectionError):
         await asyncio.to_thread(worker.execute_model, one_step())
     with pytest.raises(TimeoutError):  # set-up calls wait for the worker to come up, until their deadline

@@ -1,6 +1,6 @@
 """`kvmesh serve` as a user runs it, driven by the official `openai` client: the same greedy text as
 the in-process LLM, clients that go away free their KV blocks in the engine, SIGTERM during
-traffic stops every process within 15 s, and the death of one service stops the others."""
+traffic stops every process within 15 s, and the death of the processor stops the others."""
 
 from __future__ import annotations
 
@@ -267,10 +267,12 @@ def test_sigterm_during_traffic_stops_everything_within_15s(serve: Serve):
         assert result in ("length", "stop") or "shutting down" in str(result), (results, elapsed)
 
 
-def test_serve_stops_the_others_when_one_dies(model_path: Path):
+def test_serve_stops_the_others_when_the_processor_dies(model_path: Path):
+    """The processor and the gateway are not restarted (a dead engine+worker pair is:
+    tests/faults/test_supervision.py)."""
     serve = start_serve(model_path)
     try:
-        os.kill(serve.services["engine"]["pid"], signal.SIGKILL)
+        os.kill(serve.services["processor"]["pid"], signal.SIGKILL)
         code = serve.proc.wait(20)
         assert code != 0
         assert all(gone(pid) for pid in serve.child_pids), serve.log()

@@ -165,6 +165,7 @@ def model_runner_output_to_proto(out: ModelRunnerOutput) -> worker_pb2.ModelRunn
             req_id: common_pb2.TokenLogprobsList(items=[token_logprobs_to_proto(lp) for lp in lps])
             for req_id, lps in out.prompt_logprobs.items()
         },
+        failed=out.failed,
     )
 
 
@@ -175,6 +176,7 @@ def model_runner_output_from_proto(m: worker_pb2.ModelRunnerOutput) -> ModelRunn
         sampled_token_ids=list(m.sampled_token_ids),
         logprobs=_logprobs_list_from_proto(m.logprobs) or None,
         prompt_logprobs={req_id: _logprobs_list_from_proto(lps.items) for req_id, lps in m.prompt_logprobs.items()},
+        failed=dict(m.failed),
     )
 
 

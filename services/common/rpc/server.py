@@ -30,9 +30,15 @@ logger = logging.getLogger(__name__)
 # A step or a stream message can carry whole prompts and top-20 logprobs per prompt position;
 # gRPC's default 4 MiB receive limit is too tight for long contexts.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# A channel whose server went away retries the connection with an exponential back-off (gRPC's
+# default grows to 120 s); a restarted engine or worker is back at the same address within
+# seconds, and its clients should see it within a second or two, not minutes.
+MAX_RECONNECT_BACKOFF_MS = 2000
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
 ]
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -86,7 +86,7 @@ class SchedulerOutput(_message.Message):
     def __init__(self, scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., total_num_scheduled_tokens: _Optional[int] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., num_preempted: _Optional[int] = ...) -> None: ...
 
 class ModelRunnerOutput(_message.Message):
-    __slots__ = ("req_ids", "sampled_token_ids", "logprobs", "prompt_logprobs")
+    __slots__ = ("req_ids", "sampled_token_ids", "logprobs", "prompt_logprobs", "failed")
     class PromptLogprobsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -94,12 +94,21 @@ class ModelRunnerOutput(_message.Message):
         key: str
         value: _common_pb2.TokenLogprobsList
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.TokenLogprobsList, _Mapping]] = ...) -> None: ...
+    class FailedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     req_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     prompt_logprobs: _containers.MessageMap[str, _common_pb2.TokenLogprobsList]
-    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Mapping[str, _common_pb2.TokenLogprobsList]] = ...) -> None: ...
+    failed: _containers.ScalarMap[str, str]
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Mapping[str, _common_pb2.TokenLogprobsList]] = ..., failed: _Optional[_Mapping[str, str]] = ...) -> None: ...

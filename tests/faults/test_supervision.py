@@ -1,0 +1,236 @@
+"""The stack heals itself: a worker that dies (SIGKILL) or hangs (SIGSTOP) under `kvmesh serve` is
+noticed within seconds, the streams in flight end with an error saying the engine stopped, /health
+turns 503, the engine+worker pair is restarted with a back-off and /health is 200 again, and new
+requests succeed; after --max-restarts within the window `kvmesh serve` gives up and stops
+everything. A request whose own data the worker refuses fails alone. An engine run on its own exits
+non-zero once its worker is gone (Kubernetes restarts it), and never fails a step for being slow."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+from grpc_health.v1 import health_pb2
+
+from services.cli import RestartBudget
+from services.common.engine_output import EngineCoreRequest
+from services.common.sampling_params import SamplingParams
+from services.engine.client import GrpcEngineClient
+from tests.services.procs import PYTHON, free_port, grpc_health_status, start_service
+from tests.services.test_serve import Serve, gone, start_serve
+
+pytestmark = pytest.mark.slow
+
+ENDLESS = {"prompt": "Tell me a long story.", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0}
+# Fast enough for a test on a loaded 2-core machine; the defaults are 1 s / 5 s / 1 s.
+LIVENESS = ["--worker-liveness-interval", "0.5", "--worker-liveness-timeout", "3", "--exit-grace", "0.5"]
+RECOVERY_SECONDS = 120  # a fresh worker loads the model again; generous for a shared CPU
+
+
+def serve_child_pid(serve: Serve, name: str) -> int:
+    """The pid of `kvmesh serve`'s current `kvmesh <name>` (it changes with each restart)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == serve.proc.pid and cmdline[2:4] == [b"services.cli", name.encode()]:
+            return int(entry.name)
+    raise LookupError(f"no {name} under kvmesh serve:\n{serve.log()}")
+
+
+def stream_events_until(client: httpx.Client, fault: Callable[[], None], after: int = 3) -> tuple[list[str], float]:
+    """Stream ENDLESS; after `after` events cause `fault()`; returns the events and how long after
+    the fault the stream ended."""
+    with client.stream("POST", "/v1/completions", json={**ENDLESS, "stream": True}) as response:
+        assert response.status_code == 200
+        events, faulted = [], None
+        for line in response.iter_lines():
+            if line:
+                events.append(line)
+            if len(events) == after and faulted is None:
+                fault()
+                faulted = time.monotonic()
+    return events, time.monotonic() - faulted
+
+
+def assert_error_event_then_done(events: list[str]) -> dict:
+    assert events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["message"], events[-3:]
+    return error
+
+
+def wait_for_health(client: httpx.Client, status: int, timeout: float) -> float:
+    """Seconds until /health answers `status`."""
+    start = time.monotonic()
+    while (code := client.get("/health").status_code) != status:
+        assert time.monotonic() - start < timeout, f"/health still {code} after {timeout}s"
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def assert_serves_a_chat(client: httpx.Client) -> None:
+    response = client.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.fixture(scope="module")
+def serve(model_path: Path) -> Iterator[Serve]:
+    serve = start_serve(model_path, extra_args=[*LIVENESS, "--restart-backoff", "0.5"])
+    try:
+        yield serve
+    finally:
+        serve.kill()
+
+
+@pytest.fixture(scope="module")
+def client(serve: Serve) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=serve.api.removesuffix("/v1"), timeout=60) as client:
+        yield client
+
+
+def test_poisoned_request_fails_alone(serve: Serve, client: httpx.Client):
+    """A NaN temperature sent straight to Engine.Generate (the engine's own checks let it pass
+    today; the worker's refuse it): that request gets INVALID_ARGUMENT (ValueError), a stream
+    running beside it finishes, and the engine serves the next request."""
+    async def poison_beside_a_stream() -> tuple[str | None, BaseException | None]:
+        engine = GrpcEngineClient(serve.services["engine"]["address"], timeout=10)
+        try:
+            neighbour = EngineCoreRequest("neighbour", [1, 2, 3, 4], SamplingParams(max_tokens=24, ignore_eos=True,
+                                                                                      temperature=0))
+            poisoned = EngineCoreRequest("poisoned", [1, 2, 3], SamplingParams(temperature=math.nan, max_tokens=4))
+
+            async def run(request: EngineCoreRequest) -> str | None:
+                finish = None
+                async for output in engine.generate(request):
+                    finish = output.finish_reason or finish
+                return finish
+
+            neighbour_task = asyncio.create_task(run(neighbour))
+            await asyncio.sleep(0.3)  # the neighbour is running when the poison arrives
+            poison_result = (await asyncio.gather(run(poisoned), return_exceptions=True))[0]
+            return await neighbour_task, poison_result
+        finally:
+            await engine.close()
+
+    neighbour_finish, poison_result = asyncio.run(poison_beside_a_stream())
+    assert isinstance(poison_result, ValueError), poison_result
+    assert neighbour_finish == "length"
+    assert grpc_health_status(serve.services["engine"]["address"]) == health_pb2.HealthCheckResponse.SERVING
+    assert client.get("/health").status_code == 200
+    assert_serves_a_chat(client)
+
+
+def test_killed_worker_ends_streams_then_the_pair_is_restarted(serve: Serve, client: httpx.Client):
+    worker = serve_child_pid(serve, "worker")
+    events, ended_after = stream_events_until(client, lambda: os.kill(worker, signal.SIGKILL))
+    assert ended_after < 10, "a stream outlived its dead worker"
+    error = assert_error_event_then_done(events)
+    assert "engine" in error["message"], error
+    wait_for_health(client, 503, timeout=10)
+    wait_for_health(client, 200, timeout=RECOVERY_SECONDS)
+    assert serve_child_pid(serve, "worker") != worker
+    assert_serves_a_chat(client)
+    assert serve.proc.poll() is None
+    assert "restarting the worker and the engine" in serve.log()
+
+
+def test_stopped_worker_is_detected_within_seconds_and_restarted(serve: Serve, client: httpx.Client):
+    """SIGSTOP: the connection stays open, only the liveness check (3 s here) can tell."""
+    wait_for_health(client, 200, timeout=RECOVERY_SECONDS)
+    worker = serve_child_pid(serve, "worker")
+    try:
+        events, ended_after = stream_events_until(client, lambda: os.kill(worker, signal.SIGSTOP))
+        assert ended_after < 20, f"a stuck worker held a stream {ended_after:.0f}s"
+        assert_error_event_then_done(events)
+        wait_for_health(client, 503, timeout=10)
+        wait_for_health(client, 200, timeout=RECOVERY_SECONDS)
+        assert gone(worker), "the stopped worker was left behind"
+        assert_serves_a_chat(client)
+    finally:
+        if not gone(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def test_restart_back_off_doubles_is_capped_and_forgets_old_restarts():
+    budget = RestartBudget(backoff=1.0, backoff_max=5.0, max_restarts=4, window=100.0)
+    assert [budget.next_delay(t) for t in (0, 1, 2, 3)] == [1.0, 2.0, 4.0, 5.0]
+    assert budget.next_delay(4) is None  # a fifth within the window: give up
+    assert budget.next_delay(150) == 1.0  # the old ones are out of the window: back to the start
+
+
+def test_serve_gives_up_after_max_restarts(model_path: Path):
+    serve = start_serve(model_path, extra_args=[*LIVENESS, "--restart-backoff", "0.2", "--max-restarts", "1"])
+    try:
+        with httpx.Client(base_url=serve.api.removesuffix("/v1"), timeout=60) as client:
+            os.kill(serve_child_pid(serve, "worker"), signal.SIGKILL)
+            wait_for_health(client, 503, timeout=10)
+            wait_for_health(client, 200, timeout=RECOVERY_SECONDS)
+            pids = [serve_child_pid(serve, name) for name in ("worker", "engine", "processor", "gateway")]
+            os.kill(pids[0], signal.SIGKILL)
+            assert serve.proc.wait(30) == 1
+            assert "giving up" in serve.log()
+            assert all(gone(pid) for pid in pids), serve.log()
+    finally:
+        serve.kill()
+
+
+# ----------------------------------------------------------------------------- an engine on its own
+
+
+@pytest.fixture()
+def engine_and_worker(model_path: Path) -> Iterator[tuple]:
+    """Function-scoped: the test kills the worker. Liveness checked every 0.2 s with a 1 s timeout,
+    and no cut of prefill chunks, so that a 2,000-token step runs far longer than that."""
+    with ExitStack() as exits:
+        ports = [free_port(), free_port()]
+        worker = start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path),
+                                "--port", str(ports[0]), "--kv-cache-memory", str(128 * 2**20)], ports[0])
+        exits.callback(worker.kill)
+        engine = start_service([PYTHON, "-m", "services.cli", "engine", "--worker-address", worker.address,
+                                "--port", str(ports[1]), "--worker-liveness-interval", "0.2",
+                                "--worker-liveness-timeout", "1", "--exit-grace", "0.5",
+                                "--target-step-seconds", "0"], ports[1])
+        exits.callback(engine.kill)
+        yield worker, engine
+
+
+def test_engine_alone_survives_a_slow_step_and_exits_nonzero_when_its_worker_dies(engine_and_worker):
+    worker, engine = engine_and_worker
+
+    async def long_prefill() -> tuple[str | None, int]:
+        client = GrpcEngineClient(engine.address, timeout=10)
+        try:
+            finish, tokens = None, 0
+            prompt = [(i * 7919) % 40000 + 100 for i in range(2000)]  # one 2,000-token step: seconds on a CPU
+            async for output in client.generate(EngineCoreRequest("long", prompt, SamplingParams(max_tokens=2))):
+                finish, tokens = output.finish_reason or finish, tokens + len(output.new_token_ids)
+            return finish, tokens
+        finally:
+            await client.close()
+
+    assert asyncio.run(long_prefill()) == ("length", 2)
+    assert engine.proc.poll() is None
+    worker.kill()
+    # Idle, the engine checks its worker every 0.2 s: NOT_SERVING, then exit 1 after its 0.5 s grace.
+    deadline = time.monotonic() + 15
+    while engine.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine.proc.poll() == 1, engine.log()
+    assert "exiting" in engine.log()

@@ -1,11 +1,13 @@
 """The real worker and engine processes on loopback, driven by GrpcEngineClient: the same greedy
 tokens as the in-process LLM, cancellation that frees every block, a killed worker that fails
-streams and health at once, SIGTERM that stops both quickly."""
+streams and health at once, SIGTERM that stops both quickly.
+
+The tests that only talk to the engine use the session's shared stack (`serve`: its engine and
+worker); the two that stop or kill a process start a worker and an engine of their own."""
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -20,7 +22,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from services import LLM, SamplingParams
 from services.common.engine_output import EngineCoreRequest
 from services.engine.client import GrpcEngineClient
-from tests.services.procs import PYTHON, ServiceProcess, free_port, grpc_health_status, start_service
+from tests.services.procs import PYTHON, Serve, ServiceProcess, free_port, grpc_health_status, start_service
+
+pytestmark = pytest.mark.services
 
 KV_BYTES = 64 * 2**20
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time, in a small village by the sea,",
@@ -35,29 +39,18 @@ class Stack:
     engine: ServiceProcess
 
 
-def start_stack(model_path: Path, exits: ExitStack) -> Stack:
-    worker_port, engine_port = free_port(), free_port()
-    worker = start_service([PYTHON, "-m", "services.worker.server", "--model", str(model_path),
-                            "--port", str(worker_port), "--kv-cache-memory", str(KV_BYTES)], worker_port)
-    exits.callback(worker.kill)
-    engine = start_service([PYTHON, "-m", "services.engine.server", "--worker-address", worker.address,
-                            "--port", str(engine_port), "--max-num-batched-tokens", "64"], engine_port)
-    exits.callback(engine.kill)
-    return Stack(worker, engine)
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture
 def stack(model_path: Path) -> Iterator[Stack]:
+    """A worker and an engine of the test's own, to stop or kill."""
     with ExitStack() as exits:
-        yield start_stack(model_path, exits)
-
-
-@pytest.fixture(scope="module")
-def offline(model_path: Path) -> Iterator[LLM]:
-    llm = LLM(model=str(model_path), kv_cache_memory=KV_BYTES, max_num_batched_tokens=64)
-    yield llm
-    del llm
-    gc.collect()
+        worker_port, engine_port = free_port(), free_port()
+        worker = start_service([PYTHON, "-m", "services.worker.server", "--model", str(model_path),
+                                "--port", str(worker_port), "--kv-cache-memory", str(KV_BYTES)], worker_port)
+        exits.callback(worker.kill)
+        engine = start_service([PYTHON, "-m", "services.engine.server", "--worker-address", worker.address,
+                                "--port", str(engine_port), "--max-num-batched-tokens", "64"], engine_port)
+        exits.callback(engine.kill)
+        yield Stack(worker, engine)
 
 
 def engine_requests(llm: LLM, params: SamplingParams, prefix: str) -> list[EngineCoreRequest]:
@@ -78,11 +71,11 @@ async def idle(client: GrpcEngineClient) -> bool:
     return stats.num_running == stats.num_waiting == stats.num_used_blocks == 0
 
 
-def test_greedy_tokens_match_the_in_process_llm(stack: Stack, offline: LLM):
+def test_greedy_tokens_match_the_in_process_llm(serve: Serve, offline: LLM):
     expected = offline.generate(PROMPTS, GREEDY)
 
     async def main():
-        client = GrpcEngineClient(stack.engine.address, timeout=10)
+        client = GrpcEngineClient(serve.services["engine"]["address"], timeout=10)
 
         async def collect(request):
             outs = [o async for o in client.generate(request)]
@@ -102,11 +95,11 @@ def test_greedy_tokens_match_the_in_process_llm(stack: Stack, offline: LLM):
         offline.engine.model_id, offline.engine.max_model_len, 16)
 
 
-def test_cancelling_a_stream_aborts_the_request_and_frees_its_blocks(stack: Stack, offline: LLM):
+def test_cancelling_a_stream_aborts_the_request_and_frees_its_blocks(serve: Serve, offline: LLM):
     request = engine_requests(offline, ENDLESS, "cancel-")[2]
 
     async def main():
-        client = GrpcEngineClient(stack.engine.address, timeout=10)
+        client = GrpcEngineClient(serve.services["engine"]["address"], timeout=10)
         stream = client.generate(request)
         async with asyncio.timeout(60):
             got = [await anext(stream), await anext(stream)]
@@ -120,11 +113,11 @@ def test_cancelling_a_stream_aborts_the_request_and_frees_its_blocks(stack: Stac
     asyncio.run(main())
 
 
-def test_abort_rpc_ends_the_stream(stack: Stack, offline: LLM):
+def test_abort_rpc_ends_the_stream(serve: Serve, offline: LLM):
     request = engine_requests(offline, ENDLESS, "abort-")[0]
 
     async def main():
-        client = GrpcEngineClient(stack.engine.address, timeout=10)
+        client = GrpcEngineClient(serve.services["engine"]["address"], timeout=10)
         stream = client.generate(request)
         async with asyncio.timeout(60):
             await anext(stream)
@@ -137,11 +130,11 @@ def test_abort_rpc_ends_the_stream(stack: Stack, offline: LLM):
     asyncio.run(main())
 
 
-def test_invalid_request_is_invalid_argument(stack: Stack, offline: LLM):
+def test_invalid_request_is_invalid_argument(serve: Serve, offline: LLM):
     too_long = EngineCoreRequest("too-long", [1] * offline.engine.max_model_len, GREEDY)
 
     async def main():
-        client = GrpcEngineClient(stack.engine.address, timeout=10)
+        client = GrpcEngineClient(serve.services["engine"]["address"], timeout=10)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             async with asyncio.timeout(10):
                 [o async for o in client.generate(too_long)]
@@ -152,10 +145,11 @@ def test_invalid_request_is_invalid_argument(stack: Stack, offline: LLM):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in err.details()
 
 
-def test_health_and_reflection_name_the_services(stack: Stack):
-    for service, name in ((stack.worker, "kvmesh.v1.Worker"), (stack.engine, "kvmesh.v1.Engine")):
-        assert grpc_health_status(service.address, service=name) == health_pb2.HealthCheckResponse.SERVING
-        with grpc.insecure_channel(service.address) as channel:
+def test_health_and_reflection_name_the_services(serve: Serve):
+    for service, name in (("worker", "kvmesh.v1.Worker"), ("engine", "kvmesh.v1.Engine")):
+        address = serve.services[service]["address"]
+        assert grpc_health_status(address, service=name) == health_pb2.HealthCheckResponse.SERVING
+        with grpc.insecure_channel(address) as channel:
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
             replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
                                                 timeout=5)
@@ -164,49 +158,46 @@ def test_health_and_reflection_name_the_services(stack: Stack):
 
 
 def test_sigterm_stops_engine_then_worker_within_seconds(stack: Stack):
-    # Last in the module: it ends the shared stack.
     assert stack.engine.terminate(timeout=10) == 0, stack.engine.log()
     assert stack.worker.terminate(timeout=10) == 0, stack.worker.log()
 
 
-def test_killed_worker_fails_streams_health_and_new_requests_fast(model_path: Path, offline: LLM):
+def test_killed_worker_fails_streams_health_and_new_requests_fast(stack: Stack, offline: LLM):
     requests = engine_requests(offline, ENDLESS, "doomed-")[:2]
-    with ExitStack() as exits:
-        stack = start_stack(model_path, exits)
 
-        async def main():
-            client = GrpcEngineClient(stack.engine.address, timeout=5)
-            streams = [client.generate(r) for r in requests]
-            async with asyncio.timeout(60):
-                for s in streams:
-                    await anext(s)
-                    await anext(s)
-            stack.worker.kill()  # kill -9, mid-stream
-            errors = []
+    async def main():
+        client = GrpcEngineClient(stack.engine.address, timeout=5)
+        streams = [client.generate(r) for r in requests]
+        async with asyncio.timeout(60):
             for s in streams:
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    async with asyncio.timeout(10):
-                        async for _ in s:
-                            pass
-                errors.append(err.value)
-            await wait_for(lambda: _not(client.is_healthy()), timeout=5)
-            stats = await client.stats()
-            start = time.monotonic()
-            with pytest.raises(grpc.aio.AioRpcError) as late:
-                async with asyncio.timeout(5):
-                    await anext(client.generate(engine_requests(offline, GREEDY, "late-")[0]))
-            elapsed = time.monotonic() - start
-            await client.close()
-            return errors, stats, late.value, elapsed
+                await anext(s)
+                await anext(s)
+        stack.worker.kill()  # kill -9, mid-stream
+        errors = []
+        for s in streams:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async with asyncio.timeout(10):
+                    async for _ in s:
+                        pass
+            errors.append(err.value)
+        await wait_for(lambda: _not(client.is_healthy()), timeout=5)
+        stats = await client.stats()
+        start = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            async with asyncio.timeout(5):
+                await anext(client.generate(engine_requests(offline, GREEDY, "late-")[0]))
+        elapsed = time.monotonic() - start
+        await client.close()
+        return errors, stats, late.value, elapsed
 
-        errors, stats, late, elapsed = asyncio.run(main())
-        for err in errors:
-            assert err.code() == grpc.StatusCode.UNAVAILABLE, err
-            assert "engine step failed" in err.details() and "UNAVAILABLE" in err.details(), err.details()
-        assert (stats.num_running, stats.num_waiting, stats.num_used_blocks) == (0, 0, 0)
-        assert late.code() == grpc.StatusCode.UNAVAILABLE and elapsed < 1.0, (late, elapsed)
-        assert grpc_health_status(stack.engine.address) == health_pb2.HealthCheckResponse.NOT_SERVING
-        assert stack.engine.terminate(timeout=10) == 0, stack.engine.log()
+    errors, stats, late, elapsed = asyncio.run(main())
+    for err in errors:
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+        assert "engine step failed" in err.details() and "UNAVAILABLE" in err.details(), err.details()
+    assert (stats.num_running, stats.num_waiting, stats.num_used_blocks) == (0, 0, 0)
+    assert late.code() == grpc.StatusCode.UNAVAILABLE and elapsed < 1.0, (late, elapsed)
+    assert grpc_health_status(stack.engine.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert stack.engine.terminate(timeout=10) == 0, stack.engine.log()
 
 
 async def _not(awaitable) -> bool:

@@ -34,10 +34,10 @@ TEST_ENV := OMP_WAIT_POLICY=PASSIVE
 test: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q tests
 
-# Units and model truth (under 2 minutes on 2 cores): everything but the tests that start service
-# processes (marker `services`), the long end-to-end runs (`slow`) and the chart (tests/deploy).
+# Units and model truth: everything but the tests that start service processes (marker `services`)
+# and the long end-to-end runs (`slow`); see README.md, Tests.
 test-fast: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q -m "not services and not slow" tests/unit tests/model tests/kernels tests/services
+	$(TEST_ENV) $(PY) -m pytest -q -m "not services and not slow" tests
 
 bench: $(STAMP)
 	$(PY) loadtests/offline_throughput.py

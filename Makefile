@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvmesh-installed
 
-.PHONY: serve test setup clean-venv bench
+.PHONY: serve test test-fast setup clean-venv bench
 
 setup: $(STAMP)
 
@@ -26,8 +26,18 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/kvmesh serve --model smollm2 --host 127.0.0.1 --port 8000
 
+# OpenMP threads sleep when idle instead of spinning: torch's and the native kernels' runtimes each
+# keep a pool, and on a shared 2-core machine spinning pools made model tests 2-40x slower.
+TEST_ENV := OMP_WAIT_POLICY=PASSIVE
+
+# The whole suite (what .ci/run runs). The service tests share one `kvmesh serve` per session.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(TEST_ENV) $(PY) -m pytest -q tests
+
+# Units and model truth: everything but the tests that start service processes (marker `services`)
+# and the long end-to-end runs (`slow`); see README.md, Tests.
+test-fast: $(STAMP)
+	$(TEST_ENV) $(PY) -m pytest -q -m "not services and not slow" tests
 
 bench: $(STAMP)
 	$(PY) loadtests/offline_throughput.py

@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.services.test_serve import Serve, serving
+from tests.services.procs import Serve, serving
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ import pytest
 from services.common.clients import GenerateRequest
 from services.common.sampling_params import SamplingParams
 from services.processor.client import GrpcProcessorClient
-from tests.services.test_serve import Serve, serving
+from tests.services.procs import Serve, serving
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 
-from tests.services.test_serve import Serve, start_serve
+from tests.services.procs import Serve, start_serve
 
 pytestmark = pytest.mark.slow
 

@@ -11,11 +11,15 @@ import asyncio
 from pathlib import Path
 
 
+import pytest
+
 from services.common.config import EngineArgs
 from services.common.engine_output import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
 from services.inprocess import AsyncStack
 from services.worker.sampler import Sampler
+
+pytestmark = pytest.mark.services
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
 POISONED = SamplingParams(temperature=1.0, min_p=0.5, max_tokens=8)

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 
-from tests.services.test_serve import gone, start_serve
+from tests.services.procs import gone, start_serve
 
 pytestmark = pytest.mark.slow
 

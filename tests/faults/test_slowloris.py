@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services.test_serve import Serve, serving
+from tests.services.procs import Serve, serving
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ from services.common.engine_output import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
 from services.engine.client import GrpcEngineClient
 from tests.services.procs import PYTHON, free_port, grpc_health_status, start_service
-from tests.services.test_serve import Serve, gone, start_serve
+from tests.services.procs import Serve, gone, start_serve
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # every kernel compiled for sm_90 in a fresh process
 def test_kernels_compile_for_sm90() -> None:
     # A fresh process: in this one the kernels were built for the interpreter.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the GPU check end to end in a fresh process, every kernel under the interpreter
 def test_gpu_check_smoke_runs_every_section(tmp_path: Path) -> None:
     report = tmp_path / "gpu_check.md"
     result = subprocess.run([sys.executable, "scripts/gpu_check.py", "--smoke", "--out", str(report)], cwd=REPO,

@@ -10,11 +10,10 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from services import LLM, SamplingParams
 from services.processor.tokenizer import apply_chat_template
+from tests.model.hf_reference import HFReference
 from tests.model.prompts import CHAT_QUESTIONS, RAW_PROMPTS, long_text
 
 MAX_NEW_TOKENS = 8
@@ -50,23 +49,11 @@ def generate(model_path: Path, backend: str, prompts: list[list[int]] | None = N
         gc.collect()
 
 
-def hf_greedy(model_path: Path, prompts: list[list[int]], eos_token_ids: tuple[int, ...]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    tokens = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=list(eos_token_ids),
-                                 pad_token_id=eos_token_ids[0])
-            tokens.append(out[0, len(prompt):].tolist())
-    return tokens
-
-
-def test_triton_backend_matches_torch_backend_and_transformers(model_path: Path) -> None:
+def test_triton_backend_matches_torch_backend_and_transformers(model_path: Path, hf_reference: HFReference) -> None:
     prompts, triton_out, eos = generate(model_path, "triton")
     assert len(prompts[-1]) > ENGINE_ARGS["max_num_batched_tokens"], "the long prompt must be chunked"
     _, torch_out, _ = generate(model_path, "torch", prompts)
-    expected = hf_greedy(model_path, prompts, eos)
+    expected = [hf_reference(prompt, eos, MAX_NEW_TOKENS).token_ids for prompt in prompts]
     for i, (ours, theirs, want) in enumerate(zip(triton_out, torch_out, expected)):
         assert ours.token_ids == want, f"prompt {i}: triton {ours.token_ids} vs transformers {want}"
         assert theirs.token_ids == want, f"prompt {i}: torch {theirs.token_ids} vs transformers {want}"

@@ -10,15 +10,14 @@ stops there and the test reports how many such partings it saw."""
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from services import LLM, SamplingParams
 from services.processor.tokenizer import apply_chat_template
+from tests.model.hf_reference import HFReference, Reference
 from tests.model.prompts import conversations, long_text, raw_prompts
 
 MAX_NEW_TOKENS = 64
@@ -26,12 +25,6 @@ LOGPROB_TOL = 1e-3
 NEAR_TIE_GAP = 1e-3
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
 TEST_KV_BYTES = 256 * 2**20
-
-
-@dataclass
-class Reference:
-    token_ids: list[int]
-    logprobs: torch.Tensor  # [num_generated, vocab] log-softmax of the raw logits
 
 
 @pytest.fixture(scope="module")
@@ -52,33 +45,6 @@ def prompt_token_ids(llm: LLM) -> list[list[int]]:
     lengths = sorted(len(p) for p in prompts)
     assert lengths[0] <= 5 and lengths[-1] >= 1300, lengths
     return prompts
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_path: Path):
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    model.eval()
-    yield model
-    del model
-    gc.collect()
-
-
-_reference_cache: dict[tuple[int, ...], Reference] = {}
-
-
-def reference(hf_model, prompt: list[int], eos_token_ids: tuple[int, ...]) -> Reference:
-    key = tuple(prompt)
-    if key not in _reference_cache:
-        with torch.inference_mode():
-            out = hf_model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=list(eos_token_ids),
-                pad_token_id=eos_token_ids[0], output_logits=True, return_dict_in_generate=True,
-            )
-        generated = out.sequences[0, len(prompt):].tolist()
-        logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
-        _reference_cache[key] = Reference(generated, logprobs)
-    return _reference_cache[key]
 
 
 def compare(ours, ref: Reference) -> int:
@@ -102,9 +68,9 @@ def compare(ours, ref: Reference) -> int:
     return 0
 
 
-def check_all(llm: LLM, hf_model, prompts: list[list[int]], outputs, label: str) -> None:
+def check_all(llm: LLM, hf_reference: HFReference, prompts: list[list[int]], outputs, label: str) -> None:
     eos = llm.processor.info.eos_token_ids
-    partings = sum(compare(o.outputs[0], reference(hf_model, p, eos)) for p, o in zip(prompts, outputs))
+    partings = sum(compare(o.outputs[0], hf_reference(p, eos, MAX_NEW_TOKENS)) for p, o in zip(prompts, outputs))
     print(f"{label}: {len(prompts)} prompts, {partings} near-tie partings")
     assert partings <= 2, f"{partings} partings in {len(prompts)} prompts: more than float noise"
     assert_no_leaks(llm)
@@ -118,18 +84,20 @@ def assert_no_leaks(llm: LLM) -> None:
     assert llm.worker.runner.batch.num_reqs == 0
 
 
-def test_greedy_batch_matches_hf(llm, hf_model, prompt_token_ids):
+def test_greedy_batch_matches_hf(llm, hf_reference, prompt_token_ids):
     outputs = llm.generate(prompt_token_ids, GREEDY)
-    check_all(llm, hf_model, prompt_token_ids, outputs, "continuous batching")
+    check_all(llm, hf_reference, prompt_token_ids, outputs, "continuous batching")
 
 
-def test_chunked_prefill_matches_hf(model_path, hf_model, prompt_token_ids):
+@pytest.mark.slow  # the whole prompt set again under another engine config: `make test`, not test-fast
+def test_chunked_prefill_matches_hf(model_path, hf_reference, prompt_token_ids):
     llm = LLM(model=str(model_path), kv_cache_memory=TEST_KV_BYTES, max_num_batched_tokens=64)
     outputs = llm.generate(prompt_token_ids, GREEDY)
-    check_all(llm, hf_model, prompt_token_ids, outputs, "chunked prefill (64-token budget)")
+    check_all(llm, hf_reference, prompt_token_ids, outputs, "chunked prefill (64-token budget)")
 
 
-def test_preemption_matches_hf(model_path, hf_model, prompt_token_ids):
+@pytest.mark.slow  # the whole prompt set again under another engine config: `make test`, not test-fast
+def test_preemption_matches_hf(model_path, hf_reference, prompt_token_ids):
     # Room for the longest prompt and its output, far less than all prompts together.
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # layers, block size, kv heads, head size, fp32
     num_blocks = -(-(max(map(len, prompt_token_ids)) + MAX_NEW_TOKENS) // 16) + 8
@@ -138,10 +106,10 @@ def test_preemption_matches_hf(model_path, hf_model, prompt_token_ids):
     outputs = llm.generate(prompt_token_ids, GREEDY)
     assert llm.engine.stats().num_preemptions > 0, "the small KV cache should have forced preemption"
     print(f"preemptions: {llm.engine.stats().num_preemptions}")
-    check_all(llm, hf_model, prompt_token_ids, outputs, "preemption")
+    check_all(llm, hf_reference, prompt_token_ids, outputs, "preemption")
 
 
-def test_shared_prefix_hits_cache_and_matches_hf(llm, hf_model):
+def test_shared_prefix_hits_cache_and_matches_hf(llm, hf_reference):
     tokenizer = llm.get_tokenizer()
     prefix = tokenizer.encode(long_text(9))[:300]
     first = prefix + tokenizer.encode(" Question one: what is this about?")
@@ -149,7 +117,7 @@ def test_shared_prefix_hits_cache_and_matches_hf(llm, hf_model):
     out_first = llm.generate([first], GREEDY)[0]
     out_second = llm.generate([second], GREEDY)[0]
     assert out_second.num_cached_tokens >= 288, out_second.num_cached_tokens  # 18 full blocks of 16
-    check_all(llm, hf_model, [first, second], [out_first, out_second], "shared prefix")
+    check_all(llm, hf_reference, [first, second], [out_first, out_second], "shared prefix")
     # The same prompt twice: every full block but never the whole prompt.
     again = llm.generate([second], GREEDY)[0]
     assert again.num_cached_tokens == (len(second) - 1) // 16 * 16

@@ -8,11 +8,16 @@ never leave it behind.
 `health="grpc"` polls the standard grpc.health.v1 Check until SERVING; `health="http"` polls an
 HTTP GET (default `/health`) until 200. A process that exits while starting fails at once with
 the tail of its log.
+
+`start_serve` runs the whole `kvmesh serve` as a user does (`--print-addresses`), for the session's
+shared stack (tests/services/conftest.py) and for the tests that stop or kill one of their own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -27,10 +32,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import openai
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.clients import EngineStats
+from services.common.config import SecurityConfig
+from services.common.rpc.security import RpcSecurity
+from services.engine.client import GrpcEngineClient
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
+SERVE_KV_CACHE = "128MiB"
+SERVE_KV_BYTES = 128 * 2**20
+SHARED_MAX_MODEL_LEN = 256  # the context of the session's shared `kvmesh serve` (conftest.py)
 
 
 def free_port() -> int:
@@ -128,3 +142,114 @@ def running_service(cmd: Sequence[str], port: int, **kwargs) -> Iterator[Service
     finally:
         service.kill()
         service.log_path.unlink(missing_ok=True)
+
+
+@dataclass
+class Serve:
+    """A running `kvmesh serve`: its own process and what it printed about its children."""
+    proc: subprocess.Popen
+    api: str
+    services: dict[str, dict]  # name -> {"address": ..., "pid": ..., "metrics": ...}
+    stderr_path: Path
+
+    def log(self, tail: int = 6000) -> str:
+        return self.stderr_path.read_text(errors="replace")[-tail:]
+
+    @property
+    def port(self) -> int:
+        """The API's port."""
+        return int(self.api.rsplit(":", 1)[1].split("/")[0])
+
+    @property
+    def child_pids(self) -> list[int]:
+        return [s["pid"] for s in self.services.values()]
+
+    @property
+    def security(self) -> RpcSecurity:
+        """The internal token serve gave its children: the file its gateway's argv names (only the
+        same user may read it; the gateway, which is never restarted on its own)."""
+        argv = Path(f"/proc/{self.services['gateway']['pid']}/cmdline").read_bytes().split(b"\0")
+        path = Path(argv[argv.index(b"--internal-token-file") + 1].decode())
+        return RpcSecurity.load(SecurityConfig(internal_token_file=path))
+
+    def engine_stats(self) -> EngineStats:
+        async def stats() -> EngineStats:
+            client = GrpcEngineClient(self.services["engine"]["address"], timeout=5, security=self.security)
+            try:
+                return await client.stats()
+            finally:
+                await client.close()
+        return asyncio.run(stats())
+
+    def wait_until_engine_idle(self, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.engine_stats()
+            if stats.num_running == stats.num_waiting == stats.num_used_blocks == 0:
+                return
+            assert time.monotonic() < deadline, f"the engine still holds requests: {stats}"
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        """SIGKILL `kvmesh serve` and every child (each has a process group of its own)."""
+        for pid in [self.proc.pid, *self.child_pids]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def start_serve(model_path: Path, timeout: float = 600.0, extra_args: Sequence[str] = (),
+                env: Mapping[str, str] | None = None) -> Serve:
+    """`extra_args` go to `kvmesh serve`; `env` is added to the environment of every service."""
+    port = free_port()
+    # stdout to a file, not a pipe: children share it, and a pipe nobody reads blocks them.
+    stdout = tempfile.NamedTemporaryFile(prefix="kvmesh-serve-", suffix=".out", delete=False)
+    stderr = tempfile.NamedTemporaryFile(prefix="kvmesh-serve-", suffix=".err", delete=False)
+    proc = subprocess.Popen([PYTHON, "-m", "services.cli", "serve", "--model", str(model_path), "--port", str(port),
+                             "--kv-cache-memory", SERVE_KV_CACHE, "--print-addresses", *extra_args],
+                            cwd=REPO_ROOT, stdout=stdout, stderr=stderr, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + timeout
+    out_path = Path(stdout.name)
+    while True:
+        for line in out_path.read_text(errors="replace").splitlines():
+            if line.startswith('{"kvmesh"'):
+                ready = json.loads(line)
+                assert ready["api"] == f"http://127.0.0.1:{port}/v1"
+                return Serve(proc, ready["api"], ready["services"], Path(stderr.name))
+        if proc.poll() is not None or time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):  # it died by itself: say why below
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise RuntimeError(f"kvmesh serve did not come up (exit {proc.poll()}):\n"
+                               f"{Path(stderr.name).read_text(errors='replace')[-6000:]}")
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def running_serve(model_path: Path, **kwargs) -> Iterator[Serve]:
+    serve = start_serve(model_path, **kwargs)
+    try:
+        yield serve
+    finally:
+        serve.kill()
+
+
+def serving(model_path: Path, extra_args: Sequence[str] = ()) -> Iterator[Serve]:
+    """`kvmesh serve` for a module-scoped fixture (`yield from serving(...)`), killed at its end."""
+    with running_serve(model_path, extra_args=extra_args) as serve:
+        yield serve
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie (exited; only the reaping is left)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def client_for(serve: Serve, timeout: float = 120.0) -> tuple[openai.OpenAI, str]:
+    """The `openai` client on `serve` and the one model it serves."""
+    client = openai.OpenAI(base_url=serve.api, api_key="unused", timeout=timeout, max_retries=0)
+    return client, client.models.list().data[0].id

@@ -341,7 +341,7 @@ def wait_for_health(address: str, status: int, timeout: float = WAIT) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.slow
+@pytest.mark.services
 def test_processor_follows_its_engine_through_the_api(stack: Stack):
     tokens = generate(stack.processor.address, "discovered-0")
     assert len(tokens) == 4

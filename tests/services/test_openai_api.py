@@ -1,9 +1,9 @@
 """Every endpoint and parameter of the OpenAI API, driven by the official `openai` client against
 `kvmesh serve` (gateway, processor, engine and worker as real processes on loopback).
 
-One stack for the module: a 256-token context (so that "longer than the context" is cheap), one
-running sequence at a time under the priority policy (so that priorities decide the order in which
-queued requests run), and small max_tokens throughout.
+On the session's shared stack (`serve`, tests/services/conftest.py): a 256-token context (so that
+"longer than the context" is cheap), one running sequence at a time under the priority policy (so
+that priorities decide the order in which queued requests run); small max_tokens throughout.
 """
 
 from __future__ import annotations
@@ -11,33 +11,22 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx2 as httpx
 import openai
 import pytest
 
-from tests.services.test_serve import Serve, start_serve
+from tests.services.procs import SHARED_MAX_MODEL_LEN as MAX_MODEL_LEN
+from tests.services.procs import Serve
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.services
 
-MAX_MODEL_LEN = 256
 PROMPT = "The capital of France is"
 GREEDY = {"temperature": 0, "max_tokens": 8}
 CHAT = [{"role": "user", "content": "Name three colours."}]
 # A prompt of more than two 16-token blocks, so that a repeat of it hits the prefix cache.
 LONG_PROMPT = ("Rivers carry water from the mountains to the sea, shaping valleys, feeding fields and "
                "giving towns along their banks a reason to exist. Tell me about one.")
-
-
-@pytest.fixture(scope="module")
-def serve(model_path: Path) -> Iterator[Serve]:
-    serve = start_serve(model_path, extra_args=["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1",
-                                                "--scheduling-policy", "priority"])
-    try:
-        yield serve
-    finally:
-        serve.kill()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,11 @@ import socket
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.services.procs import PYTHON, REPO_ROOT, free_port, running_service
+
+pytestmark = pytest.mark.services
 
 PROCESSOR_CORE = """
 import json, sys

@@ -357,7 +357,7 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(tls_worker, certs: Pa
 
 def test_a_new_engine_takes_the_worker_over_once_the_old_one_is_silent(tls_worker):
     worker, security = tls_worker
-    old, new = (GrpcWorkerClient(worker.address, timeout=t, step_timeout=10, security=security) for t in (0.5, 20))
+    old, new = (GrpcWorkerClient(worker.address, timeout=t, security=security) for t in (0.5, 20))
     try:
         assert old.initialize_cache(4) > 0
         old.execute_model(empty_step())  # the owner steps; its lease runs

@@ -106,15 +106,18 @@ def client(serve: Serve) -> Iterator[httpx.Client]:
 
 
 def test_poisoned_request_fails_alone(serve: Serve, client: httpx.Client):
-    """A NaN temperature sent straight to Engine.Generate (the engine's own checks let it pass
-    today; the worker's refuse it): that request gets INVALID_ARGUMENT (ValueError), a stream
-    running beside it finishes, and the engine serves the next request."""
+    """A NaN temperature sent straight to Engine.Generate (past every client-side check): that
+    request gets INVALID_ARGUMENT (ValueError), a stream running beside it finishes, and the
+    engine serves the next request. (A request the engine's checks let through but the worker
+    cannot sample fails alone too: tests/faults/test_poisoned_sampling.py.)"""
     async def poison_beside_a_stream() -> tuple[str | None, BaseException | None]:
-        engine = GrpcEngineClient(serve.services["engine"]["address"], timeout=10)
+        engine = GrpcEngineClient(serve.services["engine"]["address"], timeout=10, security=serve.security)
         try:
             neighbour = EngineCoreRequest("neighbour", [1, 2, 3, 4], SamplingParams(max_tokens=24, ignore_eos=True,
                                                                                       temperature=0))
-            poisoned = EngineCoreRequest("poisoned", [1, 2, 3], SamplingParams(temperature=math.nan, max_tokens=4))
+            params = SamplingParams(max_tokens=4)
+            object.__setattr__(params, "temperature", math.nan)  # as a client that skips our checks sends it
+            poisoned = EngineCoreRequest("poisoned", [1, 2, 3], params)
 
             async def run(request: EngineCoreRequest) -> str | None:
                 finish = None

@@ -165,12 +165,15 @@ class Serve:
         return [s["pid"] for s in self.services.values()]
 
     @property
-    def security(self) -> RpcSecurity:
+    def token_file(self) -> Path:
         """The internal token serve gave its children: the file its gateway's argv names (only the
         same user may read it; the gateway, which is never restarted on its own)."""
         argv = Path(f"/proc/{self.services['gateway']['pid']}/cmdline").read_bytes().split(b"\0")
-        path = Path(argv[argv.index(b"--internal-token-file") + 1].decode())
-        return RpcSecurity.load(SecurityConfig(internal_token_file=path))
+        return Path(argv[argv.index(b"--internal-token-file") + 1].decode())
+
+    @property
+    def security(self) -> RpcSecurity:
+        return RpcSecurity.load(SecurityConfig(internal_token_file=self.token_file))
 
     def engine_stats(self) -> EngineStats:
         async def stats() -> EngineStats:

@@ -34,7 +34,8 @@ def gateway(serve: Serve) -> Iterator[ServiceProcess]:
     port = free_port()
     with running_service([PYTHON, "-m", "services.cli", "gateway", "--processor-address",
                           serve.services["processor"]["address"], "--served-model-name", "smollm2",
-                          "--api-key", API_KEY, "--no-access-log", *GATEWAY_LIMITS, "--port", str(port)],
+                          "--api-key", API_KEY, "--no-access-log", *GATEWAY_LIMITS, "--port", str(port),
+                          "--internal-token-file", str(serve.token_file)],
                          port, health="http") as gateway:
         yield gateway
 

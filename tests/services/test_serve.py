@@ -63,6 +63,8 @@ def test_openai_client_matches_the_offline_llm(serve: Serve, offline: LLM):
 def test_errors_reach_the_client_in_openai_shape(serve: Serve):
     client, model = client_for(serve)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=model, prompt="word " * 300, max_tokens=4)  # ~300 tokens, 256 fit
+    with pytest.raises(openai.BadRequestError, match="max-chars-per-token"):  # refused before tokenizing
         client.completions.create(model=model, prompt="word " * 10000, max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.chat.completions.create(model=model, messages=CHATS[0], top_p=7)

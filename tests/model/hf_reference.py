@@ -1,6 +1,13 @@
-"""Hugging Face transformers' greedy generate() as the model's truth, one prompt at a time, each
-prompt computed once per session (the `hf_reference` fixture in tests/conftest.py) and shared by
-every test that compares with it."""
+"""Hugging Face transformers as the model's truth, by teacher forcing: one forward pass of the
+reference model over prompt + the tokens our engine generated gives, at every output position, the
+reference's distribution for the next token given exactly our prefix.
+
+Our greedy tokens are what `generate(do_sample=False)` would produce iff each of them is the
+reference's argmax at its position (by induction over the positions: equal prefixes, equal next
+token). Where one is not, the sequences part there, and the test decides whether it is a float
+near-tie. One forward pass per sequence instead of one per generated token: the reference costs
+seconds, not the minute and more of 25 x 64 decode steps. Memoized per session (the `hf_reference`
+fixture in tests/conftest.py), so tests that generate the same tokens share it."""
 
 from __future__ import annotations
 
@@ -11,31 +18,26 @@ import torch
 
 @dataclass
 class Reference:
-    token_ids: list[int]
+    token_ids: list[int]  # the reference's argmax at each output position, given our prefix
     logprobs: torch.Tensor  # [num_generated, vocab] log-softmax of the raw logits
 
 
 class HFReference:
-    """Greedy generations of `hf_model`, memoized per (prompt, eos ids). A request for fewer new
-    tokens than a memoized generation is its prefix: greedy decoding does the same steps."""
-
     def __init__(self, hf_model: torch.nn.Module) -> None:
         self.hf_model = hf_model
-        self._generated: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, Reference]] = {}
+        self._scored: dict[tuple[tuple[int, ...], tuple[int, ...]], Reference] = {}
 
-    def __call__(self, prompt: list[int], eos_token_ids: tuple[int, ...], max_new_tokens: int) -> Reference:
-        key = (tuple(prompt), tuple(eos_token_ids))
-        if key not in self._generated or self._generated[key][0] < max_new_tokens:
-            self._generated[key] = (max_new_tokens, self._generate(prompt, eos_token_ids, max_new_tokens))
-        whole = self._generated[key][1]
-        return Reference(whole.token_ids[:max_new_tokens], whole.logprobs[:max_new_tokens])
+    def __call__(self, prompt: list[int], generated: list[int]) -> Reference:
+        key = (tuple(prompt), tuple(generated))
+        if key not in self._scored:
+            self._scored[key] = self._score(prompt, generated)
+        return self._scored[key]
 
-    def _generate(self, prompt: list[int], eos_token_ids: tuple[int, ...], max_new_tokens: int) -> Reference:
+    def _score(self, prompt: list[int], generated: list[int]) -> Reference:
+        assert prompt and generated, "a prompt and at least one generated token"
         with torch.inference_mode():
-            out = self.hf_model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(eos_token_ids),
-                pad_token_id=eos_token_ids[0], output_logits=True, return_dict_in_generate=True,
-            )
-        generated = out.sequences[0, len(prompt):].tolist()
-        return Reference(generated, torch.log_softmax(torch.cat(out.logits).float(), dim=-1))
+            logits = self.hf_model(torch.tensor([prompt + generated])).logits[0]
+        # The logits at position p predict token p + 1: the outputs are predicted from the last
+        # prompt position up to the one before the last output.
+        logprobs = torch.log_softmax(logits[len(prompt) - 1:len(prompt) + len(generated) - 1].float(), dim=-1)
+        return Reference(logprobs.argmax(dim=-1).tolist(), logprobs)

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
+
+from loadtests.serve_process import start_serve, stop_serve
 
 SERVICES = ("gateway", "processor", "engine", "worker")
 
@@ -46,19 +44,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--print-addresses", "--kv-cache-memory", "256MiB",
-           "--port", str(args.port)]
-    serve = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    serve, ready, _ = start_serve(["--kv-cache-memory", "256MiB", "--port", str(args.port)])
     try:
-        assert serve.stdout is not None
-        ready = next(json.loads(line) for line in serve.stdout if line.startswith("{"))
         send_requests(ready["api"])
         time.sleep(1.0)
         for name in SERVICES:
             print(f"{name}: {memory_of(ready['services'][name]['pid'])}")
     finally:
-        os.killpg(serve.pid, signal.SIGTERM)
-        serve.wait(60)
+        stop_serve(serve)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Soak: `kvmesh serve` under a mixed load for a while, counting every answer that is not what it
 should be and following each process's resident memory.
 
-    .venv/bin/python -m loadtests.soak --duration 600 [--clients 6] [--api http://127.0.0.1:8000/v1]
+    .venv/bin/python -m loadtests.soak --duration 600 [--clients 6] [--port 8321]
 
-Without --api it starts `python -m services.cli serve --print-addresses --kv-cache-memory 256MiB` on a
-free port (and stops it at the end). `--clients` loops run until the duration is over, each picking
+It starts `python -m services.cli serve --print-addresses --kv-cache-memory 256MiB --no-access-log` on
+--port (and stops it at the end). `--clients` loops run until the duration is over, each picking
 (seeded) one of:
 
     chat          streamed chat, 8..48 tokens: 200, an SSE stream ending in [DONE] with a finish_reason
@@ -25,10 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -37,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
+
+from loadtests.serve_process import start_serve, stop_serve
 
 SERVICES = ("gateway", "processor", "engine", "worker")
 MODEL = "smollm2"
@@ -209,15 +208,6 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines + [f"unexpected: {u}" for u in result["unexpected"]])
 
 
-def start_serve(port: int) -> tuple[subprocess.Popen, dict[str, Any]]:
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--print-addresses", "--kv-cache-memory", "256MiB",
-           "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    assert proc.stdout is not None
-    ready = next(json.loads(line) for line in proc.stdout if line.startswith("{"))
-    return proc, ready
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
@@ -228,13 +218,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
-    proc, ready = start_serve(args.port)
+    proc, ready, log = start_serve(["--kv-cache-memory", "256MiB", "--port", str(args.port), "--no-access-log"])
     try:
         pids = {name: ready["services"][name]["pid"] for name in SERVICES}
         result = asyncio.run(soak(ready["api"], pids, args))
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+        stop_serve(proc)
+    print(f"kvmesh serve's log: {log}")
     print(markdown(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -318,8 +318,8 @@ class GatewayConfig:
 
 
 # What `kvmesh serve` takes of GatewayConfig (the rest it sets itself, or leaves to a pod).
-GATEWAY_SERVE_FIELDS = ("api_key", "header_timeout", "body_timeout", "keep_alive_timeout", "max_connections",
-                        "max_header_bytes", "max_headers")
+GATEWAY_SERVE_FIELDS = ("api_key", "access_log", "log_level", "header_timeout", "body_timeout",
+                        "keep_alive_timeout", "max_connections", "max_header_bytes", "max_headers")
 
 
 @dataclass(frozen=True)

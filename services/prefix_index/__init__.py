@@ -1,0 +1,15 @@
+"""Which engine holds which cached KV block: one interface (`PrefixIndex`), an in-memory and a Redis
+implementation. Fed only from the engines' KV events; read by the router."""
+
+from services.prefix_index.index import EngineLoad, EngineState, PrefixIndex, StaleEpochError
+from services.prefix_index.memory import MemoryPrefixIndex
+from services.prefix_index.redis_index import RedisPrefixIndex
+
+__all__ = [
+    "EngineLoad",
+    "EngineState",
+    "MemoryPrefixIndex",
+    "PrefixIndex",
+    "RedisPrefixIndex",
+    "StaleEpochError",
+]

@@ -1,0 +1,255 @@
+"""The prefix index in Redis, shared by every processor and engine of a deployment.
+
+Schema (docs/prefix_index.md has the costs): with `ns` the namespace and `id` an engine id,
+
+    {ns}:b:<hash>      SET     "id:epoch" of each engine holding the block (<hash>: the 32 raw bytes)
+    {ns}:e:<id>:blocks SET     the block hashes the engine's current epoch holds (the reverse set)
+    {ns}:e:<id>:epoch  STRING  the engine's current epoch (no TTL: refuses a dead incarnation's updates)
+    {ns}:e:<id>:live   HASH    epoch + last load, with a TTL of heartbeat_ttl_s: the engine is alive
+    {ns}:engines       SET     every engine id that has any key above (what `sweep` walks)
+
+Every update is one Lua script (atomic); a lookup is one script too (one round trip) that walks the
+chain and stops at the first block no live engine still matching holds. The scripts name keys they
+build themselves, so this needs a single Redis (or a replica set), not Redis Cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from services.common.hashing import BlockHash
+from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from services.prefix_index.index import EngineLoad, EngineState, StaleEpochError, validate_engine
+
+# Shared by the scripts: `newer` compares decimal epochs as strings (Lua numbers are doubles and lose
+# nanosecond timestamps); `purge` drops everything engine `id` published, O(its blocks).
+_LUA_COMMON = """
+local function newer(a, b)
+  if #a ~= #b then return #a > #b end
+  return a > b
+end
+local function purge(ns, id, epoch)
+  local rkey = ns .. ':e:' .. id .. ':blocks'
+  local member = id .. ':' .. epoch
+  for _, h in ipairs(redis.call('SMEMBERS', rkey)) do
+    redis.call('SREM', ns .. ':b:' .. h, member)
+  end
+  redis.call('DEL', rkey)
+end
+local function forget(ns, id)
+  local epoch = redis.call('GET', ns .. ':e:' .. id .. ':epoch')
+  if epoch then purge(ns, id, epoch) end
+  redis.call('DEL', ns .. ':e:' .. id .. ':epoch', ns .. ':e:' .. id .. ':live', ns .. ':e:' .. id .. ':blocks')
+  redis.call('SREM', ns .. ':engines', id)
+end
+"""
+
+# ARGV: ns, id, epoch, ttl_ms, then ops: 'S' n h1..hn (stored), 'R' n h1..hn (removed), 'C' (all
+# cleared), 'L' running waiting free_blocks kv_usage (load).
+_APPLY = _LUA_COMMON + """
+local ns, id, epoch, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local ekey = ns .. ':e:' .. id .. ':epoch'
+local lkey = ns .. ':e:' .. id .. ':live'
+local rkey = ns .. ':e:' .. id .. ':blocks'
+local current = redis.call('GET', ekey)
+if current and newer(current, epoch) then
+  return redis.error_reply('STALE_EPOCH ' .. id .. ': epoch ' .. epoch .. ' is older than the current ' .. current)
+end
+if current and current ~= epoch then
+  purge(ns, id, current)
+  redis.call('DEL', lkey)
+end
+redis.call('SET', ekey, epoch)
+redis.call('SADD', ns .. ':engines', id)
+local member = id .. ':' .. epoch
+local i = 5
+while i <= #ARGV do
+  local op = ARGV[i]
+  if op == 'C' then
+    purge(ns, id, epoch)
+    i = i + 1
+  elseif op == 'L' then
+    redis.call('HSET', lkey, 'running', ARGV[i + 1], 'waiting', ARGV[i + 2],
+               'free_blocks', ARGV[i + 3], 'kv_usage', ARGV[i + 4])
+    i = i + 5
+  else
+    local n = tonumber(ARGV[i + 1])
+    for j = i + 2, i + 1 + n do
+      local h = ARGV[j]
+      if op == 'S' then
+        redis.call('SADD', ns .. ':b:' .. h, member)
+        redis.call('SADD', rkey, h)
+      elseif redis.call('SREM', rkey, h) == 1 then
+        redis.call('SREM', ns .. ':b:' .. h, member)
+      end
+    end
+    i = i + 2 + n
+  end
+end
+redis.call('HSET', lkey, 'epoch', epoch)
+redis.call('PEXPIRE', lkey, ttl)
+return 1
+"""
+
+# ARGV: ns, h1..hn. Returns {id1, len1, id2, len2, ...}.
+_LONGEST_PREFIX = """
+local ns = ARGV[1]
+local live = {}    -- id -> live epoch, or false when the engine's heartbeat expired
+local matched = {} -- member -> blocks matched so far
+local active = nil -- members that matched every block so far
+for i = 2, #ARGV do
+  local next_active = {}
+  local any = false
+  for _, m in ipairs(redis.call('SMEMBERS', ns .. ':b:' .. ARGV[i])) do
+    if active == nil or active[m] then
+      local id, epoch = string.match(m, '^(.*):(%d+)$')
+      if live[id] == nil then
+        live[id] = redis.call('HGET', ns .. ':e:' .. id .. ':live', 'epoch')
+      end
+      if live[id] == epoch then
+        next_active[m] = true
+        matched[m] = i - 1
+        any = true
+      end
+    end
+  end
+  if not any then break end
+  active = next_active
+end
+local out = {}
+for m, n in pairs(matched) do
+  out[#out + 1] = string.match(m, '^(.*):%d+$')
+  out[#out + 1] = n
+end
+return out
+"""
+
+# ARGV: ns, id.
+_CLEAR = _LUA_COMMON + """
+forget(ARGV[1], ARGV[2])
+return 1
+"""
+
+# ARGV: ns. Returns the ids it cleared.
+_SWEEP = _LUA_COMMON + """
+local ns = ARGV[1]
+local gone = {}
+for _, id in ipairs(redis.call('SMEMBERS', ns .. ':engines')) do
+  if redis.call('EXISTS', ns .. ':e:' .. id .. ':live') == 0 then
+    forget(ns, id)
+    gone[#gone + 1] = id
+  end
+end
+return gone
+"""
+
+
+class RedisPrefixIndex:
+    """Raises ConnectionError (the builtin) when Redis cannot be reached or answer within the client's
+    socket timeout; `connect` builds a client with short, bounded timeouts and no retries."""
+
+    def __init__(
+        self, client: aioredis.Redis, namespace: str = "kvmesh:pi", heartbeat_ttl_s: float = 10.0
+    ) -> None:
+        if heartbeat_ttl_s <= 0:
+            raise ValueError(f"heartbeat_ttl_s must be positive, got {heartbeat_ttl_s}")
+        if not namespace:
+            raise ValueError("namespace must not be empty")
+        self.namespace = namespace
+        self.heartbeat_ttl_ms = max(1, round(heartbeat_ttl_s * 1000))
+        self._client = client
+        self._apply = client.register_script(_APPLY)
+        self._longest_prefix = client.register_script(_LONGEST_PREFIX)
+        self._clear = client.register_script(_CLEAR)
+        self._sweep = client.register_script(_SWEEP)
+
+    @classmethod
+    def connect(
+        cls, url: str, timeout_s: float = 0.5, namespace: str = "kvmesh:pi", heartbeat_ttl_s: float = 10.0
+    ) -> RedisPrefixIndex:
+        """A client for `url` (redis://host:port/db) whose every call fails within about `timeout_s`."""
+        client = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=False,
+        )
+        return cls(client, namespace, heartbeat_ttl_s)
+
+    async def _run(self, script: AsyncScript, args: list[bytes | str | int]) -> list:
+        try:
+            return await script(keys=[], args=args)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            raise ConnectionError(f"prefix index: Redis unreachable: {e}") from e
+
+    async def _update(self, engine_id: str, epoch: int, ops: list[bytes | str | int]) -> None:
+        validate_engine(engine_id, epoch)
+        args = [self.namespace, engine_id, epoch, self.heartbeat_ttl_ms, *ops]
+        try:
+            await self._run(self._apply, args)
+        except ResponseError as e:
+            if "STALE_EPOCH" in str(e):
+                raise StaleEpochError(str(e).split("STALE_EPOCH ", 1)[-1]) from e
+            raise
+
+    async def apply(self, engine_id: str, epoch: int, events: Sequence[KVCacheEvent]) -> None:
+        ops: list[bytes | str | int] = []
+        for event in events:
+            if isinstance(event, (BlockStored, BlockRemoved)):
+                op = "S" if isinstance(event, BlockStored) else "R"
+                ops += [op, len(event.block_hashes), *event.block_hashes]
+            elif isinstance(event, AllBlocksCleared):
+                ops.append("C")
+            else:
+                raise TypeError(f"not a KV cache event: {event!r}")
+        await self._update(engine_id, epoch, ops)
+
+    async def heartbeat(self, engine_id: str, epoch: int, load: EngineLoad) -> None:
+        ops = ["L", load.num_running, load.num_waiting, load.num_free_blocks, repr(load.kv_cache_usage)]
+        await self._update(engine_id, epoch, ops)
+
+    async def longest_prefix(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+        if not block_hashes:
+            return {}
+        flat = await self._run(self._longest_prefix, [self.namespace, *block_hashes])
+        return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    async def engines(self) -> dict[str, EngineState]:
+        ns = self.namespace
+        try:
+            ids = sorted(m.decode() for m in await self._client.smembers(f"{ns}:engines"))
+            async with self._client.pipeline(transaction=False) as pipe:
+                for engine_id in ids:
+                    pipe.hgetall(f"{ns}:e:{engine_id}:live")
+                states = await pipe.execute()
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            raise ConnectionError(f"prefix index: Redis unreachable: {e}") from e
+        return {engine_id: _engine_state(state) for engine_id, state in zip(ids, states) if state}
+
+    async def clear(self, engine_id: str) -> None:
+        await self._run(self._clear, [self.namespace, engine_id])
+
+    async def sweep(self) -> list[str]:
+        return sorted(m.decode() for m in await self._run(self._sweep, [self.namespace]))
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _engine_state(state: dict[bytes, bytes]) -> EngineState:
+    epoch = int(state[b"epoch"])
+    if b"running" not in state:
+        return EngineState(epoch, None)
+    load = EngineLoad(
+        int(state[b"running"]), int(state[b"waiting"]), int(state[b"free_blocks"]), float(state[b"kv_usage"])
+    )
+    return EngineState(epoch, load)

@@ -48,7 +48,6 @@ from services.processor.async_processor import AsyncProcessor
 from services.processor.client import GrpcProcessorClient
 from services.processor.processor import Processor
 from services.processor.server import ProcessorServicer, follow_engine_health as follow_processor_health
-from services.processor.tokenizer import TokenizerInfo
 from services.worker.client import GrpcWorkerClient, InProcessWorkerClient
 from services.worker.server import WorkerServicer
 from tests.services.procs import free_port
@@ -276,8 +275,7 @@ async def test_an_unreachable_engine_is_connection_error():
 
 def processor_client(kind: str, engine: EngineClient, tokenizer,
                      model_path: Path) -> AbstractAsyncContextManager[ProcessorClient]:
-    processor = AsyncProcessor(Processor(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, model_path),
-                                         INFO.max_model_len), engine)
+    processor = AsyncProcessor(Processor.for_tokenizer(tokenizer, model_path, INFO.max_model_len), engine)
     return implementation(kind, processor, processor_pb2_grpc.add_ProcessorServicer_to_server, ProcessorServicer,
                           lambda address: GrpcProcessorClient(address, timeout=5, stream_timeout=30),
                           lambda core, server: follow_processor_health(core, server, 0.01))

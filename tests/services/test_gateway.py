@@ -21,7 +21,6 @@ from services.gateway.app import create_app, end_requests
 from services.gateway.errors import api_error_of
 from services.processor.async_processor import AsyncProcessor
 from services.processor.processor import Processor
-from services.processor.tokenizer import TokenizerInfo
 
 pytestmark = pytest.mark.anyio
 
@@ -100,7 +99,7 @@ def engine(tokenizer) -> ScriptedEngine:
 
 @pytest.fixture
 def app(tokenizer, model_path: Path, engine: ScriptedEngine):
-    processor = Processor(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, model_path), MAX_MODEL_LEN)
+    processor = Processor.for_tokenizer(tokenizer, model_path, MAX_MODEL_LEN)
     return create_app(AsyncProcessor(processor, engine), MODEL)
 
 

@@ -23,7 +23,7 @@ from services.gateway.app import create_app
 from services.gateway.auth import PUBLIC_PATHS, APIKeyMiddleware, api_keys_from
 from services.processor.async_processor import AsyncProcessor
 from services.processor.processor import Processor
-from services.processor.tokenizer import TokenizerInfo, load_tokenizer
+from services.processor.tokenizer import load_tokenizer
 from tests.services.procs import free_port
 from tests.services.test_gateway import MAX_MODEL_LEN, MODEL, ScriptedEngine
 
@@ -68,7 +68,7 @@ def assert_401(reply: Reply, what: str) -> None:
 @pytest.fixture(scope="module")
 def app(model_path: Path):
     tokenizer = load_tokenizer(model_path)
-    processor = Processor(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, model_path), MAX_MODEL_LEN)
+    processor = Processor.for_tokenizer(tokenizer, model_path, MAX_MODEL_LEN)
     return create_app(AsyncProcessor(processor, ScriptedEngine(tokenizer, tokenizer.eos_token_id)), MODEL,
                       api_keys=KEYS)
 

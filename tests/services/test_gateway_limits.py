@@ -19,7 +19,6 @@ from services.common.config import Limits
 from services.common.flags import to_argv
 from services.processor.async_processor import AsyncProcessor
 from services.processor.processor import Processor
-from services.processor.tokenizer import TokenizerInfo
 from tests.services.test_gateway import MAX_MODEL_LEN, MODEL, ScriptedEngine, assert_openai_error
 
 pytestmark = pytest.mark.anyio
@@ -45,7 +44,7 @@ def engine(tokenizer) -> ScriptedEngine:
 
 
 def make_app(tokenizer, model_path: Path, engine: ScriptedEngine, limits: Limits = LIMITS):
-    processor = Processor(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, model_path), MAX_MODEL_LEN)
+    processor = Processor.for_tokenizer(tokenizer, model_path, MAX_MODEL_LEN)
     return create_app(AsyncProcessor(processor, engine), MODEL, limits=limits)
 
 

@@ -62,6 +62,21 @@ class EngineInfo:
     model_path: str
     max_model_len: int
     block_size: int
+    # This engine in the prefix index: the address processors reach it at, and its epoch (grows with
+    # every start). "" / 0 for an engine that is not part of a fleet (in-process, offline).
+    engine_id: str = ""
+    epoch: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """An engine's answer to "how much of this hash chain do you hold?", with its load then."""
+
+    num_matched_blocks: int  # leading blocks of the chain held in its prefix cache
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    kv_cache_usage: float  # 0..1
 
 
 class EngineClient(Protocol):
@@ -74,6 +89,9 @@ class EngineClient(Protocol):
         string ended them (only the processor sees those), else "abort"."""
     async def stats(self) -> EngineStats: ...
     async def is_healthy(self) -> bool: ...
+    async def match_prefix(self, block_hashes: Sequence[bytes]) -> PrefixMatch:
+        """How many leading blocks of `block_hashes` (services/common/hashing.py) the engine's
+        prefix cache holds now, and its load. ValueError for a malformed chain."""
 
 
 # ----------------------------------------------------------------------------- gateway <- processor
@@ -97,6 +115,7 @@ class GenerateRequest:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     echo: bool = False  # the first delta carries the prompt's text
     group_id: str | None = None  # the client request this is part of (a completion's prompts); None: request_id
+    session_id: str | None = None  # routing affinity (the `session` policy): same key, same engine
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ from services.common.sampling_params import MAX_LOGPROBS
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 POLICIES = ("fcfs", "priority")
+ROUTING_POLICIES = ("round-robin", "least-load", "kv-aware", "session")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -255,6 +256,9 @@ class EngineServiceConfig:
     exit_grace: float = option(
         1.0, "seconds a dead engine (its worker failed) stays up NOT_SERVING, for open streams to get their "
              "error, before it exits non-zero", minimum=0.0)
+    advertise_address: str | None = option(
+        None, "host:port processors reach this engine at: its id in the prefix index (default: --host:--port; "
+              "in Kubernetes the pod's IP and port)")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -262,6 +266,51 @@ class EngineServiceConfig:
             raise ValueError("--worker-hostname needs --worker-service")
         if self.worker_service is not None and self.worker_address is not None:
             raise ValueError("--worker-address and --worker-service exclude each other")
+
+
+def redis_url(text: str) -> str:
+    if not text.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"not a Redis URL: {text!r} (example: redis://127.0.0.1:6379/0)")
+    return text
+
+
+@dataclass(frozen=True)
+class PrefixIndexConfig:
+    """The shared prefix-cache index (services/prefix_index/), as engines (which publish to it) and
+    processors (which read it) both take it."""
+
+    prefix_index: str | None = option(
+        None, "Redis URL of the shared prefix-cache index (redis://host:port/db); default: none, and the "
+              "processor asks the engines what they hold (Engine.MatchPrefix)", parse=redis_url)
+    prefix_index_namespace: str = option("kvmesh:pi", "key prefix of the index in Redis")
+    prefix_index_timeout: float = option(
+        0.5, "seconds an index call may take; slower or unreachable, the router routes by load and the "
+             "engine keeps serving", minimum=0.01)
+    heartbeat_ttl: float = option(
+        10.0, "seconds an engine stays in the index without a heartbeat (it sends one every third of this)",
+        minimum=0.1)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How a processor chooses the engine for each request (services/processor/router.py)."""
+
+    routing: str = option(
+        "kv-aware", "round-robin, least-load, kv-aware (the engine holding the longest cached prefix, weighed "
+                    "against load) or session (the same --session-header value, the same engine)",
+        choices=ROUTING_POLICIES)
+    routing_imbalance: int = option(
+        8, "requests in flight by which the busiest engine may exceed the idlest before kv-aware routing "
+           "sends to the idlest whatever it has cached", minimum=0)
+    max_migrations: int = option(
+        2, "times a request moves to another engine when its engine dies mid-stream (0: never; the "
+           "client gets the error)", minimum=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 # What the processor takes of ModelConfig: the tokenizer's model and the name its metrics carry.
@@ -368,6 +417,8 @@ class ServeConfig:
                                   "gives up and stops everything (exit 1)", minimum=0)
     restart_window: float = option(300.0, "seconds over which restarts are counted; a pair healthy this long "
                                           "starts again from --restart-backoff", minimum=1.0)
+    num_engines: int = option(1, "engine+worker pairs behind the one processor (each restarted on its own)",
+                              minimum=1, maximum=64)
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -35,7 +35,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import replace
 
-from services.common.clients import EngineInfo, EngineStats, WorkerClient
+from services.common.clients import EngineInfo, EngineStats, PrefixMatch, WorkerClient
 from services.common.config import SchedulerConfig
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.errors import EngineDeadError
@@ -136,6 +136,9 @@ class AsyncEngine:
 
     async def stats(self) -> EngineStats:
         return self.core.stats()
+
+    async def match_prefix(self, block_hashes: Sequence[bytes]) -> PrefixMatch:
+        return self.core.match_prefix(block_hashes)
 
     async def is_healthy(self) -> bool:
         return self._error is None

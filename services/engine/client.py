@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.clients import EngineInfo, EngineStats
+from services.common.clients import EngineInfo, EngineStats, PrefixMatch
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.errors import raising_errors
 from services.common.metrics import GrpcMetrics
@@ -61,6 +61,12 @@ class GrpcEngineClient:
         with raising_errors():
             reply = await self._stub.GetStats(engine_pb2.GetStatsRequest(), timeout=self.timeout)
         return convert.engine_stats_from_proto(reply)
+
+    async def match_prefix(self, block_hashes: Sequence[bytes]) -> PrefixMatch:
+        with raising_errors():
+            reply = await self._stub.MatchPrefix(engine_pb2.MatchPrefixRequest(block_hashes=block_hashes),
+                                                 timeout=self.timeout)
+        return convert.prefix_match_from_proto(reply)
 
     async def is_healthy(self) -> bool:
         """The engine's standard health service says SERVING; False also when it cannot be reached."""

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from services.common.clients import EngineStats, WorkerClient, WorkerInfo
+from services.common.clients import EngineStats, PrefixMatch, WorkerClient, WorkerInfo
 from services.common.config import SchedulerConfig
+from services.common.hashing import BlockHash
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
@@ -141,6 +142,13 @@ class EngineCore:
             prefix_cache_queries=manager.prefix_cache_queries,
             prefix_cache_hits=manager.prefix_cache_hits,
         )
+
+    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> PrefixMatch:
+        """How much of a hash chain this engine holds, and its load (any thread: see
+        KVCacheManager.num_matched_blocks)."""
+        manager = self.kv_cache_manager
+        return PrefixMatch(manager.num_matched_blocks(block_hashes), self.scheduler.num_running,
+                           self.scheduler.num_waiting, manager.num_free_blocks, manager.usage)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

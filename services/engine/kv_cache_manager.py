@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.common.hashing import BlockHash
 from services.engine.block_pool import BlockPool, KVCacheBlock
 from services.engine.kv_events import KVEventQueue
 from services.engine.request import Request
@@ -47,6 +48,17 @@ class KVCacheManager:
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
         return hits, num_hit_tokens
+
+    def num_matched_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of a hash chain the prefix cache holds now (no stats, no refs).
+        Single dict lookups only, so another thread may call it while the engine loop runs: the
+        answer is a moment's truth, as the router needs."""
+        if not self.enable_caching:
+            return 0
+        for i, block_hash in enumerate(block_hashes):
+            if self.block_pool.get_cached_block(block_hash) is None:
+                return i
+        return len(block_hashes)
 
     def allocate_slots(
         self,

@@ -77,6 +77,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def GetInfo(self, request: engine_pb2.GetEngineInfoRequest, context) -> engine_pb2.EngineInfo:
         return convert.engine_info_to_proto(await self.engine.info())
 
+    @answers_with_status
+    async def MatchPrefix(self, request: engine_pb2.MatchPrefixRequest, context) -> engine_pb2.MatchPrefixResponse:
+        return convert.prefix_match_to_proto(await self.engine.match_prefix(convert.block_hashes_from_proto(request)))
+
 
 async def follow_engine_health(engine: AsyncEngine, server: RpcServer, exit_grace: float = 1.0) -> None:
     """Once the engine is dead (it does not recover): NOT_SERVING at once, `exit_grace` seconds for

@@ -22,6 +22,7 @@ from services.common.clients import (
     EngineStats,
     GenerateDelta,
     GenerateRequest,
+    PrefixMatch,
     Tokenized,
     TokenizeRequest,
     WorkerInfo,
@@ -247,6 +248,28 @@ def engine_info_from_proto(m: engine_pb2.EngineInfo) -> EngineInfo:
     return fields_from_proto(m, EngineInfo)
 
 
+def prefix_match_to_proto(match: PrefixMatch) -> engine_pb2.MatchPrefixResponse:
+    return fields_to_proto(match, engine_pb2.MatchPrefixResponse)
+
+
+def prefix_match_from_proto(m: engine_pb2.MatchPrefixResponse) -> PrefixMatch:
+    return fields_from_proto(m, PrefixMatch)
+
+
+BLOCK_HASH_BYTES = 32
+MAX_MATCH_BLOCKS = 1 << 16  # longer than any context: 65536 blocks of one token
+
+
+def block_hashes_from_proto(m: engine_pb2.MatchPrefixRequest) -> list[bytes]:
+    """ValueError for a chain no prompt could have: too long, or a hash of the wrong size."""
+    if len(m.block_hashes) > MAX_MATCH_BLOCKS:
+        raise ValueError(f"at most {MAX_MATCH_BLOCKS} block hashes, got {len(m.block_hashes)}")
+    for i, h in enumerate(m.block_hashes):
+        if len(h) != BLOCK_HASH_BYTES:
+            raise ValueError(f"block_hashes[{i}] has {len(h)} bytes, not {BLOCK_HASH_BYTES}")
+    return list(m.block_hashes)
+
+
 # ----------------------------------------------------------------------------- gateway <-> processor
 
 # JSON nesting a Struct may carry: each JSON level is two protobuf levels (Struct -> Value), and
@@ -286,6 +309,7 @@ def generate_request_to_proto(r: GenerateRequest) -> processor_pb2.GenerateReque
         add_generation_prompt=r.add_generation_prompt, continue_final_message=r.continue_final_message,
         add_special_tokens=r.add_special_tokens, priority=r.priority, cache_salt=r.cache_salt,
         truncate_prompt_tokens=r.truncate_prompt_tokens, echo=r.echo, group_id=r.group_id,
+        session_id=r.session_id,
     )
     if r.prompt is not None:
         msg.text = r.prompt
@@ -322,6 +346,7 @@ def generate_request_from_proto(m: processor_pb2.GenerateRequest) -> GenerateReq
         truncate_prompt_tokens=m.truncate_prompt_tokens if m.HasField("truncate_prompt_tokens") else None,
         echo=m.echo,
         group_id=m.group_id if m.HasField("group_id") else None,
+        session_id=m.session_id if m.HasField("session_id") else None,
     )
 
 

@@ -54,6 +54,11 @@ class EngineStub:
                 request_serializer=kvmesh_dot_v1_dot_engine__pb2.GetEngineInfoRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_engine__pb2.EngineInfo.FromString,
                 _registered_method=True)
+        self.MatchPrefix = channel.unary_unary(
+                '/kvmesh.v1.Engine/MatchPrefix',
+                request_serializer=kvmesh_dot_v1_dot_engine__pb2.MatchPrefixRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_engine__pb2.MatchPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -83,6 +88,14 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MatchPrefix(self, request, context):
+        """How many leading blocks of a prompt's hash chain this engine holds in its prefix cache, and
+        its load: the router's "ask the engines" index, for a fleet without a shared Redis index.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +118,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=kvmesh_dot_v1_dot_engine__pb2.GetEngineInfoRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_engine__pb2.EngineInfo.SerializeToString,
+            ),
+            'MatchPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.MatchPrefix,
+                    request_deserializer=kvmesh_dot_v1_dot_engine__pb2.MatchPrefixRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_engine__pb2.MatchPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +233,33 @@ class Engine:
             '/kvmesh.v1.Engine/GetInfo',
             kvmesh_dot_v1_dot_engine__pb2.GetEngineInfoRequest.SerializeToString,
             kvmesh_dot_v1_dot_engine__pb2.EngineInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MatchPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Engine/MatchPrefix',
+            kvmesh_dot_v1_dot_engine__pb2.MatchPrefixRequest.SerializeToString,
+            kvmesh_dot_v1_dot_engine__pb2.MatchPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,8 +11,6 @@ import hashlib
 import random
 import re
 import socket
-import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -30,6 +28,7 @@ from services.prefix_index import (
     RedisPrefixIndex,
     StaleEpochError,
 )
+from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.services, pytest.mark.anyio]
 
@@ -42,49 +41,13 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_redis() -> tuple[subprocess.Popen, int, tempfile.TemporaryDirectory]:
-    port = _free_port()
-    workdir = tempfile.TemporaryDirectory(prefix="kvmesh-redis-")
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", workdir.name],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return proc, port, workdir
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"redis-server on port {port} did not start (exit {proc.poll()})")
-        time.sleep(0.05)
-
-
-def _stop_redis(proc: subprocess.Popen, workdir: tempfile.TemporaryDirectory) -> None:
-    proc.kill()  # our own redis-server, by its pid
-    proc.wait(10)
-    workdir.cleanup()
-
-
 @pytest.fixture(scope="module")
 def redis_port() -> Iterator[int]:
-    proc, port, workdir = _start_redis()
+    server = RedisServer().start()
     try:
-        yield port
+        yield server.port
     finally:
-        _stop_redis(proc, workdir)
+        server.close()
 
 
 class Dump:
@@ -409,13 +372,13 @@ async def test_random_events_agree_with_a_model(make_index):
 
 
 async def test_redis_stopped_raises_connection_error_within_the_timeout():
-    proc, port, workdir = _start_redis()
+    server = RedisServer().start()
     try:
-        index = RedisPrefixIndex.connect(f"redis://127.0.0.1:{port}/0", timeout_s=0.3)
+        index = RedisPrefixIndex.connect(server.url, timeout_s=0.3)
         await index.apply("a", 1, [stored(H[0])])
         assert await index.longest_prefix([H[0]]) == {"a": 1}
     finally:
-        _stop_redis(proc, workdir)
+        server.close()
     for call in (
         lambda: index.longest_prefix([H[0]]),
         lambda: index.apply("a", 1, [stored(H[1])]),

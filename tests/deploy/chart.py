@@ -17,7 +17,8 @@ GOLDEN_DIR = Path(__file__).resolve().parent / "rendered"
 RELEASE = "kvmesh"
 NAMESPACE = "kvmesh"
 # The example values files, by the name of their golden output (None: the chart's defaults).
-EXAMPLES: dict[str, str | None] = {"default": None, "cpu": "values-cpu.yaml", "gpu": "values-gpu.yaml"}
+EXAMPLES: dict[str, str | None] = {"default": None, "cpu": "values-cpu.yaml", "gpu": "values-gpu.yaml",
+                                   "fleet": "values-fleet.yaml"}
 # Not a manifest: the install message.
 NOTES = "templates/NOTES.txt"
 

@@ -7,6 +7,8 @@ import base64
 import difflib
 import importlib
 import os
+import re
+from dataclasses import fields
 from typing import Any
 
 import helm_python as helm
@@ -17,6 +19,8 @@ import referencing
 from kubernetes_validate.utils import schema_contents
 
 from services.cli import SERVICES
+from services.common.config import EngineServiceConfig, PrefixIndexConfig, RoutingConfig
+from services.common.flags import build
 from tests.deploy.chart import CHART_DIR, EXAMPLES, GOLDEN_DIR, NAMESPACE, example_values, find, golden_manifest, manifest, objects, render
 
 UPDATE_GOLDEN = os.environ.get("KVMESH_UPDATE_GOLDEN") == "1"
@@ -206,6 +210,9 @@ def test_schema_rejects_a_misspelled_key(values: dict[str, Any], key: str) -> No
     {"engine": {"port": 70000}},
     {"model": {"storage": {"type": "nfs"}}},
     {"keda": {"waitingRequestsPerReplica": 0}},
+    {"processor": {"routing": "random"}},
+    {"redis": {"url": "http://redis:6379"}},
+    {"redis": {"heartbeatTtl": 0}},
 ])
 def test_schema_rejects_bad_values(values: dict[str, Any]) -> None:
     with pytest.raises(helm.HelmValuesError):
@@ -233,16 +240,89 @@ def test_every_component_has_a_pdb_and_the_scalers_their_targets() -> None:
             assert "replicas" not in o["spec"], o["metadata"]["name"]
 
 
-def test_the_services_accept_the_chart_arguments(example: tuple[str, dict[str, str]]) -> None:
-    """Each pod's command line parses with that service's own parser (flags renamed in the code
-    would otherwise surface only as crash-looping pods)."""
+def test_the_services_accept_the_chart_arguments(example: tuple[str, dict[str, str]],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each pod's command line and environment parse with that service's own parser (flags or
+    variables renamed in the code would otherwise surface only as crash-looping pods, or as
+    settings silently ignored)."""
     _, rendered = example
     objs = objects(rendered)
     for component in COMPONENTS:
-        args = pod_spec(objs, component)["containers"][0]["args"]
-        parser = importlib.import_module(SERVICES[component]).build_parser()
-        parsed = parser.parse_args(args[1:])
+        container = pod_spec(objs, component)["containers"][0]
+        env = env_of(container)
+        prefix = f"KVMESH_{component.upper()}_"
+        with monkeypatch.context() as patch:
+            for name, value in env.items():
+                patch.setenv(name, value)
+            parser = importlib.import_module(SERVICES[component]).build_parser()
+            parsed = parser.parse_args(container["args"][1:])
         assert parsed.port == int(args_of(objs, component)["port"])
+        for name, value in env.items():
+            if name.startswith(prefix):  # a variable the service reads: it must name one of its flags
+                dest = name.removeprefix(prefix).lower()
+                assert dest in vars(parsed), f"{component} has no flag for ${name}"
+                for config_class in (PrefixIndexConfig, RoutingConfig, EngineServiceConfig):
+                    if dest in {f.name for f in fields(config_class)}:
+                        built = getattr(build(parser, config_class, parsed), dest)
+                        assert built == type(built)(value), name
+
+
+POD_IP = "10.1.2.3"
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    """A container's environment as the kubelet gives it: `$(VAR)` of an earlier variable expanded,
+    the pod's IP from the downward API, a Secret's key as a placeholder."""
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), var["value"])
+        elif var["valueFrom"].get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            env[var["name"]] = POD_IP
+        else:
+            env[var["name"]] = "from-a-secret"
+    return env
+
+
+# ----------------------------------------------------------------------------- the prefix index
+
+
+@pytest.mark.parametrize("values, url", [
+    (example_values("fleet"), "redis://kvmesh-redis:6379/0"),
+    ({"redis": {"url": "rediss://index.example:6380/2", "heartbeatTtl": 4.5},
+      "processor": {"routing": "least-load"}}, "rediss://index.example:6380/2"),
+    ({}, None),
+], ids=["fleet", "external", "none"])
+def test_engines_and_processors_get_the_prefix_index(values: dict[str, Any], url: str | None) -> None:
+    """The chart's Redis or an external one reaches every engine and processor as the variables
+    their PrefixIndexConfig reads; engines advertise their pod's address (their id in the index)."""
+    objs = objects(render(values))
+    redis = values.get("redis", {})
+    routing = values.get("processor", {}).get("routing", "kv-aware")
+    engine_port = args_of(objs, "engine")["port"]
+    for component in ("engine", "processor"):
+        env = env_of(pod_spec(objs, component)["containers"][0])
+        prefix = f"KVMESH_{component.upper()}_"
+        assert env.get(f"{prefix}PREFIX_INDEX") == url
+        if url is not None:
+            assert float(env[f"{prefix}HEARTBEAT_TTL"]) == redis.get("heartbeatTtl", 10)
+        else:
+            assert f"{prefix}HEARTBEAT_TTL" not in env
+        if component == "engine":
+            assert env["KVMESH_ENGINE_ADVERTISE_ADDRESS"] == f"{POD_IP}:{engine_port}"
+        else:
+            assert env["KVMESH_PROCESSOR_ROUTING"] == routing
+    assert "KVMESH_REDIS_URL" not in manifest(render(values))
+
+
+def test_the_fleet_example_runs_two_model_replicas_on_the_charts_redis() -> None:
+    objs = objects(render(example_values("fleet")))
+    engine, worker = (find(objs, "StatefulSet", f"kvmesh-{c}") for c in ("engine", "worker"))
+    assert engine["spec"]["replicas"] == worker["spec"]["replicas"] == 2
+    redis = find(objs, "Service", "kvmesh-redis")
+    assert env_of(pod_spec(objs, "engine")["containers"][0])["KVMESH_ENGINE_PREFIX_INDEX"] == \
+        f"redis://kvmesh-redis:{redis['spec']['ports'][0]['port']}/0"
+    assert "nvidia.com/gpu" not in str(objs)
 
 
 # ----------------------------------------------------------------------------- internal security

@@ -127,16 +127,22 @@ affinity:
   mountPath: {{ .Values.model.storage.mountPath }}
 {{- end }}
 
-{{/* Environment shared by the services that touch models or the prefix index. */}}
+{{/* Environment shared by the services that touch models. */}}
 {{- define "kvmesh.modelEnv" -}}
 - name: KVMESH_CACHE_DIR
   value: {{ .Values.model.storage.cacheDir | quote }}
 {{- end }}
 
-{{- define "kvmesh.redisEnv" -}}
-{{- with include "kvmesh.redisUrl" . -}}
-- name: KVMESH_REDIS_URL
+{{/* The prefix index for a service whose variables start with `prefix` (engines publish to it,
+processors read it); empty without Redis. Usage: include "kvmesh.prefixIndexEnv" (list . "KVMESH_ENGINE") */}}
+{{- define "kvmesh.prefixIndexEnv" -}}
+{{- $root := index . 0 }}
+{{- $prefix := index . 1 }}
+{{- with include "kvmesh.redisUrl" $root -}}
+- name: {{ $prefix }}_PREFIX_INDEX
   value: {{ . | quote }}
+- name: {{ $prefix }}_HEARTBEAT_TTL
+  value: {{ $root.Values.redis.heartbeatTtl | toString | quote }}
 {{- end }}
 {{- end }}
 

@@ -5,11 +5,13 @@
 
 `kvmesh serve` starts worker, engine, processor and gateway as separate processes, the internal
 ones on free loopback ports, each after the one before it is healthy; prints where the API is;
-then supervises them. An engine exits non-zero when its worker fails (gone, stuck, a failed step);
+then supervises them. With --num-engines N it starts N engine+worker pairs ("worker-0",
+"engine-0", ...; "worker" and "engine" when N is 1), each on ports of its own, behind the one
+processor and gateway. An engine exits non-zero when its worker fails (gone, stuck, a failed step);
 when the engine or the worker exits, both are restarted, on the same ports (the processor
-reconnects to the same address), after a back-off (--restart-backoff, doubled per restart within
---restart-window, at most --restart-backoff-max); after --max-restarts within the window it gives
-up. The processor and the gateway hold no state worth restarting for: one of them dying is a bug,
+reconnects to the same address), the other pairs untouched, after a back-off (--restart-backoff, doubled per restart within
+--restart-window, at most --restart-backoff-max; each pair counts its own); after --max-restarts of
+one pair within the window it gives up. The processor and the gateway hold no state worth restarting for: one of them dying is a bug,
 and stops everything (exit 1). On Ctrl-C or SIGTERM, or on giving up, it stops them all, the
 gateway first so that requests in flight can finish (--grace), then the rest (--internal-grace);
 SIGKILL after a grace. The
@@ -51,7 +53,9 @@ from services.common.config import (
     Limits,
     PROCESSOR_MODEL_FIELDS,
     ModelConfig,
+    PrefixIndexConfig,
     ProcessorServiceConfig,
+    RoutingConfig,
     SchedulerConfig,
     SecurityConfig,
     ServeConfig,
@@ -77,7 +81,6 @@ commands:
 """
 LOOPBACK = "127.0.0.1"
 KILL_AFTER = 1.5  # extra seconds past a grace before SIGKILL
-PAIR = ("worker", "engine")  # restarted together: an engine's worker state dies with it
 PARTNER_EXIT_WAIT = 3.0  # seconds the survivor of a pair gets to exit on its own (the engine, after its worker)
 PR_SET_PDEATHSIG = 1
 SERVICE_ENV_PREFIXES = tuple(f"KVMESH_{name.upper()}_" for name in SERVICES)
@@ -106,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # What `kvmesh serve` takes of each config: the model and the engine's knobs whole; of the worker's,
 # the attention backend (its batch cap is the engine's --max-num-seqs); the gateway's limits and keys;
-# how the engine watches its worker.
+# how the engine watches its worker; the prefix index (engines and processor) and routing (processor).
 SERVE_FLAGS: list[tuple[type, dict[str, object]]] = [
     (ModelConfig, {}),
     (CacheConfig, {}),
@@ -116,6 +119,8 @@ SERVE_FLAGS: list[tuple[type, dict[str, object]]] = [
     (GatewayConfig, {"only": GATEWAY_SERVE_FIELDS}),
     (EngineServiceConfig, {"only": ["worker_liveness_interval", "worker_liveness_timeout", "exit_grace"]}),
     (ServeConfig, {}),
+    (PrefixIndexConfig, {}),
+    (RoutingConfig, {}),
 ]
 
 
@@ -266,10 +271,12 @@ class ServeSpec(NamedTuple):
     gateway: GatewayConfig
     engine: EngineServiceConfig
     serve: ServeConfig
+    prefix_index: PrefixIndexConfig
+    routing: RoutingConfig
 
 
 class RestartBudget:
-    """When to restart a dead engine+worker pair: after backoff * 2^(restarts within the window),
+    """When to restart a dead engine+worker pair (each pair has its own): after backoff * 2^(restarts within the window),
     at most backoff_max; never again (None) once max_restarts happened within the window. Restarts
     older than the window are forgotten, so a pair that stayed up that long starts over at backoff."""
 
@@ -311,16 +318,43 @@ def write_token_file(directory: Path) -> SecurityConfig:
     return SecurityConfig(internal_token_file=path)
 
 
+class Pair(NamedTuple):
+    """An engine and its worker: restarted together (an engine's worker state dies with it)."""
+
+    worker: str
+    engine: str
+
+    def describe(self) -> str:
+        return "the worker and the engine" if self == SOLE_PAIR else f"{self.worker} and {self.engine}"
+
+
+SOLE_PAIR = Pair("worker", "engine")  # the names with one pair, as before --num-engines
+
+
+def pairs_of(num_engines: int) -> tuple[Pair, ...]:
+    """The children's names: "worker"/"engine" for one pair, "worker-<i>"/"engine-<i>" for more."""
+    if num_engines == 1:
+        return (SOLE_PAIR,)
+    return tuple(Pair(f"worker-{i}", f"engine-{i}") for i in range(num_engines))
+
+
 class Layout(NamedTuple):
     """Where `kvmesh serve` puts each service: gRPC addresses on loopback and /metrics URLs."""
 
-    ports: dict[str, int]  # worker, engine, processor
-    metrics_ports: dict[str, int]  # worker, engine, processor
+    pairs: tuple[Pair, ...]
+    ports: dict[str, int]  # by child name: every worker and engine, and the processor
+    metrics_ports: dict[str, int]  # the same names
 
     @classmethod
-    def on_free_ports(cls) -> Layout:
-        ports = free_ports(6)
-        return cls(dict(zip(INTERNAL, ports[:3])), dict(zip(INTERNAL, ports[3:])))
+    def on_free_ports(cls, num_engines: int = 1) -> Layout:
+        pairs = pairs_of(num_engines)
+        names = internal_names(pairs)
+        ports = free_ports(2 * len(names))
+        return cls(pairs, dict(zip(names, ports[:len(names)])), dict(zip(names, ports[len(names):])))
+
+    @property
+    def internal(self) -> tuple[str, ...]:
+        return internal_names(self.pairs)
 
     def address(self, name: str) -> str:
         return f"{LOOPBACK}:{self.ports[name]}"
@@ -329,7 +363,9 @@ class Layout(NamedTuple):
         return f"http://{LOOPBACK}:{self.metrics_ports[name]}/metrics"
 
 
-INTERNAL = ("worker", "engine", "processor")
+def internal_names(pairs: Sequence[Pair]) -> tuple[str, ...]:
+    """The internal services in the order they start: each worker before its engine, then the processor."""
+    return (*(name for pair in pairs for name in pair), "processor")
 
 
 def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = SecurityConfig()) -> dict[str, list[str]]:
@@ -341,35 +377,40 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
         return to_argv(ServingConfig(LOOPBACK, layout.ports[name], spec.serve.internal_grace,
                                      metrics_port=layout.metrics_ports[name]))
 
+    argvs: dict[str, list[str]] = {}
+    for pair in layout.pairs:
+        argvs[pair.worker] = [*to_argv(model), *to_argv(spec.cache),
+                              *to_argv(replace(spec.worker, max_num_seqs=spec.scheduler.max_num_seqs)),
+                              *serving(pair.worker)]
+        # The engine's own address is its id in the prefix index.
+        engine = replace(spec.engine, worker_address=layout.address(pair.worker),
+                         advertise_address=layout.address(pair.engine))
+        argvs[pair.engine] = [*to_argv(engine), *to_argv(spec.prefix_index), *to_argv(spec.scheduler),
+                              *to_argv(model, only=["served_model_name"]), *serving(pair.engine)]
+    engines = tuple(layout.address(pair.engine) for pair in layout.pairs)
+    argvs["processor"] = [*to_argv(ProcessorServiceConfig(engine_address=engines)), *to_argv(spec.routing),
+                          *to_argv(spec.prefix_index), *to_argv(model, only=PROCESSOR_MODEL_FIELDS),
+                          *serving("processor")]
     gateway = replace(spec.gateway, processor_address=layout.address("processor"),
-                      aggregate_metrics=tuple(layout.metrics_url(name) for name in INTERNAL))
-    argvs = {
-        "worker": [*to_argv(model), *to_argv(spec.cache),
-                   *to_argv(replace(spec.worker, max_num_seqs=spec.scheduler.max_num_seqs)), *serving("worker")],
-        "engine": [*to_argv(replace(spec.engine, worker_address=layout.address("worker"))), *to_argv(spec.scheduler),
-                   *to_argv(model, only=["served_model_name"]), *serving("engine")],
-        "processor": [*to_argv(ProcessorServiceConfig(engine_address=layout.address("engine"))),
-                      *to_argv(model, only=PROCESSOR_MODEL_FIELDS), *serving("processor")],
-        "gateway": [*to_argv(gateway), *to_argv(model, only=["served_model_name"]), *to_argv(spec.limits),
-                    *to_argv(ServingConfig(spec.serve.host, spec.serve.port, spec.serve.grace),
-                             only=["host", "port", "grace"])],
-    }
+                      aggregate_metrics=tuple(layout.metrics_url(name) for name in layout.internal))
+    argvs["gateway"] = [*to_argv(gateway), *to_argv(model, only=["served_model_name"]), *to_argv(spec.limits),
+                        *to_argv(ServingConfig(spec.serve.host, spec.serve.port, spec.serve.grace),
+                                 only=["host", "port", "grace"])]
     return {name: [*argv, *to_argv(security)] for name, argv in argvs.items()}
 
 
 def _serve(spec: ServeSpec, supervisor: Supervisor, security: SecurityConfig) -> int:
-    layout = Layout.on_free_ports()
+    layout = Layout.on_free_ports(spec.serve.num_engines)
     argvs = service_argvs(spec, layout, security)
     host, port = spec.serve.host, spec.serve.port
     api = f"http://{_url_host(host)}:{port}"
-    worker, engine, processor = (layout.address(name) for name in INTERNAL)
-    metrics = {name: layout.metrics_url(name) for name in INTERNAL} | {"gateway": f"{api}/metrics"}
-    steps = [
-        ("worker", worker, lambda: grpc_serving(worker)),
-        ("engine", engine, lambda: grpc_serving(engine)),
-        ("processor", processor, lambda: grpc_serving(processor)),
-        ("gateway", f"{host}:{port}", lambda: http_ok(f"{api}/health")),
-    ]
+    metrics = {name: layout.metrics_url(name) for name in layout.internal} | {"gateway": f"{api}/metrics"}
+
+    def grpc_ready(address: str) -> Callable[[], bool]:
+        return lambda: grpc_serving(address)
+
+    steps = [(name, layout.address(name), grpc_ready(layout.address(name))) for name in layout.internal]
+    steps.append(("gateway", f"{host}:{port}", lambda: http_ok(f"{api}/health")))
     for name, address, ready in steps:
         if not supervisor.start(name, argvs[name], address, ready, spec.serve.startup_timeout):
             return 0 if supervisor.stop_requested else 1
@@ -378,31 +419,33 @@ def _serve(spec: ServeSpec, supervisor: Supervisor, security: SecurityConfig) ->
         services = {c.name: {"address": c.address, "pid": c.proc.pid, "metrics": metrics[c.name]}
                     for c in supervisor.children}
         print(json.dumps({"kvmesh": "ready", "api": f"{api}/v1", "services": services}), flush=True)
-    return supervise(supervisor, spec.serve)
+    return supervise(supervisor, spec.serve, layout.pairs)
 
 
-def supervise(supervisor: Supervisor, config: ServeConfig) -> int:
-    """Until a stop is requested (0): restart a dead engine+worker pair with back-off; give up (1)
-    when the budget is spent or when the processor or the gateway dies."""
-    restarts = RestartBudget(config.restart_backoff, config.restart_backoff_max, config.max_restarts,
-                             config.restart_window)
+def supervise(supervisor: Supervisor, config: ServeConfig, pairs: Sequence[Pair] = (SOLE_PAIR,)) -> int:
+    """Until a stop is requested (0): restart a dead engine+worker pair with back-off, each pair on
+    its own budget; give up (1) when a pair's budget is spent or when the processor or the gateway
+    dies. One pair is restarted at a time; the others keep serving meanwhile."""
+    budgets = {pair: RestartBudget(config.restart_backoff, config.restart_backoff_max, config.max_restarts,
+                                   config.restart_window) for pair in pairs}
     while (died := supervisor.wait()) is not None:
-        if died.name not in PAIR:
+        pair = next((p for p in pairs if died.name in p), None)
+        if pair is None:
             print(f"kvmesh: the {died.name} exited with code {died.proc.returncode}; stopping the others",
                   file=sys.stderr)
             return 1
         why = f"the {died.name} exited with code {died.proc.returncode}"
         # A pair that fails to come back counts as one more restart, with its back-off.
-        while (delay := restarts.next_delay(time.monotonic())) is not None:
-            print(f"kvmesh: {why}; restarting the worker and the engine in {delay:g}s", file=sys.stderr, flush=True)
-            if supervisor.restart(PAIR, delay, config.startup_timeout):
-                print("kvmesh: the worker and the engine are serving again", file=sys.stderr, flush=True)
+        while (delay := budgets[pair].next_delay(time.monotonic())) is not None:
+            print(f"kvmesh: {why}; restarting {pair.describe()} in {delay:g}s", file=sys.stderr, flush=True)
+            if supervisor.restart(pair, delay, config.startup_timeout):
+                print(f"kvmesh: {pair.describe()} are serving again", file=sys.stderr, flush=True)
                 break
             if supervisor.stop_requested:
                 return 0
-            why = "the worker and the engine did not come back"
+            why = f"{pair.describe()} did not come back"
         else:
-            print(f"kvmesh: {why}; the engine+worker pair was restarted {config.max_restarts} times in "
+            print(f"kvmesh: {why}; {pair.describe()} were restarted {config.max_restarts} times in "
                   f"{config.restart_window:.0f}s: giving up", file=sys.stderr)
             return 1
     return 0

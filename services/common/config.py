@@ -321,7 +321,8 @@ PROCESSOR_MODEL_FIELDS = ("model", "served_model_name", "cache_dir")
 class ProcessorServiceConfig:
     """How the processor service finds its engines: an address, or a Kubernetes Service's endpoints."""
 
-    engine_address: str | None = option(None, "the one engine, off Kubernetes (default 127.0.0.1:50052)")
+    engine_address: tuple[str, ...] = option(
+        (), "an engine, off Kubernetes (repeatable: every engine of the fleet; default 127.0.0.1:50052)")
     engine_service: str | None = option(
         None, "the engines' Kubernetes Service: route to its ready endpoints (port named grpc); "
               "excludes --engine-address")
@@ -334,7 +335,7 @@ class ProcessorServiceConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.engine_service is not None and self.engine_address is not None:
+        if self.engine_service is not None and self.engine_address:
             raise ValueError("--engine-address and --engine-service exclude each other")
 
 

@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 import urllib.request
+from urllib.parse import urlsplit
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
@@ -45,6 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 logger = logging.getLogger(__name__)
 
 COMPONENT = "component"
+INSTANCE = "instance"  # which of several processes of one component, in a merged page (merge_scrapes)
 # Request-scale durations: 0.5 ms (a loopback unary call) to 10 min (a long generation stream).
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                    30.0, 60.0, 120.0, 300.0, 600.0)
@@ -353,13 +355,19 @@ def merge_scrapes(scrapes: Sequence[Scrape]) -> bytes:
     name; the first page's help and type win, a later page's family of another type is dropped with
     a warning), and series from different processes stay distinct: every sample without a
     `component` label gets its page's component (from its kvmesh_build_info), except vLLM's,
-    which keep vLLM's labels (only the engine exports them). A series two pages both carry is kept
-    once, from the first."""
+    which keep vLLM's labels. Pages of one component from several sources (the engines and workers
+    of `kvmesh serve --num-engines 2`) carry the same labels: each of their samples, vLLM's too, also
+    gets an `instance` label, its source's host:port. A series two pages both carry is kept once,
+    from the first."""
     merged: dict[str, Metric] = {}
     seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
-    for scrape in scrapes:
-        families = list(text_string_to_metric_families(scrape.text))
+    pages = [(scrape, list(text_string_to_metric_families(scrape.text))) for scrape in scrapes]
+    sources: dict[str, set[str]] = {}
+    for scrape, families in pages:
+        sources.setdefault(component_of(families) or scrape.source, set()).add(scrape.source)
+    for scrape, families in pages:
         component = component_of(families) or scrape.source
+        instance = (urlsplit(scrape.source).netloc or scrape.source) if len(sources[component]) > 1 else None
         for family in families:
             target = merged.get(family.name)
             if target is None:
@@ -372,6 +380,8 @@ def merge_scrapes(scrapes: Sequence[Scrape]) -> bytes:
                 labels = dict(sample.labels)
                 if COMPONENT not in labels and not family.name.startswith(VLLM_PREFIX):
                     labels[COMPONENT] = component
+                if instance is not None:
+                    labels[INSTANCE] = instance
                 key = (sample.name, tuple(sorted(labels.items())))
                 if key in seen:
                     logger.warning("series %s%s comes from more than one page; kept once", sample.name, labels)

@@ -27,7 +27,14 @@ from typing import NamedTuple
 
 
 from services.common.clients import EngineClient
-from services.common.config import EngineServiceConfig, ModelConfig, SchedulerConfig, SecurityConfig, ServingConfig
+from services.common.config import (
+    EngineServiceConfig,
+    ModelConfig,
+    PrefixIndexConfig,
+    SchedulerConfig,
+    SecurityConfig,
+    ServingConfig,
+)
 from services.common.flags import add_flags, build
 from services.common.discovery import EndpointWatcher, kube_configuration
 from services.common.errors import answers_with_status
@@ -135,6 +142,7 @@ def paired_worker_hostname(engine_hostname: str) -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh engine", description="The kvmesh engine service.")
     add_flags(parser, EngineServiceConfig, ENV_PREFIX)
+    add_flags(parser, PrefixIndexConfig, ENV_PREFIX)
     add_flags(parser, SchedulerConfig, ENV_PREFIX)
     add_flags(parser, ModelConfig, ENV_PREFIX, only=["served_model_name"])
     add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})

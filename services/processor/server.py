@@ -31,7 +31,9 @@ from services.common.clients import EngineClient, EngineInfo, ProcessorClient
 from services.common.config import (
     PROCESSOR_MODEL_FIELDS,
     ModelConfig,
+    PrefixIndexConfig,
     ProcessorServiceConfig,
+    RoutingConfig,
     SecurityConfig,
     ServingConfig,
 )
@@ -112,7 +114,8 @@ async def open_engines(config: ProcessorServiceConfig, metrics: GrpcMetrics | No
         return GrpcEngineClient(address, timeout=config.engine_timeout, metrics=metrics, security=security)
 
     if config.engine_service is None:
-        engine = connect(config.engine_address or DEFAULT_ENGINE_ADDRESS)
+        # The first address only: routing over several (EngineSet) is #12's router work.
+        engine = connect(config.engine_address[0] if config.engine_address else DEFAULT_ENGINE_ADDRESS)
         try:
             yield engine
         finally:
@@ -171,6 +174,8 @@ async def serve(model: ModelConfig, engine: EngineClient, serving: ServingConfig
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh processor", description="The kvmesh processor service.")
     add_flags(parser, ProcessorServiceConfig, ENV_PREFIX)
+    add_flags(parser, RoutingConfig, ENV_PREFIX)
+    add_flags(parser, PrefixIndexConfig, ENV_PREFIX)
     add_flags(parser, ModelConfig, ENV_PREFIX, only=PROCESSOR_MODEL_FIELDS)
     add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})
     add_flags(parser, SecurityConfig, ENV_PREFIX)
@@ -188,8 +193,8 @@ def parse_args(argv: list[str] | None = None) -> ProcessorArgs:
     parser = build_parser()
     args = parser.parse_args(argv)
     service = build(parser, ProcessorServiceConfig, args)
-    if service.engine_service is None and service.engine_address is None:
-        service = replace(service, engine_address=DEFAULT_ENGINE_ADDRESS)
+    if service.engine_service is None and not service.engine_address:
+        service = replace(service, engine_address=(DEFAULT_ENGINE_ADDRESS,))
     return ProcessorArgs(service, build(parser, ModelConfig, args), build(parser, ServingConfig, args),
                          build(parser, SecurityConfig, args))
 

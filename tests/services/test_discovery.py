@@ -264,9 +264,9 @@ async def test_engine_set_routes_to_the_least_busy_ready_engine():
 def test_discovery_flags():
     with pytest.raises(SystemExit):
         processor_server.parse_args(["--engine-service", "engines", "--engine-address", "127.0.0.1:1"])
-    assert processor_server.parse_args([]).service.engine_address == processor_server.DEFAULT_ENGINE_ADDRESS
+    assert processor_server.parse_args([]).service.engine_address == (processor_server.DEFAULT_ENGINE_ADDRESS,)
     args = processor_server.parse_args(["--engine-service", "engines", "--namespace", "prod"]).service
-    assert (args.engine_service, args.engine_address, args.namespace) == ("engines", None, "prod")
+    assert (args.engine_service, args.engine_address, args.namespace) == ("engines", (), "prod")
 
     with pytest.raises(SystemExit):
         engine_server.parse_args(["--worker-service", "workers", "--worker-address", "127.0.0.1:1"])

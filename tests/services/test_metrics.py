@@ -62,8 +62,23 @@ def test_merged_pages_are_one_valid_exposition_with_distinct_series():
 
 def test_a_series_two_pages_carry_is_kept_once():
     engine = page_of("engine", 2)
-    values = samples(merge_scrapes([Scrape("a", engine), Scrape("b", engine)]))
+    values = samples(merge_scrapes([Scrape("a", engine), Scrape("a", engine)]))
     assert sum(1 for name, _ in values if name == "vllm:request_success_total") == 1
+
+
+def test_engines_of_one_serve_stay_apart_by_instance():
+    """`kvmesh serve --num-engines 2`: two engine pages with the same labels, from two ports."""
+    first, second = page_of("engine", 2), page_of("engine", 5)
+    merged = merge_scrapes([Scrape("gateway", page_of("gateway", 0)), Scrape("http://127.0.0.1:1/metrics", first),
+                            Scrape("http://127.0.0.1:2/metrics", second)])
+    assert_valid_exposition(merged)
+    values = samples(merged)
+    success = {dict(labels)["instance"]: v for (name, labels), v in values.items()
+               if name == "vllm:request_success_total"}
+    assert success == {"127.0.0.1:1": 2.0, "127.0.0.1:2": 5.0}
+    build = {(dict(labels)["component"], dict(labels).get("instance")) for name, labels in values
+             if name == "kvmesh_build_info"}
+    assert build == {("gateway", None), ("engine", "127.0.0.1:1"), ("engine", "127.0.0.1:2")}
 
 
 def test_1_2_5_buckets_are_vllms():

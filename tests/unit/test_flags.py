@@ -18,7 +18,9 @@ from services.common.config import (
     GatewayConfig,
     Limits,
     ModelConfig,
+    PrefixIndexConfig,
     ProcessorServiceConfig,
+    RoutingConfig,
     SchedulerConfig,
     ServingConfig,
     WorkerConfig,
@@ -30,7 +32,7 @@ from services.processor import server as processor_server
 from services.worker import server as worker_server
 
 CONFIGS = [ModelConfig, CacheConfig, SchedulerConfig, WorkerConfig, ServingConfig, EngineServiceConfig,
-           ProcessorServiceConfig, GatewayConfig, Limits]
+           ProcessorServiceConfig, GatewayConfig, Limits, PrefixIndexConfig, RoutingConfig]
 
 
 def parser_for(config_class: type, env_prefix: str | None = None) -> argparse.ArgumentParser:
@@ -59,6 +61,9 @@ def test_non_default_values_round_trip_through_flags():
         SchedulerConfig(max_num_seqs=4, max_num_waiting=0, policy="priority", enable_prefix_caching=False),
         GatewayConfig(access_log=False, api_key=("a", "b"), aggregate_metrics=("http://127.0.0.1:1/metrics",)),
         Limits(max_n=2, max_tokens=7),
+        ProcessorServiceConfig(engine_address=("127.0.0.1:1", "127.0.0.1:2"), engine_timeout=3.0),
+        PrefixIndexConfig(prefix_index="redis://127.0.0.1:6379/2", prefix_index_namespace="t", heartbeat_ttl=2.0),
+        RoutingConfig(routing="session", routing_imbalance=0, max_migrations=0),
     ]
     for config in configs:
         assert parse(type(config), to_argv(config)) == config
@@ -106,7 +111,8 @@ def test_serve_hands_each_child_exactly_its_configs():
             "--port", "8123", "--block-size", "32"]
     args = parser.parse_args(argv)
     spec = cli.ServeSpec(*(build(parser, c, args) for c, _ in cli.SERVE_FLAGS))
-    layout = cli.Layout({"worker": 1, "engine": 2, "processor": 3}, {"worker": 4, "engine": 5, "processor": 6})
+    layout = cli.Layout(cli.pairs_of(1), {"worker": 1, "engine": 2, "processor": 3},
+                        {"worker": 4, "engine": 5, "processor": 6})
     argvs = cli.service_argvs(spec, layout)
     model = replace(spec.model, served_model_name="/m")
 
@@ -119,11 +125,11 @@ def test_serve_hands_each_child_exactly_its_configs():
 
     engine = engine_server.parse_args(argvs["engine"])
     assert engine.scheduler == SchedulerConfig(max_num_seqs=3, policy="priority", enable_prefix_caching=False)
-    assert engine.service.worker_address == "127.0.0.1:1"
+    assert (engine.service.worker_address, engine.service.advertise_address) == ("127.0.0.1:1", "127.0.0.1:2")
     assert (engine.model.served_model_name, engine.serving.port, engine.serving.metrics_port) == ("/m", 2, 5)
 
     processor = processor_server.parse_args(argvs["processor"])
-    assert processor.service.engine_address == "127.0.0.1:2"
+    assert processor.service.engine_address == ("127.0.0.1:2",)
     assert (processor.model.model, processor.model.name) == ("/m", "/m")
 
     gateway_parser = gateway_server.build_parser()
@@ -135,17 +141,68 @@ def test_serve_hands_each_child_exactly_its_configs():
     assert build(gateway_parser, ServingConfig, gateway_args).port == 8123
 
 
+def test_serve_with_two_engines_hands_each_pair_its_own_ports():
+    """--num-engines 2: two worker+engine pairs on ports of their own, every engine named to the
+    processor, the prefix index to engines and processor, the routing to the processor, and every
+    internal service's /metrics to the gateway."""
+    parser = cli.build_serve_parser()
+    args = parser.parse_args(["--num-engines", "2", "--prefix-index", "redis://127.0.0.1:7/1", "--heartbeat-ttl", "3",
+                              "--routing", "least-load", "--max-migrations", "1"])
+    spec = cli.ServeSpec(*(build(parser, c, args) for c, _ in cli.SERVE_FLAGS))
+    assert spec.serve.num_engines == 2
+    names = ["worker-0", "engine-0", "worker-1", "engine-1", "processor"]
+    layout = cli.Layout(cli.pairs_of(2), dict(zip(names, range(1, 6))), dict(zip(names, range(11, 16))))
+    assert layout.internal == tuple(names)
+    argvs = cli.service_argvs(spec, layout)
+    assert list(argvs) == [*names, "gateway"]
+    index = PrefixIndexConfig(prefix_index="redis://127.0.0.1:7/1", heartbeat_ttl=3.0)
+
+    for i, (worker_port, engine_port) in enumerate(((1, 2), (3, 4))):
+        worker_parser = worker_server.build_parser()
+        assert build(worker_parser, ServingConfig, worker_parser.parse_args(argvs[f"worker-{i}"])).port == worker_port
+        engine_parser = engine_server.build_parser()
+        engine_args = engine_parser.parse_args(argvs[f"engine-{i}"])
+        service = build(engine_parser, EngineServiceConfig, engine_args)
+        assert (service.worker_address, service.advertise_address) == (f"127.0.0.1:{worker_port}",
+                                                                      f"127.0.0.1:{engine_port}")
+        assert build(engine_parser, PrefixIndexConfig, engine_args) == index
+        assert build(engine_parser, ServingConfig, engine_args).metrics_port == engine_port + 10
+
+    processor_parser = processor_server.build_parser()
+    processor_args = processor_parser.parse_args(argvs["processor"])
+    assert build(processor_parser, ProcessorServiceConfig, processor_args).engine_address == ("127.0.0.1:2",
+                                                                                            "127.0.0.1:4")
+    assert build(processor_parser, PrefixIndexConfig, processor_args) == index
+    assert build(processor_parser, RoutingConfig, processor_args) == RoutingConfig("least-load", max_migrations=1)
+
+    gateway_parser = gateway_server.build_parser()
+    gateway = build(gateway_parser, GatewayConfig, gateway_parser.parse_args(argvs["gateway"]))
+    assert gateway.aggregate_metrics == tuple(f"http://127.0.0.1:{p}/metrics" for p in range(11, 16))
+
+
+@pytest.mark.parametrize("value, message", [("0", "num_engines must be at least 1"),
+                                            ("65", "num_engines must be at most 64")])
+def test_num_engines_is_bounded(value, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--num-engines", value])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_a_new_field_reaches_serve_and_its_service():
     """Every knob of the model, cache, scheduler and worker is a flag of `kvmesh serve` (less the
     worker's batch cap, which serve derives) and of the service that takes it."""
     serve_dests = {a.dest for a in cli.build_serve_parser()._actions}
-    for config_class in (ModelConfig, CacheConfig, SchedulerConfig, WorkerConfig, Limits):
+    for config_class in (ModelConfig, CacheConfig, SchedulerConfig, WorkerConfig, Limits, PrefixIndexConfig,
+                         RoutingConfig):
         missing = {f.name for f in fields(config_class)} - serve_dests
         assert missing <= ({"max_num_seqs"} if config_class is WorkerConfig else set()), (config_class, missing)
     worker_dests = {a.dest for a in worker_server.build_parser()._actions}
     engine_dests = {a.dest for a in engine_server.build_parser()._actions}
+    processor_dests = {a.dest for a in processor_server.build_parser()._actions}
     for config_class, dests in ((ModelConfig, worker_dests), (CacheConfig, worker_dests),
-                                (WorkerConfig, worker_dests), (SchedulerConfig, engine_dests)):
+                                (WorkerConfig, worker_dests), (SchedulerConfig, engine_dests),
+                                (PrefixIndexConfig, engine_dests), (PrefixIndexConfig, processor_dests),
+                                (RoutingConfig, processor_dests)):
         assert {f.name for f in fields(config_class)} <= dests, config_class
     assert "block_size" not in engine_dests  # the engine takes its worker's (WorkerInfo)
 

@@ -144,6 +144,11 @@ class Child:
 SUPERVISOR_PID_ENV = "KVMESH_SUPERVISOR_PID"  # set by `kvmesh serve` for its children
 
 
+def service_of(name: str) -> str:
+    """The service a child runs: children are named "<service>" or, one pair of several, "<service>-<i>"."""
+    return name.partition("-")[0]
+
+
 def _follow_supervisor() -> None:
     """In a child of `kvmesh serve`: SIGTERM when the supervisor dies. Set here, after exec (see
     the module docstring); a supervisor already gone by now means exit at once."""
@@ -199,7 +204,7 @@ class Supervisor:
         # children in order.
         # Every knob is in the argv: the service's own environment variables would only disagree.
         env = {k: v for k, v in os.environ.items() if not k.startswith(SERVICE_ENV_PREFIXES)}
-        return subprocess.Popen([sys.executable, "-m", "services.cli", name, *service_argv],
+        return subprocess.Popen([sys.executable, "-m", "services.cli", service_of(name), *service_argv],
                                 start_new_session=True, env={**env, SUPERVISOR_PID_ENV: str(os.getpid())})
 
     def _wait_ready(self, child: Child, timeout: float) -> bool:

@@ -11,18 +11,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 
-def start_serve(flags: Sequence[str], timeout: float = 600.0) -> tuple[subprocess.Popen, dict[str, Any], Path]:
-    """Start `python -m services.cli serve --print-addresses *flags`; return the process, its ready
-    line ({"api": ..., "services": {name: {"address", "pid", "metrics"}}}) and its log file."""
+def start_serve(flags: Sequence[str], timeout: float = 600.0,
+                env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen, dict[str, Any], Path]:
+    """Start `python -m services.cli serve --print-addresses *flags` (with `env` over this process's
+    environment); return the process, its ready line ({"api": ..., "services": {name: {"address",
+    "pid", "metrics"}}}) and its log file."""
     log = Path(tempfile.mkstemp(prefix="kvmesh-serve-", suffix=".log")[1])
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--print-addresses", *flags],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         for line in log.read_text(errors="replace").splitlines():

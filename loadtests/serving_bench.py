@@ -49,7 +49,7 @@ import transformers
 from loadtests.serving_client import Endpoint, Load, LoadResult, run_load
 from loadtests.serving_scenarios import SCENARIOS, ScenarioLengths, Session, build_sessions
 from loadtests.serving_targets import TARGETS, ServerConfig, TargetUnavailable, started
-from services.cli import parse_bytes
+from services.common.config import parse_bytes
 from services.processor.tokenizer import load_tokenizer
 from services.worker.loader import resolve_model
 
@@ -111,13 +111,19 @@ def summarize(target: str, run: Run, result: LoadResult, max_tokens: int) -> Sum
         sum(r.output_tokens != max_tokens for r in done), errors[0] if errors else None)
 
 
+async def warm_up(endpoint: Endpoint, num_requests: int, args: argparse.Namespace) -> None:
+    """`num_requests` requests of a prompt of their own, all at once; TargetUnavailable if one fails."""
+    if not num_requests:
+        return
+    warmup = await run_load(endpoint, [Session(WARMUP_MESSAGES)] * num_requests, Load(concurrency=num_requests),
+                            args.max_tokens, args.timeout, args.max_duration)
+    failed = [r.error for r in warmup.requests if not r.ok]
+    if failed:
+        raise TargetUnavailable(f"the warm-up failed: {failed[0]}")
+
+
 async def bench_target(target: str, endpoint: Endpoint, runs: Sequence[Run], args: argparse.Namespace) -> list[Summary]:
-    if args.warmup:
-        warmup = await run_load(endpoint, [Session(WARMUP_MESSAGES)] * args.warmup, Load(concurrency=args.warmup),
-                                args.max_tokens, args.timeout, args.max_duration)
-        failed = [r.error for r in warmup.requests if not r.ok]
-        if failed:
-            raise TargetUnavailable(f"the warm-up failed: {failed[0]}")
+    await warm_up(endpoint, args.warmup, args)
     summaries = []
     for run in runs:
         result = await run_load(endpoint, run.sessions, run.load, args.max_tokens, args.timeout, args.max_duration)
@@ -131,7 +137,7 @@ async def bench_target(target: str, endpoint: Endpoint, runs: Sequence[Run], arg
 # ----------------------------------------------------------------------------- the report
 
 
-def _ms(value: float) -> str:
+def format_ms(value: float) -> str:
     if math.isnan(value):
         return "-"
     return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
@@ -144,8 +150,8 @@ def table(summaries: Sequence[Summary], unavailable: dict[str, str]) -> str:
     for s in summaries:
         e2e = " / ".join("-" if math.isnan(v) else f"{v:.2f}" for v in s.e2e)
         cells = [s.target, s.scenario, s.mode, str(s.requests), f"{s.request_rate:.2f}", f"{s.output_rate:.1f}",
-                 " / ".join(map(_ms, s.ttft)), " / ".join(map(_ms, s.tpot)), " / ".join(map(_ms, s.itl)), e2e,
-                 str(s.requests - s.ok)]
+                 " / ".join(map(format_ms, s.ttft)), " / ".join(map(format_ms, s.tpot)),
+                 " / ".join(map(format_ms, s.itl)), e2e, str(s.requests - s.ok)]
         lines.append("| " + " | ".join(cells) + " |")
     for target, reason in unavailable.items():
         lines.append(f"| {target} | | | | | | not run: {reason.splitlines()[0]} | | | | |")
@@ -196,9 +202,9 @@ def machine() -> str:
             f"transformers {transformers.__version__}")
 
 
-def command_line(argv: Sequence[str]) -> str:
+def command_line(argv: Sequence[str], module: str = "loadtests.serving_bench") -> str:
     python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
-    return shlex.join([python, "-m", "loadtests.serving_bench", *argv])
+    return shlex.join([python, "-m", module, *argv])
 
 
 # ----------------------------------------------------------------------------- the command

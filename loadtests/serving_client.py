@@ -65,6 +65,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # seconds between consecutive content chunks
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, found in the engine's prefix cache (usage.prompt_tokens_details)
     answer: str = ""
     error: str | None = None
 
@@ -126,6 +127,7 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, messages: list[dic
                     if usage := event.get("usage"):
                         result.output_tokens = usage.get("completion_tokens") or 0
                         result.prompt_tokens = usage.get("prompt_tokens") or 0
+                        result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     except TimeoutError:
         result.error = f"no complete answer within --timeout {timeout:g}s"
     except (httpx.HTTPError, json.JSONDecodeError) as exc:

@@ -3,8 +3,11 @@
     short-chat     the 128 conversations of loadtests.chat_prompts (33-131 prompt tokens)
     long-prompt    a ~1,000-token document of its own per request, then "summarize it"
     shared-prefix  one ~500-token system prompt shared by every request + a short question each
-    multi-turn     a short-chat opening, then follow-up questions; each turn is sent with the whole
-                   conversation so far, the server's previous answers included (so it grows)
+                   (or `system_prompts` distinct ones, taken in turn)
+    multi-turn     a short-chat opening (or, with `document_tokens`, a document of that length to
+                   summarize: a cache miss on a later turn is then expensive), then follow-up
+                   questions; each turn is sent with the whole conversation so far, the server's
+                   previous answers included (so it grows)
 
 Every workload is a list of `Session`s; a session is one request, or for multi-turn several sent one
 after another. The first message of every session starts with a tag `[run R.C]`: R numbers the
@@ -29,6 +32,9 @@ from services.processor.tokenizer import apply_chat_template
 SCENARIOS = ("short-chat", "long-prompt", "shared-prefix", "multi-turn")
 POOL = 128  # distinct prompts per scenario before the cycle count C in the tag goes up
 
+# The help desks of shared-prefix's system prompts; the first is the one of a single system prompt.
+PLACES = ("a public library", "a science museum", "a city hospital", "a railway station", "a botanical garden",
+          "a university", "a town hall", "an airport")
 FOLLOW_UPS = [
     "Can you go into more detail on that?",
     "Give me a concrete example.",
@@ -56,6 +62,12 @@ class ScenarioLengths:
     long_prompt_tokens: int = 1000
     shared_prefix_tokens: int = 500
     turns: int = 4  # requests per multi-turn session
+    document_tokens: int = 0  # multi-turn: a document of this many tokens opens each session; 0: a chat opening
+    system_prompts: int = 1  # shared-prefix: distinct system prompts, request i gets number i % system_prompts
+
+    def __post_init__(self) -> None:
+        if self.turns < 1 or self.system_prompts < 1 or self.document_tokens < 0:
+            raise ValueError(f"turns and system_prompts must be positive and document_tokens not negative: {self}")
 
 
 def build_sessions(scenario: str, num_requests: int, run: int, tokenizer: PreTrainedTokenizerBase,
@@ -69,15 +81,17 @@ def build_sessions(scenario: str, num_requests: int, run: int, tokenizer: PreTra
         return [Session(_tagged([{"role": "user", "content": _long_document(i, tokenizer, lengths.long_prompt_tokens)}],
                                 run, i)) for i in range(num_requests)]
     if scenario == "shared-prefix":
-        system = _handbook(tokenizer, lengths.shared_prefix_tokens)
-        return [Session(_tagged([{"role": "system", "content": system},
+        systems = [_handbook(tokenizer, lengths.shared_prefix_tokens, k) for k in range(lengths.system_prompts)]
+        return [Session(_tagged([{"role": "system", "content": systems[i % len(systems)]},
                                  {"role": "user", "content": _question(i)}], run, i)) for i in range(num_requests)]
     if scenario == "multi-turn":
         sessions = []
         for i in range((num_requests + lengths.turns - 1) // lengths.turns):
             turns = min(lengths.turns, num_requests - i * lengths.turns)
             follow_ups = tuple(FOLLOW_UPS[(i + k) % len(FOLLOW_UPS)] for k in range(turns - 1))
-            sessions.append(Session(_tagged(chat_conversations()[i % POOL], run, i), follow_ups))
+            opening = ([{"role": "user", "content": _long_document(i, tokenizer, lengths.document_tokens)}]
+                       if lengths.document_tokens else chat_conversations()[i % POOL])
+            sessions.append(Session(_tagged(opening, run, i), follow_ups))
         return sessions
     raise ValueError(f"unknown scenario {scenario!r}; choose from {SCENARIOS}")
 
@@ -116,9 +130,12 @@ def _long_document(i: int, tokenizer: PreTrainedTokenizerBase, num_tokens: int) 
     return f"{body}\n\nSummarize the document above in a few sentences."
 
 
-def _handbook(tokenizer: PreTrainedTokenizerBase, num_tokens: int) -> str:
-    rules = _cut(_sentences(random.Random(7)), tokenizer, num_tokens)
-    return ("You are the help desk of a public library. Read the study guide below; answer the visitor's "
+def _handbook(tokenizer: PreTrainedTokenizerBase, num_tokens: int, variant: int = 0) -> str:
+    """System prompt number `variant`: its own place and rules. All share their opening words (with the
+    chat template, their first KV block), as the system prompts of one deployment tend to."""
+    rules = _cut(_sentences(random.Random(7 + variant)), tokenizer, num_tokens)
+    place = PLACES[variant % len(PLACES)] + (f" (branch {variant // len(PLACES)})" if variant >= len(PLACES) else "")
+    return (f"You are the help desk of {place}. Read the study guide below; answer the visitor's "
             f"question in its spirit.\n\nStudy guide:\n{rules}")
 
 

@@ -123,7 +123,7 @@ def test_serve_hands_each_child_exactly_its_configs():
     assert (engine.model.served_model_name, engine.serving.port, engine.serving.metrics_port) == ("/m", 2, 5)
 
     processor = processor_server.parse_args(argvs["processor"])
-    assert processor.service.engine_address == "127.0.0.1:2"
+    assert processor.service.engine_address == ("127.0.0.1:2",)
     assert (processor.model.model, processor.model.name) == ("/m", "/m")
 
     gateway_parser = gateway_server.build_parser()

@@ -31,11 +31,15 @@ PREDICTION_ERROR_BUCKETS = (*(-s for s in reversed(_ERROR_STEPS)), 0, *_ERROR_ST
 
 
 class RouterMetrics:
-    def __init__(self, service: ServiceMetrics) -> None:
+    def __init__(self, service: ServiceMetrics, policy: str | None = None, reasons: Sequence[str] = ()) -> None:
+        """`policy` and its `reasons` (services/processor/router.py REASONS) are exported at 0 from the
+        start, so that dashboards and alerts see the series before the first decision."""
         registry, component = service.registry, service.grpc.component
-        self._decisions = Counter("kvmesh_router_decisions", "Engines chosen, by policy and reason",
+        self.decisions = Counter("kvmesh_router_decisions", "Engines chosen, by policy and reason",
                                   [COMPONENT, "policy", "reason"], registry=registry)
         self._component = component
+        for reason in reasons:
+            self.decisions.labels(component, policy, reason)
         self.seconds = Histogram("kvmesh_router_seconds", "Time to choose an engine for one engine request "
                                  "(prefix-index lookup included)", [COMPONENT], buckets=ROUTING_BUCKETS,
                                  registry=registry).labels(component)
@@ -47,7 +51,7 @@ class RouterMetrics:
             "prediction by more than one block", [COMPONENT], registry=registry).labels(component)
 
     def observe_decision(self, policy: str, reason: str, seconds: float) -> None:
-        self._decisions.labels(self._component, policy, reason).inc()
+        self.decisions.labels(self._component, policy, reason).inc()
         self.seconds.observe(seconds)
 
     def observe_prediction(self, predicted: int, actual: int, block_size: int) -> None:

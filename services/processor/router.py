@@ -40,6 +40,15 @@ from services.processor.metrics import RouterMetrics
 logger = logging.getLogger(__name__)
 
 
+# Why each policy chooses what it chooses: the `reason` label of kvmesh_router_decisions_total.
+REASONS = {
+    "round-robin": ("only_one", "round_robin"),
+    "least-load": ("only_one", "least_load"),
+    "session": ("only_one", "session", "least_load"),
+    "kv-aware": ("only_one", "imbalance", "no_index", "index_down", "no_hit", "prefix_hit"),
+}
+
+
 class Candidate(Protocol):
     """What the router reads of an engine (services/processor/engine_set.py EngineMember)."""
 

@@ -57,6 +57,7 @@ from services.prefix_index.redis_index import RedisPrefixIndex
 from services.processor.metrics import ProcessorMetrics, RouterMetrics
 from services.common.rpc.convert import generate_delta_to_proto, generate_request_from_proto
 from services.processor.processor import Processor
+from services.processor.router import REASONS
 from services.processor.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,8 @@ class Routing(NamedTuple):
 
 @asynccontextmanager
 async def open_engines(config: ProcessorServiceConfig, metrics: GrpcMetrics | None = None,
-                       security: RpcSecurity = RpcSecurity(), routing: Routing = Routing()) -> AsyncIterator[EngineClient]:
+                       security: RpcSecurity = RpcSecurity(),
+                       routing: Routing = Routing()) -> AsyncIterator[EngineClient]:
     """The one engine at --engine-address, or an EngineSet over several, over the ready engines of
     --engine-service as they come and go, or over the index's live engines; every connection carries
     `security`'s token (and mTLS)."""
@@ -281,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         return ProcessorMetrics(service_metrics, model.name, max_model_len)
 
     async def run() -> None:
-        router = Routing(routing, prefix_index, RouterMetrics(service_metrics))
-        async with open_engines(service, service_metrics.grpc, security, router) as engine:
+        router_metrics = RouterMetrics(service_metrics, routing.routing, REASONS[routing.routing])
+        async with open_engines(service, service_metrics.grpc, security,
+                                Routing(routing, prefix_index, router_metrics)) as engine:
             await serve(model, engine, serving, service.startup_timeout, metrics, security, service.tokenizer_threads)
 
     endpoint = MetricsEndpoint.start(service_metrics.registry, serving.host, serving.metrics_port)

@@ -8,18 +8,19 @@ as an engine's publisher does.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 
 from services.common.clients import EngineInfo
-from services.common.config import RoutingConfig, SchedulerConfig
+from services.common.config import ProcessorServiceConfig, RoutingConfig, SchedulerConfig
 from services.common.discovery import Endpoint
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.metrics import ServiceMetrics
 from services.common.model_files import model_id_of
 from services.common.sampling_params import SamplingParams
 from services.engine.async_engine import AsyncEngine
+from services.engine.client import GrpcEngineClient
 from services.engine.kv_events import AllBlocksCleared, BlockStored, KVEventQueue
 from services.engine.request import Request
 from services.prefix_index import EngineLoad, MemoryPrefixIndex, RedisPrefixIndex
@@ -27,7 +28,7 @@ from services.prefix_index.engines_index import EnginesPrefixIndex
 from services.processor import server as processor_server
 from services.processor.engine_set import EngineSet
 from services.processor.metrics import RouterMetrics
-from services.processor.router import predicted_cached_tokens, prompt_chain, session_score
+from services.processor.router import REASONS, predicted_cached_tokens, prompt_chain, session_score
 from tests.redis_server import RedisServer
 from tests.services.test_async_engine import ScriptedWorker
 
@@ -113,7 +114,7 @@ def holder(engines: dict[str, ClosableEngine], tokens: list[int]) -> str:
 def decisions(members: EngineSet) -> dict[tuple[str, str], float]:
     """routing decisions counted, by (policy, reason)."""
     found = {}
-    for metric in members.metrics._decisions.collect():
+    for metric in members.metrics.decisions.collect():
         for sample in metric.samples:
             if sample.name.endswith("_total"):
                 found[sample.labels["policy"], sample.labels["reason"]] = sample.value
@@ -338,6 +339,25 @@ async def test_exclude_and_no_engine_left(engines) -> None:
     with pytest.raises(ConnectionError, match="no ready engine in service engines besides"):
         await members.choose(request("r", prompt(1, 8)), exclude=frozenset({A, B}))
     await members.close()
+
+
+async def test_open_engines_by_source() -> None:
+    """One address: a plain gRPC client; several: an EngineSet over them, routed by the flags' policy."""
+    async with processor_server.open_engines(ProcessorServiceConfig(engine_address=(A,))) as one:
+        assert isinstance(one, GrpcEngineClient)
+    routing = processor_server.Routing(RoutingConfig(routing="round-robin"))
+    async with processor_server.open_engines(ProcessorServiceConfig(engine_address=(A, B)),
+                                             routing=routing) as several:
+        assert isinstance(several, EngineSet) and set(several.members) == {A, B}
+        assert several.router.config.routing == "round-robin"
+        assert isinstance(several.router.index, EnginesPrefixIndex)  # no --prefix-index: ask the engines
+
+
+def test_every_reason_of_the_policy_is_exported_from_the_start() -> None:
+    metrics = RouterMetrics(ServiceMetrics.create("processor"), "kv-aware", REASONS["kv-aware"])
+    samples = {(s.labels["policy"], s.labels["reason"]): s.value for m in metrics.decisions.collect()
+               for s in m.samples if s.name.endswith("_total")}
+    assert samples == {("kv-aware", r): 0 for r in REASONS["kv-aware"]}
 
 
 def test_engine_sources_are_flags() -> None:

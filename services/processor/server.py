@@ -189,8 +189,10 @@ async def sweep_index(index: PrefixIndex, interval: float) -> None:
             logger.debug("prefix index sweep failed: %s", e)
 
 
-async def follow_index_engines(index: PrefixIndex, engines: EngineSet) -> None:
-    """The index's live engines (their ids are their addresses) become the EngineSet's members."""
+async def follow_index_engines(index: PrefixIndex, engines: EngineSet,
+                               interval: float = ENGINES_FROM_INDEX_INTERVAL) -> None:
+    """The index's live engines (their ids are their addresses) become the EngineSet's members, every
+    `interval` s; while the index is unreachable the engines known stay."""
     while True:
         try:
             live = await index.engines()
@@ -198,7 +200,7 @@ async def follow_index_engines(index: PrefixIndex, engines: EngineSet) -> None:
             logger.debug("prefix index unreachable, keeping the engines known: %s", e)
         else:
             engines.update(frozenset(Endpoint(engine_id) for engine_id in live))
-        await asyncio.sleep(ENGINES_FROM_INDEX_INTERVAL)
+        await asyncio.sleep(interval)
 
 
 async def follow_engine_health(processor: AsyncProcessor, server: RpcServer, interval: float) -> None:

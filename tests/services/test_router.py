@@ -8,6 +8,7 @@ as an engine's publisher does.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -351,6 +352,30 @@ async def test_open_engines_by_source() -> None:
         assert isinstance(several, EngineSet) and set(several.members) == {A, B}
         assert several.router.config.routing == "round-robin"
         assert isinstance(several.router.index, EnginesPrefixIndex)  # no --prefix-index: ask the engines
+
+
+async def test_engines_from_the_index_heartbeats(engines) -> None:
+    """--engines-from-index: the index's live engines are the members, followed as they come and go."""
+    index = MemoryPrefixIndex(heartbeat_ttl_s=30)
+    members = EngineSet("engines", engines.__getitem__, RoutingConfig(), index)
+    follow = asyncio.create_task(processor_server.follow_index_engines(index, members, interval=0.01))
+
+    async def members_become(expected: set[str]) -> None:
+        async with asyncio.timeout(5):
+            while {a for a, m in members.members.items() if m.ready} != expected:
+                await asyncio.sleep(0.01)
+    try:
+        await members_become(set())
+        await index.heartbeat(A, 1, EngineLoad(0, 0, 64, 0.0))
+        await members_become({A})
+        await index.heartbeat(B, 1, EngineLoad(0, 0, 64, 0.0))
+        await members_become({A, B})
+        await index.clear(B)  # gone from the index (swept, or cleared): no more requests for it
+        await members_become({A})
+        assert (await members.choose(request("r", prompt(1, 8)))).address == A
+    finally:
+        follow.cancel()
+        await members.close()
 
 
 def test_every_reason_of_the_policy_is_exported_from_the_start() -> None:

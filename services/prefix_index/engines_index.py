@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 
 from services.common.clients import EngineClient, PrefixMatch
+from services.common.errors import EngineDeadError
 from services.common.hashing import BlockHash
 from services.engine.kv_events import KVCacheEvent
 from services.prefix_index.index import EngineLoad, EngineState
@@ -34,7 +35,7 @@ async def ask_engines(engines: Mapping[str, EngineClient], block_hashes: Sequenc
     for engine_id, answer in zip(ids, answers):
         if isinstance(answer, PrefixMatch):
             matches[engine_id] = answer
-        elif isinstance(answer, (ConnectionError, TimeoutError, OSError)):
+        elif isinstance(answer, (ConnectionError, TimeoutError, OSError, EngineDeadError)):
             logger.debug("engine %s did not answer MatchPrefix: %s", engine_id, answer)
         else:
             raise answer  # ValueError for a malformed chain, or a bug: not an unreachable engine

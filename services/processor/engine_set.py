@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 from services.common.clients import EngineClient, EngineInfo, EngineStats, PrefixMatch
 from services.common.config import RoutingConfig
 from services.common.discovery import Endpoint
+from services.common.errors import EngineDeadError
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.prefix_index.engines_index import EnginesPrefixIndex, ask_engines
 from services.prefix_index.index import PrefixIndex
@@ -141,7 +142,7 @@ class EngineSet:
         async def fetch(member: EngineMember) -> None:
             try:
                 member.info = await asyncio.wait_for(member.client.info(), self.index_timeout_s)
-            except (ConnectionError, TimeoutError) as e:
+            except (ConnectionError, TimeoutError, EngineDeadError) as e:
                 logger.debug("engine %s: no info yet: %s", member.address, e)
 
         await asyncio.gather(*(fetch(m) for m in missing))

@@ -397,3 +397,10 @@ def test_engine_sources_are_flags() -> None:
         processor_server.parse_args(["--engines-from-index"])  # without --prefix-index
     assert processor_server.parse_args(["--engines-from-index", "--prefix-index",
                                         "redis://127.0.0.1:1/0"]).service.engine_address == ()
+
+
+def test_engine_addresses_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("KVMESH_PROCESSOR_ENGINE_ADDRESS", f"{A}, {B}")
+    monkeypatch.setenv("KVMESH_PROCESSOR_ROUTING", "least-load")
+    args = processor_server.parse_args([])
+    assert (args.service.engine_address, args.routing.routing) == ((A, B), "least-load")

@@ -25,10 +25,10 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from services.common.clients import EngineClient, EngineInfo, ProcessorClient
 from services.common.config import (
@@ -126,47 +126,48 @@ async def open_engines(config: ProcessorServiceConfig, metrics: GrpcMetrics | No
                        routing: Routing = Routing()) -> AsyncIterator[EngineClient]:
     """The one engine at --engine-address, or an EngineSet over several, over the ready engines of
     --engine-service as they come and go, or over the index's live engines; every connection carries
-    `security`'s token (and mTLS)."""
+    `security`'s token (and mTLS). With --prefix-index, its expired engines are swept meanwhile."""
     def connect(address: str) -> GrpcEngineClient:
         return GrpcEngineClient(address, timeout=config.engine_timeout, metrics=metrics, security=security)
 
     addresses = config.engine_address or ((DEFAULT_ENGINE_ADDRESS,) if config.engine_service is None
                                           and not config.engines_from_index else ())
-    if len(addresses) == 1:
-        engine = connect(addresses[0])
-        try:
-            yield engine
-        finally:
-            await engine.close()
-        return
     index = open_index(routing.index)
     if config.engines_from_index and index is None:
         raise ValueError("--engines-from-index needs --prefix-index")
-    engines = EngineSet(config.engine_service or "engines", connect, routing.config, index,
-                        routing.index.prefix_index_timeout, routing.metrics)
-    watcher = None
-    tasks = []
-    if index is not None:
-        tasks.append(asyncio.create_task(sweep_index(index, routing.index.heartbeat_ttl), name="index-sweep"))
-    if config.engine_service is not None:
-        watcher = EndpointWatcher(config.engine_service, kube_configuration(), config.namespace)
-        watcher.subscribe(engines.update)
-        watcher.start()
-    elif config.engines_from_index:
-        tasks.append(asyncio.create_task(follow_index_engines(index, engines), name="engines-from-index"))
-    else:
-        engines.update(frozenset(Endpoint(address) for address in addresses))
-    try:
-        yield engines
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if watcher is not None:
-            await watcher.close()
-        await engines.close()
+    async with AsyncExitStack() as stack:
         if index is not None:
-            await index.close()
+            stack.push_async_callback(index.close)
+            await stack.enter_async_context(background(sweep_index(index, routing.index.heartbeat_ttl)))
+        if len(addresses) == 1:
+            engine = connect(addresses[0])
+            stack.push_async_callback(engine.close)
+            yield engine
+            return
+        engines = EngineSet(config.engine_service or "engines", connect, routing.config, index,
+                            routing.index.prefix_index_timeout, routing.metrics)
+        stack.push_async_callback(engines.close)
+        if config.engine_service is not None:
+            watcher = EndpointWatcher(config.engine_service, kube_configuration(), config.namespace)
+            watcher.subscribe(engines.update)
+            watcher.start()
+            stack.push_async_callback(watcher.close)
+        elif config.engines_from_index:
+            await stack.enter_async_context(background(follow_index_engines(index, engines)))
+        else:
+            engines.update(frozenset(Endpoint(address) for address in addresses))
+        yield engines
+
+
+@asynccontextmanager
+async def background(work: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
+    """Runs `work` as a task while the block runs; cancels it (and waits for it) at its end."""
+    task = asyncio.create_task(work)
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def open_index(config: PrefixIndexConfig) -> PrefixIndex | None:

@@ -378,6 +378,22 @@ async def test_engines_from_the_index_heartbeats(engines) -> None:
         await members.close()
 
 
+async def test_the_processor_sweeps_expired_engines() -> None:
+    """An engine whose heartbeat expired is swept by the processor's timer: coming back with the same
+    epoch, its old blocks no longer count (unswept, they would)."""
+    index = MemoryPrefixIndex(heartbeat_ttl_s=0.05)
+    chain = prompt_chain(request("x", prompt(1, 8)), SCRIPTED)
+    for swept in (False, True):
+        await index.apply(A, 1, [BlockStored(chain, None, prompt(1, 8), BLOCK_SIZE)])
+        if swept:
+            async with processor_server.background(processor_server.sweep_index(index, 0.01)):
+                await asyncio.sleep(0.2)
+        else:
+            await asyncio.sleep(0.2)
+        await index.heartbeat(A, 1, EngineLoad(0, 0, 64, 0.0))
+        assert await index.longest_prefix(chain) == ({} if swept else {A: 2})
+
+
 def test_every_reason_of_the_policy_is_exported_from_the_start() -> None:
     metrics = RouterMetrics(ServiceMetrics.create("processor"), "kv-aware", REASONS["kv-aware"])
     samples = {(s.labels["policy"], s.labels["reason"]): s.value for m in metrics.decisions.collect()

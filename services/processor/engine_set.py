@@ -82,6 +82,7 @@ class EngineSet:
                 logger.info("engine %s (%s) joined %s", address, endpoint.pod or endpoint.hostname, self.service)
             elif not member.ready:
                 member.ready, member.healthy = True, True
+                member.info = None  # it may have restarted meanwhile (another id, block size): ask again
                 logger.info("engine %s is ready again", address)
         for address, member in list(self.members.items()):
             if address not in ready and member.ready:

@@ -308,6 +308,9 @@ class RoutingConfig:
     max_migrations: int = option(
         2, "times a request moves to another engine when its engine dies mid-stream (0: never; the "
            "client gets the error)", minimum=0)
+    routing_request_cost: int = option(
+        256, "prompt tokens that one request already running or waiting on an engine counts as, when kv-aware "
+             "routing weighs an engine's cache hit against its queue", minimum=0)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -322,10 +325,14 @@ class ProcessorServiceConfig:
     """How the processor service finds its engines: an address, or a Kubernetes Service's endpoints."""
 
     engine_address: tuple[str, ...] = option(
-        (), "an engine, off Kubernetes (repeatable: every engine of the fleet; default 127.0.0.1:50052)")
+        (), "an engine's host:port, off Kubernetes (repeatable, or comma-separated in the environment; several: "
+            "the router chooses per request; default 127.0.0.1:50052)")
     engine_service: str | None = option(
         None, "the engines' Kubernetes Service: route to its ready endpoints (port named grpc); "
               "excludes --engine-address")
+    engines_from_index: bool = option(
+        False, "route to the engines alive in --prefix-index (their heartbeats; engine ids are addresses), "
+               "followed every few seconds; excludes --engine-address and --engine-service")
     namespace: str | None = option(
         None, "the Service's namespace (default: this pod's, else $KVMESH_NAMESPACE, else default)")
     engine_timeout: float = option(10.0, "deadline (s) of each unary engine call", minimum=0.0)
@@ -335,8 +342,11 @@ class ProcessorServiceConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.engine_service is not None and self.engine_address:
-            raise ValueError("--engine-address and --engine-service exclude each other")
+        sources = (bool(self.engine_address), self.engine_service is not None, self.engines_from_index)
+        if sum(sources) > 1:
+            raise ValueError("--engine-address, --engine-service and --engines-from-index exclude each other")
+        if len(set(self.engine_address)) != len(self.engine_address):
+            raise ValueError(f"--engine-address names an engine twice: {self.engine_address}")
 
 
 @dataclass(frozen=True)
@@ -362,6 +372,9 @@ class GatewayConfig:
                                         "(lowered to fit the process's file-descriptor limit)", minimum=1)
     max_header_bytes: int = option(16384, "bytes of a request's line and headers; more is a 431", minimum=1024)
     max_headers: int = option(100, "headers of one request; more is a 431", minimum=1)
+    session_header: str = option(
+        "x-session-id", "the header whose value routes a client's requests to one engine (--routing session); "
+                        "at most 256 characters, longer is a 400")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -369,7 +382,7 @@ class GatewayConfig:
 
 # What `kvmesh serve` takes of GatewayConfig (the rest it sets itself, or leaves to a pod).
 GATEWAY_SERVE_FIELDS = ("api_key", "access_log", "log_level", "header_timeout", "body_timeout",
-                        "keep_alive_timeout", "max_connections", "max_header_bytes", "max_headers")
+                        "keep_alive_timeout", "max_connections", "max_header_bytes", "max_headers", "session_header")
 
 
 @dataclass(frozen=True)

@@ -38,4 +38,6 @@ class EngineCoreRequest:
     # The client request this one is part of (its choices, its prompts); None: its own request id.
     # The engine's waiting queue shares the engine fairly between groups.
     group_id: str | None = None
+    # Routing affinity (the processor's `session` policy); stays in the processor, never on the wire.
+    session_id: str | None = None
 

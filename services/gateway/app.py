@@ -29,9 +29,10 @@ from services.common.sampling_params import SamplingParams
 from services.gateway.auth import APIKeyMiddleware
 from services.gateway.chat import chat_chunks, chat_response, generate_request
 from services.gateway.completion import completion_chunks, completion_response, generate_requests
-from services.gateway.errors import ANSWERED_ERRORS, OPENAPI_ERRORS, APIError, api_error_of, model_not_found
+from services.gateway.errors import (ANSWERED_ERRORS, OPENAPI_ERRORS, APIError, api_error_of, bad_request,
+                                     model_not_found)
 from services.gateway.generation import Generation
-from services.common.config import Limits
+from services.common.config import GatewayConfig, Limits
 from services.gateway.limits import BodyLimitMiddleware, check_limits, check_prompt_sizes
 from services.gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
 from services.gateway.protocol import (
@@ -56,16 +57,19 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # an error in `data`, then `data: [DONE]`).
 STREAMED: dict[int | str, dict] = {200: {"content": {"text/event-stream": {"schema": {
     "type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}}}
+DEFAULT_SESSION_HEADER: str = GatewayConfig.session_header
+MAX_SESSION_ID_CHARS = 256
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away; nobody reads it
 T = TypeVar("T")
 
 
 def create_app(processor: ProcessorClient, served_model_name: str, health_timeout: float = 5.0,
                limits: Limits = Limits(), api_keys: Sequence[str] = (),
-               metrics: GatewayMetrics | None = None) -> FastAPI:
+               metrics: GatewayMetrics | None = None, *, session_header: str = DEFAULT_SESSION_HEADER) -> FastAPI:
     """The gateway app. `health_timeout` bounds /health's question to the processor (seconds);
     with `api_keys`, every path but the public ones needs one of them (services/gateway/auth.py).
-    /metrics serves `metrics` (default: a registry of this app's own)."""
+    /metrics serves `metrics` (default: a registry of this app's own). The `session_header`'s value
+    becomes the requests' session id (the processor's `session` routing)."""
     app = FastAPI(title="kvmesh", version=_version(), docs_url=None, redoc_url=None, responses=OPENAPI_ERRORS)
     # Outermost last: request id, then the key (no body of an unauthenticated client is read), then
     # the body's size, then any error of ours answered, then routing.
@@ -82,7 +86,7 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
     # goes to Starlette's last-resort handler too (a 500 in our shape, and a logged traceback).
     for kind in (*ANSWERED_ERRORS, Exception):
         app.add_exception_handler(kind, _error)
-    api = app.state.api = _API(processor, served_model_name, limits)
+    api = app.state.api = _API(processor, served_model_name, limits, session_header)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics_page() -> Response:
@@ -132,10 +136,12 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
 class _API:
     """The generating endpoints: request → processor requests → a response or an SSE stream."""
 
-    def __init__(self, processor: ProcessorClient, served_model_name: str, limits: Limits) -> None:
+    def __init__(self, processor: ProcessorClient, served_model_name: str, limits: Limits,
+                 session_header: str = DEFAULT_SESSION_HEADER) -> None:
         self.processor = processor
         self.served_model_name = served_model_name
         self.limits = limits
+        self.session_header = session_header
         self.max_model_len: int | None = None  # the model's context length, once asked
         self.generations: set[Generation] = set()  # in flight
 
@@ -144,6 +150,7 @@ class _API:
         await self._check_sizes(prompt_size(p, None) for p in body.prompts() if isinstance(p, str))
         response_id, engine_id = _ids("cmpl", request, body.request_id)
         requests = generate_requests(body, engine_id, params)
+        self._set_session(requests, request)
         return await self._respond(request, requests, body.stream,
                                    lambda g: completion_chunks(g, body, response_id, self.served_model_name),
                                    lambda g: completion_response(g, body, response_id, self.served_model_name))
@@ -153,10 +160,22 @@ class _API:
         await self._check_sizes([PromptSize(0, len(body.messages))])  # before converting each of them
         response_id, engine_id = _ids("chatcmpl", request, body.request_id)
         requests = [generate_request(body, engine_id, params)]
+        self._set_session(requests, request)
         await self._check_sizes([prompt_size(None, requests[0].messages, requests[0].chat_template_kwargs.values())])
         return await self._respond(request, requests, body.stream,
                                    lambda g: chat_chunks(g, body, response_id, self.served_model_name),
                                    lambda g: chat_response(g, body, response_id, self.served_model_name))
+
+    def _set_session(self, requests: list[GenerateRequest], request: Request) -> None:
+        """The session header's value, if sent, as every request's session id; 400 when too long."""
+        session_id = request.headers.get(self.session_header)
+        if session_id is None:
+            return
+        if len(session_id) > MAX_SESSION_ID_CHARS:
+            raise bad_request(f"the {self.session_header} header is {len(session_id)} characters long; at most "
+                              f"{MAX_SESSION_ID_CHARS} are allowed", self.session_header)
+        for r in requests:
+            r.session_id = session_id or None
 
     def _params(self, body: SamplingRequest) -> SamplingParams:
         self._check_model(body.model)

@@ -1,8 +1,10 @@
-"""The engines a processor routes to when they are discovered (`--engine-service`): one gRPC client
-per ready endpoint, and the choice of engine per request. An `EngineClient` itself, so the
-`AsyncProcessor` over it is the same as over one static engine.
+"""The engines a processor routes to (discovered with `--engine-service`, a static `--engine-address`
+list, or the prefix index's live engines): one client per ready endpoint, and the choice of engine per
+request (services/processor/router.py). An `EngineClient` itself, so the `AsyncProcessor` over it is
+the same as over one static engine.
 
     EndpointWatcher ──update(ready set)──▶ EngineSet ──choose(request)──▶ member.client.generate(request)
+                                                      └─ Router(policy, prefix index) ─┘
 
 An endpoint that leaves the ready set stops getting new requests at once; its streams in flight
 run on (an engine that turned unready to drain, e.g. on SIGTERM, finishes them; one that died
@@ -18,10 +20,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, fields
 
-from services.common.clients import EngineInfo, EngineStats
+from services.common.clients import EngineClient, EngineInfo, EngineStats, PrefixMatch
+from services.common.config import RoutingConfig
 from services.common.discovery import Endpoint
+from services.common.errors import EngineDeadError
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
-from services.engine.client import GrpcEngineClient
+from services.prefix_index.engines_index import EnginesPrefixIndex, ask_engines
+from services.prefix_index.index import PrefixIndex
+from services.processor.metrics import RouterMetrics
+from services.processor.router import Router
 
 logger = logging.getLogger(__name__)
 
@@ -29,22 +36,41 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class EngineMember:
     endpoint: Endpoint
-    client: GrpcEngineClient
+    client: EngineClient
     ready: bool = True  # in the Service's ready set
     healthy: bool = True  # its last health check said SERVING (assumed until checked)
     in_flight: int = 0  # engine requests streaming now
+    info: EngineInfo | None = None  # its model, block size and index id, once asked (kv-aware routing)
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+    @property
+    def index_id(self) -> str:
+        """Its id in the prefix index: the id the engine publishes under, else its address."""
+        return self.info.engine_id if self.info is not None and self.info.engine_id else self.address
 
 
 class EngineSet:
-    """Implements `EngineClient` over the ready engines of one Service. Construct inside the running
-    event loop; `update` is the `EndpointWatcher`'s subscriber."""
+    """Implements `EngineClient` over the ready engines of one Service (or a static list). Construct
+    inside the running event loop; `update` is the `EndpointWatcher`'s subscriber. With no
+    `prefix_index`, kv-aware routing asks the engines themselves (EnginesPrefixIndex)."""
 
-    def __init__(self, service: str, connect: Callable[[str], GrpcEngineClient]) -> None:
+    def __init__(self, service: str, connect: Callable[[str], EngineClient],
+                 routing: RoutingConfig = RoutingConfig(), prefix_index: PrefixIndex | None = None,
+                 index_timeout_s: float = 0.5, metrics: RouterMetrics | None = None) -> None:
         self.service = service
         self._connect = connect  # address -> client (carries the per-call deadlines)
         self.members: dict[str, EngineMember] = {}  # by address; ready ones and those still draining
         self._owners: dict[str, EngineMember] = {}  # request id -> the member streaming it
         self._closing: set[asyncio.Task[None]] = set()  # strong references until the channels close
+        self.index_timeout_s = index_timeout_s
+        index = prefix_index if prefix_index is not None else EnginesPrefixIndex(self._index_clients, index_timeout_s)
+        self.router = Router(routing, index, index_timeout_s, metrics)
+        self.metrics = metrics
+        # request id -> the cached tokens its route predicted, until its engine's first output tells.
+        self._predictions: dict[str, int] = {}
 
     def update(self, endpoints: frozenset[Endpoint]) -> None:
         """The Service's ready set changed: new endpoints get a client, gone ones drain."""
@@ -56,6 +82,7 @@ class EngineSet:
                 logger.info("engine %s (%s) joined %s", address, endpoint.pod or endpoint.hostname, self.service)
             elif not member.ready:
                 member.ready, member.healthy = True, True
+                member.info = None  # it may have restarted meanwhile (another id, block size): ask again
                 logger.info("engine %s is ready again", address)
         for address, member in list(self.members.items()):
             if address not in ready and member.ready:
@@ -63,26 +90,63 @@ class EngineSet:
                 logger.info("engine %s left %s with %d request(s) in flight", address, self.service, member.in_flight)
                 self._retire_if_idle(member)
 
-    def choose(self, request: EngineCoreRequest) -> EngineMember:
-        """The engine for `request`: the fewest requests in flight among the ready engines, healthy
-        ones first. The one place routing policy lives (a prefix-aware router replaces this)."""
-        ready = [m for m in self.members.values() if m.ready]
+    async def choose(self, request: EngineCoreRequest, exclude: frozenset[str] = frozenset()) -> EngineMember:
+        """The engine for `request` among the ready ones (healthy ones first) whose address is not in
+        `exclude`, by the router's policy. ConnectionError when none is left."""
+        ready = [m for m in self.members.values() if m.ready and m.address not in exclude]
         if not ready:
-            raise ConnectionError(f"no ready engine in service {self.service}")
-        return min(ready, key=lambda m: (not m.healthy, m.in_flight))
+            raise ConnectionError(f"no ready engine in service {self.service}"
+                                  + (f" besides {', '.join(sorted(exclude))}" if exclude else ""))
+        candidates = [m for m in ready if m.healthy] or ready
+        if self.router.config.routing == "kv-aware" and len(candidates) > 1:
+            await self._fetch_infos(candidates)
+        route = await self.router.route(candidates, request)
+        if route.predicted_cached_tokens is not None:
+            self._predictions[request.request_id] = route.predicted_cached_tokens
+        return route.candidate
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
-        member = self.choose(request)
+        member = await self.choose(request)
         member.in_flight += 1
         self._owners[request.request_id] = member
+        predicted = self._predictions.pop(request.request_id, None)
         try:
             async with aclosing(member.client.generate(request)) as stream:  # closing early aborts it there
                 async for output in stream:
+                    if predicted is not None and self.metrics is not None and member.info is not None:
+                        self.metrics.observe_prediction(predicted, output.num_cached_tokens, member.info.block_size)
+                    predicted = None  # the first output carries the engine's num_cached_tokens
                     yield output
         finally:
             member.in_flight -= 1
             self._owners.pop(request.request_id, None)
+            self._predictions.pop(request.request_id, None)  # a later choose() for it (a retry) left one
             self._retire_if_idle(member)
+
+    async def match_prefix(self, block_hashes: Sequence[bytes]) -> PrefixMatch:
+        """The answer of the ready engine holding the most of the chain (the least busy among equals):
+        what the fleet holds, as one engine would say it."""
+        matches = await ask_engines(self._index_clients(), block_hashes, self.index_timeout_s)
+        if not matches:
+            raise ConnectionError(f"no ready engine in service {self.service}")
+        return max(matches.values(), key=lambda m: (m.num_matched_blocks, -(m.num_running + m.num_waiting)))
+
+    def _index_clients(self) -> dict[str, EngineClient]:
+        """The ready engines' clients by index id (what EnginesPrefixIndex asks)."""
+        return {m.index_id: m.client for m in self.members.values() if m.ready}
+
+    async def _fetch_infos(self, members: Sequence[EngineMember]) -> None:
+        """Each member's EngineInfo, asked once (within the index timeout: a member that does not answer
+        is routed without a prediction, and asked again next time)."""
+        missing = [m for m in members if m.info is None]
+
+        async def fetch(member: EngineMember) -> None:
+            try:
+                member.info = await asyncio.wait_for(member.client.info(), self.index_timeout_s)
+            except (ConnectionError, TimeoutError, EngineDeadError) as e:
+                logger.debug("engine %s: no info yet: %s", member.address, e)
+
+        await asyncio.gather(*(fetch(m) for m in missing))
 
     async def abort(self, request_ids: Sequence[str], reason: str = "abort") -> None:
         """Aborts each request in flight on the engine streaming it. Ids not in flight are done

@@ -3,13 +3,17 @@ vLLM metrics about a whole request that only the processor sees, since it splits
 n choices into n engine requests: vllm:request_params_n and vllm:request_max_num_generation_tokens
 (the most tokens any choice generated). Their labels are vLLM's less `engine`: a request's choices
 may run on different engines.
+
+The router's (kvmesh_router_*, RouterMetrics): its decisions by policy and reason, its latency, and how
+right it was: the cached tokens the engine reported in a request's first output minus the tokens the
+router predicted it would find cached.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 from services.common.metrics import COMPONENT, ServiceMetrics, build_1_2_5_buckets
 
@@ -17,6 +21,43 @@ PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's
 # Tokenizing a prompt or detokenizing a step's tokens: 10 us to 1 s.
 TOKENIZER_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
                      0.05, 0.1, 0.25, 1.0)
+
+# One routing decision: 50 us (the in-memory index, or none) to 1 s (an index at its timeout).
+ROUTING_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025,
+                   0.05, 0.1, 0.25, 0.5, 1.0)
+# Actual minus predicted cached tokens: 0 is a right prediction; whole blocks either way.
+_ERROR_STEPS = (1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+PREDICTION_ERROR_BUCKETS = (*(-s for s in reversed(_ERROR_STEPS)), 0, *_ERROR_STEPS)
+
+
+class RouterMetrics:
+    def __init__(self, service: ServiceMetrics, policy: str | None = None, reasons: Sequence[str] = ()) -> None:
+        """`policy` and its `reasons` (services/processor/router.py REASONS) are exported at 0 from the
+        start, so that dashboards and alerts see the series before the first decision."""
+        registry, component = service.registry, service.grpc.component
+        self.decisions = Counter("kvmesh_router_decisions", "Engines chosen, by policy and reason",
+                                  [COMPONENT, "policy", "reason"], registry=registry)
+        self._component = component
+        for reason in reasons:
+            self.decisions.labels(component, policy, reason)
+        self.seconds = Histogram("kvmesh_router_seconds", "Time to choose an engine for one engine request "
+                                 "(prefix-index lookup included)", [COMPONENT], buckets=ROUTING_BUCKETS,
+                                 registry=registry).labels(component)
+        self.prediction_error = Histogram(
+            "kvmesh_router_prediction_error_tokens", "Cached tokens the engine reported for a request minus those "
+            "the router predicted", [COMPONENT], buckets=PREDICTION_ERROR_BUCKETS, registry=registry).labels(component)
+        self.mispredictions = Counter(
+            "kvmesh_router_mispredictions", "Requests whose reported cached tokens differed from the router's "
+            "prediction by more than one block", [COMPONENT], registry=registry).labels(component)
+
+    def observe_decision(self, policy: str, reason: str, seconds: float) -> None:
+        self.decisions.labels(self._component, policy, reason).inc()
+        self.seconds.observe(seconds)
+
+    def observe_prediction(self, predicted: int, actual: int, block_size: int) -> None:
+        self.prediction_error.observe(actual - predicted)
+        if abs(actual - predicted) > block_size:
+            self.mispredictions.inc()
 
 
 class ProcessorMetrics:

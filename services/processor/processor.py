@@ -134,6 +134,7 @@ class Processor:
         priority: int = 0,
         cache_salt: str | None = None,
         group_id: str | None = None,
+        session_id: str | None = None,
     ) -> list[EngineCoreRequest]:
         """One engine request per choice: `{request_id}` for n == 1, else `{request_id}-{i}` with
         seed + i, so that a seeded request is reproducible choice by choice; all of them in the group
@@ -143,12 +144,12 @@ class Processor:
         group_id = group_id or request_id
         if params.n == 1:
             return [EngineCoreRequest(request_id, prompt_token_ids, params, self.info.eos_token_ids,
-                                      priority, cache_salt, group_id=group_id)]
+                                      priority, cache_salt, group_id=group_id, session_id=session_id)]
         return [
             EngineCoreRequest(
                 f"{request_id}-{i}", prompt_token_ids,
                 replace(params, n=1, seed=None if params.seed is None else params.seed + i),
-                self.info.eos_token_ids, priority, cache_salt, group_id=group_id,
+                self.info.eos_token_ids, priority, cache_salt, group_id=group_id, session_id=session_id,
             )
             for i in range(params.n)
         ]

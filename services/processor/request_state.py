@@ -40,7 +40,8 @@ class RequestState:
         self.request = request
         self.prompt_token_ids = processor.prompt_of(request)
         engine_requests = processor.make_requests(request.request_id, self.prompt_token_ids, request.params,
-                                                  request.priority, request.cache_salt, request.group_id)
+                                                  request.priority, request.cache_salt, request.group_id,
+                                                  request.session_id)
         self.choices = [Choice(i, r, processor.output_state(self.prompt_token_ids, r.sampling_params))
                         for i, r in enumerate(engine_requests)]
         self._first = True

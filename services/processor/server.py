@@ -10,9 +10,12 @@ follows the engine's, checked every second. Flags come from services/common/conf
 (ProcessorServiceConfig, ModelConfig's model fields, ServingConfig); each falls back to
 KVMESH_PROCESSOR_<FIELD> (KVMESH_PROCESSOR_PORT, KVMESH_PROCESSOR_ENGINE_ADDRESS, ...).
 
-The engines: one GrpcEngineClient at --engine-address (off Kubernetes), or with --engine-service an
-EngineSet over the Service's ready endpoints, followed through the Kubernetes API (EndpointWatcher);
-then the processor is SERVING while at least one of them is ready and healthy.
+The engines: one GrpcEngineClient at a single --engine-address; an EngineSet over several
+--engine-address, over the ready endpoints of --engine-service (followed through the Kubernetes API,
+EndpointWatcher) or over the live engines of --prefix-index (--engines-from-index, polled). An
+EngineSet routes each request by --routing (services/processor/router.py), reading the Redis index of
+--prefix-index (and sweeping its expired engines every --heartbeat-ttl), else asking the engines; the
+processor is SERVING while at least one engine is ready and healthy.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from services.common.clients import EngineClient, EngineInfo, ProcessorClient
 from services.common.config import (
@@ -38,7 +41,7 @@ from services.common.config import (
     ServingConfig,
 )
 from services.common.flags import add_flags, build
-from services.common.discovery import EndpointWatcher, kube_configuration
+from services.common.discovery import Endpoint, EndpointWatcher, kube_configuration
 from services.common.errors import answers_with_status
 from services.common.metrics import GrpcMetrics, MetricsEndpoint, ServiceMetrics
 from services.common.model_files import model_id_of, resolve_tokenizer
@@ -49,9 +52,12 @@ from services.common.rpc.server import RpcServer, service_name
 from services.engine.client import GrpcEngineClient
 from services.processor.async_processor import DEFAULT_TOKENIZER_THREADS, AsyncProcessor
 from services.processor.engine_set import EngineSet
-from services.processor.metrics import ProcessorMetrics
+from services.prefix_index.index import PrefixIndex
+from services.prefix_index.redis_index import RedisPrefixIndex
+from services.processor.metrics import ProcessorMetrics, RouterMetrics
 from services.common.rpc.convert import generate_delta_to_proto, generate_request_from_proto
 from services.processor.processor import Processor
+from services.processor.router import REASONS
 from services.processor.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -62,6 +68,7 @@ DEFAULT_ENGINE_ADDRESS = "127.0.0.1:50052"
 SERVICE_NAME = service_name(processor_pb2.DESCRIPTOR, "Processor")
 HEALTH_INTERVAL = 1.0  # seconds between checks of the engine's health
 ENV_PREFIX = "KVMESH_PROCESSOR"  # KVMESH_PROCESSOR_PORT for --port, ...
+ENGINES_FROM_INDEX_INTERVAL = 2.0  # seconds between polls of the index's live engines
 
 
 class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
@@ -105,31 +112,96 @@ async def wait_for_engine(engine: EngineClient, timeout: float) -> EngineInfo:
         await asyncio.sleep(0.5)
 
 
+class Routing(NamedTuple):
+    """What an EngineSet routes by: the policy, the shared index (if any) and the router's metrics."""
+
+    config: RoutingConfig = RoutingConfig()
+    index: PrefixIndexConfig = PrefixIndexConfig()
+    metrics: RouterMetrics | None = None
+
+
 @asynccontextmanager
 async def open_engines(config: ProcessorServiceConfig, metrics: GrpcMetrics | None = None,
-                       security: RpcSecurity = RpcSecurity()) -> AsyncIterator[EngineClient]:
-    """The one engine at --engine-address, or the ready engines of --engine-service as they come
-    and go; every connection carries `security`'s token (and mTLS)."""
+                       security: RpcSecurity = RpcSecurity(),
+                       routing: Routing = Routing()) -> AsyncIterator[EngineClient]:
+    """The one engine at --engine-address, or an EngineSet over several, over the ready engines of
+    --engine-service as they come and go, or over the index's live engines; every connection carries
+    `security`'s token (and mTLS). With --prefix-index, its expired engines are swept meanwhile."""
     def connect(address: str) -> GrpcEngineClient:
         return GrpcEngineClient(address, timeout=config.engine_timeout, metrics=metrics, security=security)
 
-    if config.engine_service is None:
-        # The first address only: routing over several (EngineSet) is #12's router work.
-        engine = connect(config.engine_address[0] if config.engine_address else DEFAULT_ENGINE_ADDRESS)
-        try:
+    addresses = config.engine_address or ((DEFAULT_ENGINE_ADDRESS,) if config.engine_service is None
+                                          and not config.engines_from_index else ())
+    index = open_index(routing.index)
+    if config.engines_from_index and index is None:
+        raise ValueError("--engines-from-index needs --prefix-index")
+    async with AsyncExitStack() as stack:
+        if index is not None:
+            stack.push_async_callback(index.close)
+            await stack.enter_async_context(background(sweep_index(index, routing.index.heartbeat_ttl)))
+        if len(addresses) == 1:
+            engine = connect(addresses[0])
+            stack.push_async_callback(engine.close)
             yield engine
-        finally:
-            await engine.close()
-        return
-    engines = EngineSet(config.engine_service, connect)
-    watcher = EndpointWatcher(config.engine_service, kube_configuration(), config.namespace)
-    watcher.subscribe(engines.update)
-    watcher.start()
-    try:
+            return
+        engines = EngineSet(config.engine_service or "engines", connect, routing.config, index,
+                            routing.index.prefix_index_timeout, routing.metrics)
+        stack.push_async_callback(engines.close)
+        if config.engine_service is not None:
+            watcher = EndpointWatcher(config.engine_service, kube_configuration(), config.namespace)
+            watcher.subscribe(engines.update)
+            watcher.start()
+            stack.push_async_callback(watcher.close)
+        elif config.engines_from_index:
+            await stack.enter_async_context(background(follow_index_engines(index, engines)))
+        else:
+            engines.update(frozenset(Endpoint(address) for address in addresses))
         yield engines
+
+
+@asynccontextmanager
+async def background(work: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
+    """Runs `work` as a task while the block runs; cancels it (and waits for it) at its end."""
+    task = asyncio.create_task(work)
+    try:
+        yield
     finally:
-        await watcher.close()
-        await engines.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def open_index(config: PrefixIndexConfig) -> PrefixIndex | None:
+    """The Redis index of --prefix-index (connections are made on first use), or None."""
+    if config.prefix_index is None:
+        return None
+    return RedisPrefixIndex.connect(config.prefix_index, config.prefix_index_timeout, config.prefix_index_namespace,
+                                    config.heartbeat_ttl)
+
+
+async def sweep_index(index: PrefixIndex, interval: float) -> None:
+    """Clears engines whose heartbeat expired (a dead engine's blocks), every `interval` s; every
+    processor does it, which is idempotent."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            if gone := await index.sweep():
+                logger.info("prefix index: swept expired engine(s) %s", ", ".join(gone))
+        except ConnectionError as e:
+            logger.debug("prefix index sweep failed: %s", e)
+
+
+async def follow_index_engines(index: PrefixIndex, engines: EngineSet,
+                               interval: float = ENGINES_FROM_INDEX_INTERVAL) -> None:
+    """The index's live engines (their ids are their addresses) become the EngineSet's members, every
+    `interval` s; while the index is unreachable the engines known stay."""
+    while True:
+        try:
+            live = await index.engines()
+        except ConnectionError as e:
+            logger.debug("prefix index unreachable, keeping the engines known: %s", e)
+        else:
+            engines.update(frozenset(Endpoint(engine_id) for engine_id in live))
+        await asyncio.sleep(interval)
 
 
 async def follow_engine_health(processor: AsyncProcessor, server: RpcServer, interval: float) -> None:
@@ -187,20 +259,25 @@ class ProcessorArgs(NamedTuple):
     model: ModelConfig
     serving: ServingConfig
     security: SecurityConfig = SecurityConfig()
+    routing: RoutingConfig = RoutingConfig()
+    prefix_index: PrefixIndexConfig = PrefixIndexConfig()
 
 
 def parse_args(argv: list[str] | None = None) -> ProcessorArgs:
     parser = build_parser()
     args = parser.parse_args(argv)
     service = build(parser, ProcessorServiceConfig, args)
-    if service.engine_service is None and not service.engine_address:
+    prefix_index = build(parser, PrefixIndexConfig, args)
+    if service.engines_from_index and prefix_index.prefix_index is None:
+        parser.error("--engines-from-index needs --prefix-index")
+    if service.engine_service is None and not service.engine_address and not service.engines_from_index:
         service = replace(service, engine_address=(DEFAULT_ENGINE_ADDRESS,))
     return ProcessorArgs(service, build(parser, ModelConfig, args), build(parser, ServingConfig, args),
-                         build(parser, SecurityConfig, args))
+                         build(parser, SecurityConfig, args), build(parser, RoutingConfig, args), prefix_index)
 
 
 def main(argv: list[str] | None = None) -> int:
-    service, model, serving, security_config = parse_args(argv)
+    service, model, serving, security_config, routing, prefix_index = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s processor: %(message)s")
     security = RpcSecurity.load(security_config)  # the processor's own port and its calls to engines
     service_metrics = ServiceMetrics.create("processor")
@@ -209,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         return ProcessorMetrics(service_metrics, model.name, max_model_len)
 
     async def run() -> None:
-        async with open_engines(service, service_metrics.grpc, security) as engine:
+        router_metrics = RouterMetrics(service_metrics, routing.routing, REASONS[routing.routing])
+        async with open_engines(service, service_metrics.grpc, security,
+                                Routing(routing, prefix_index, router_metrics)) as engine:
             await serve(model, engine, serving, service.startup_timeout, metrics, security, service.tokenizer_threads)
 
     endpoint = MetricsEndpoint.start(service_metrics.registry, serving.host, serving.metrics_port)

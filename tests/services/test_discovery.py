@@ -26,6 +26,7 @@ from kubernetes.client import Configuration
 
 from services.common import discovery
 from services.common.clients import EngineStats, GenerateRequest
+from services.common.config import RoutingConfig
 from services.common.discovery import Backoff, Endpoint, EndpointWatcher, kube_configuration
 from services.common.engine_output import EngineCoreRequest
 from services.common.rpc.convert import generate_request_to_proto
@@ -237,21 +238,22 @@ def write_kubeconfig(folder: Path, server: str) -> Path:
 
 async def test_engine_set_routes_to_the_least_busy_ready_engine():
     """Routing state only: the clients' channels are never dialled (grpc connects on first use)."""
-    engines = EngineSet("engines", lambda address: GrpcEngineClient(address, timeout=1.0))
+    engines = EngineSet("engines", lambda address: GrpcEngineClient(address, timeout=1.0),
+                        RoutingConfig(routing="least-load"))
     request = EngineCoreRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=1))
     try:
         with pytest.raises(ConnectionError, match="no ready engine in service engines"):
-            engines.choose(request)
+            await engines.choose(request)
         assert await engines.stats() == EngineStats(**{f.name: 0 for f in fields(EngineStats)})
         a, b = Endpoint("127.0.0.1:1", "engine-0"), Endpoint("127.0.0.1:2", "engine-1")
         engines.update(frozenset({a, b}))
         engines.members[a.address].in_flight = 2
         engines.members[b.address].in_flight = 1
-        assert engines.choose(request).endpoint == b
+        assert (await engines.choose(request)).endpoint == b
         engines.members[b.address].healthy = False  # an unhealthy engine only when nothing else is ready
-        assert engines.choose(request).endpoint == a
+        assert (await engines.choose(request)).endpoint == a
         engines.update(frozenset({b}))  # a turns unready with requests in flight: it drains, gets no more
-        assert not engines.members[a.address].ready and engines.choose(request).endpoint == b
+        assert not engines.members[a.address].ready and (await engines.choose(request)).endpoint == b
         engines.update(frozenset({a, b}))  # back before it drained: the same member, routable again
         assert engines.members[a.address].ready and engines.members[a.address].in_flight == 2
         engines.members[a.address].in_flight = 0

@@ -303,6 +303,28 @@ async def test_request_id_is_honoured_and_echoed(client, engine):
     assert r.json()["id"] == f"cmpl-{r.headers['x-request-id']}"
 
 
+async def test_session_header_becomes_the_session_id(client, engine, tokenizer, model_path):
+    """The x-session-id header reaches the engine requests (what `--routing session` routes by), for
+    completions and chat alike; longer than 256 characters is a 400; a gateway may name another header."""
+    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"X-Session-Id": "s-1"})
+    assert r.status_code == 200, r.text
+    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                        "max_tokens": 1}, headers={"x-session-id": "s" * 256})
+    assert r.status_code == 200, r.text
+    await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert [q.session_id for q in engine.requests] == ["s-1", "s" * 256, None]
+    error = assert_openai_error(await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                                                  headers={"x-session-id": "s" * 257}), 400)
+    assert error["param"] == "x-session-id" and "256" in error["message"]
+    assert len(engine.requests) == 3
+    processor = Processor.for_tokenizer(tokenizer, model_path, MAX_MODEL_LEN)
+    app = create_app(AsyncProcessor(processor, engine), MODEL, session_header="x-user")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as other:
+        await other.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                         headers={"x-user": "u-9", "x-session-id": "ignored"})
+    assert engine.requests[-1].session_id == "u-9"
+
+
 async def test_health_models_version(client, engine):
     assert (await client.get("/health")).status_code == 200
     engine.healthy = False

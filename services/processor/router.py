@@ -1,0 +1,174 @@
+"""The router: which engine gets an engine request. One policy per `RoutingConfig.routing`:
+
+    round-robin   the next engine in turn
+    least-load    the fewest requests queued (ties in turn)
+    kv-aware      the lowest cost: the prompt tokens the engine would have to compute (those beyond the
+                  prefix it holds cached) + routing_request_cost tokens per request queued on it
+    session       the same session id, the same engine while it is ready (rendezvous hashing); none:
+                  least-load
+
+kv-aware, in order:
+    one candidate                                    -> it                         (only_one)
+    busiest - idlest in flight > routing_imbalance   -> the idlest                 (imbalance)
+    prefix index unreachable or slower than timeout  -> least-load                 (index_down)
+    no candidate holds the prompt's first block      -> least-load                 (no_hit)
+    else                                             -> the lowest cost            (prefix_hit)
+
+"Queued" is the larger of what this processor has in flight on the engine and what the engine last
+told the index (running + waiting, every processor's requests). The prompt's hash chain is the
+engine's own (services/common/hashing.py over the engine's block size, model id and the request's cache
+salt), and the tokens predicted cached are what the engine's get_computed_blocks will hit: whole
+matched blocks, never the prompt's last token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+from services.common.clients import EngineInfo
+from services.common.config import RoutingConfig
+from services.common.engine_output import EngineCoreRequest
+from services.common.hashing import BlockHash, hash_token_blocks
+from services.prefix_index.index import EngineState, PrefixIndex
+from services.processor.metrics import RouterMetrics
+
+logger = logging.getLogger(__name__)
+
+
+# Why each policy chooses what it chooses: the `reason` label of kvmesh_router_decisions_total.
+REASONS = {
+    "round-robin": ("only_one", "round_robin"),
+    "least-load": ("only_one", "least_load"),
+    "session": ("only_one", "session", "least_load"),
+    "kv-aware": ("only_one", "imbalance", "no_index", "index_down", "no_hit", "prefix_hit"),
+}
+
+
+class Candidate(Protocol):
+    """What the router reads of an engine (services/processor/engine_set.py EngineMember)."""
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def index_id(self) -> str: ...  # its id in the prefix index
+    in_flight: int
+    info: EngineInfo | None  # None until fetched: no prediction for it
+
+
+class Route(NamedTuple):
+    candidate: Candidate
+    reason: str
+    predicted_cached_tokens: int | None  # None: no lookup behind this choice
+
+
+def predicted_cached_tokens(num_matched_blocks: int, num_prompt_tokens: int, block_size: int) -> int:
+    """The tokens the engine's get_computed_blocks will hit: whole blocks, at most num_tokens - 1."""
+    return min(num_matched_blocks, (num_prompt_tokens - 1) // block_size) * block_size
+
+
+def prompt_chain(request: EngineCoreRequest, info: EngineInfo) -> list[BlockHash]:
+    """The block-hash chain the engine `info` describes gives the request's prompt: the engine's own
+    (services/engine/request.py hashes the same tokens with the same block size, model id and salt)."""
+    return hash_token_blocks(request.prompt_token_ids, info.block_size, info.model_id, request.cache_salt)
+
+
+def session_score(session_id: str, address: str) -> bytes:
+    """Rendezvous hashing: the session goes to the candidate of the highest score, so losing one engine
+    moves only that engine's sessions."""
+    return hashlib.sha256(f"{session_id}\0{address}".encode()).digest()
+
+
+class Router:
+    def __init__(self, config: RoutingConfig, index: PrefixIndex | None = None,
+                 index_timeout_s: float = 0.5, metrics: RouterMetrics | None = None) -> None:
+        self.config = config
+        self.index = index  # kv-aware only; None: kv-aware routes by load
+        self.index_timeout_s = index_timeout_s
+        self.metrics = metrics
+        self._turn = 0  # round-robin position, and the tie-breaker of the others
+        self._index_down = False  # logged once per outage
+
+    async def route(self, candidates: Sequence[Candidate], request: EngineCoreRequest) -> Route:
+        """The engine for `request` among `candidates` (non-empty: ready, healthy first, none excluded)."""
+        assert candidates, "no candidate to route to"
+        start = time.perf_counter()
+        candidates = sorted(candidates, key=lambda c: c.address)  # a stable order for turns and ties
+        policy = self.config.routing
+        if len(candidates) == 1:
+            route = Route(candidates[0], "only_one", None)
+        elif policy == "round-robin":
+            route = Route(self._in_turn(candidates), "round_robin", None)
+        elif policy == "least-load" or (policy == "session" and not request.session_id):
+            route = Route(self._least_loaded(candidates, {}), "least_load", None)
+        elif policy == "session":
+            route = Route(max(candidates, key=lambda c: session_score(request.session_id, c.address)), "session",
+                          None)
+        else:
+            route = await self._kv_aware(candidates, request)
+        if self.metrics is not None:
+            self.metrics.observe_decision(policy, route.reason, time.perf_counter() - start)
+        return route
+
+    async def _kv_aware(self, candidates: list[Candidate], request: EngineCoreRequest) -> Route:
+        in_flight = [c.in_flight for c in candidates]
+        if max(in_flight) - min(in_flight) > self.config.routing_imbalance:
+            return Route(self._least_loaded(candidates, {}), "imbalance", None)
+        if self.index is None:
+            return Route(self._least_loaded(candidates, {}), "no_index", None)
+        try:
+            matched, states = await asyncio.wait_for(self._lookup(candidates, request), self.index_timeout_s)
+        except (ConnectionError, TimeoutError) as e:
+            if not self._index_down:
+                logger.warning("prefix index unavailable, routing by load until it answers: %s", e)
+                self._index_down = True
+            return Route(self._least_loaded(candidates, {}), "index_down", None)
+        if self._index_down:
+            logger.info("prefix index answers again: routing by prefix")
+            self._index_down = False
+        num_tokens = len(request.prompt_token_ids)
+        cached = {c.address: predicted_cached_tokens(matched.get(c.address, 0), num_tokens, c.info.block_size)
+                  if c.info is not None else 0 for c in candidates}
+        queued = {c.address: self._queued(c, states) for c in candidates}
+        if not any(cached.values()):
+            chosen = self._least_loaded(candidates, states)
+            return Route(chosen, "no_hit", 0 if chosen.info is not None else None)
+        cost = {a: num_tokens - cached[a] + self.config.routing_request_cost * queued[a] for a in cached}
+        best = min(cost.values())
+        chosen = self._in_turn([c for c in candidates if cost[c.address] == best])
+        return Route(chosen, "prefix_hit", cached[chosen.address] if chosen.info is not None else None)
+
+    async def _lookup(self, candidates: list[Candidate],
+                      request: EngineCoreRequest) -> tuple[dict[str, int], dict[str, EngineState]]:
+        """Matched blocks by candidate address, and the engines' states by index id. One index lookup per
+        distinct (block size, model id): engines of one model normally share it."""
+        groups: dict[tuple[int, str], list[Candidate]] = {}
+        for c in candidates:
+            if c.info is not None:
+                groups.setdefault((c.info.block_size, c.info.model_id), []).append(c)
+        matched: dict[str, int] = {}
+        for group in groups.values():
+            chain = prompt_chain(request, group[0].info)
+            held = await self.index.longest_prefix(chain) if chain else {}
+            matched.update({c.address: held.get(c.index_id, 0) for c in group})
+        return matched, await self.index.engines()
+
+    @staticmethod
+    def _queued(candidate: Candidate, states: dict[str, EngineState]) -> int:
+        state = states.get(candidate.index_id)
+        reported = state.load.num_running + state.load.num_waiting if state is not None and state.load else 0
+        return max(candidate.in_flight, reported)
+
+    def _least_loaded(self, candidates: list[Candidate], states: dict[str, EngineState]) -> Candidate:
+        queued = {c.address: self._queued(c, states) for c in candidates}
+        fewest = min(queued.values())
+        return self._in_turn([c for c in candidates if queued[c.address] == fewest])
+
+    def _in_turn(self, candidates: list[Candidate]) -> Candidate:
+        chosen = candidates[self._turn % len(candidates)]
+        self._turn += 1
+        return chosen

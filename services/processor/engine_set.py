@@ -5,9 +5,14 @@ per ready endpoint, and the choice of engine per request. An `EngineClient` itse
     EndpointWatcher ──update(ready set)──▶ EngineSet ──choose(request)──▶ member.client.generate(request)
 
 An endpoint that leaves the ready set stops getting new requests at once; its streams in flight
-run on (an engine that turned unready to drain, e.g. on SIGTERM, finishes them; one that died
-fails them with EngineDeadError or ConnectionError), and its channel closes when the last one
-ends. An endpoint that comes back before then is routable again on the same channel.
+run on (an engine that turned unready to drain, e.g. on SIGTERM, finishes them), and its channel
+closes when the last one ends. An endpoint that comes back before then is routable again on the
+same channel.
+
+A stream whose engine dies (EngineDeadError or ConnectionError) moves to another engine with the
+tokens streamed so far (services/processor/migration.py), at most `max_migrations` times: the
+caller sees one uninterrupted stream. The engine that failed it is marked unhealthy until its
+next health check says otherwise.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from contextlib import aclosing
 from dataclasses import dataclass, fields
 
 from services.common.clients import EngineInfo, EngineStats
+from services.common.config import RoutingConfig
 from services.common.discovery import Endpoint
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.engine.client import GrpcEngineClient
+from services.processor.migration import MIGRATABLE_ERRORS, Migration
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +46,13 @@ class EngineSet:
     """Implements `EngineClient` over the ready engines of one Service. Construct inside the running
     event loop; `update` is the `EndpointWatcher`'s subscriber."""
 
-    def __init__(self, service: str, connect: Callable[[str], GrpcEngineClient]) -> None:
+    def __init__(self, service: str, connect: Callable[[str], GrpcEngineClient],
+                 max_migrations: int = RoutingConfig().max_migrations) -> None:
+        if max_migrations < 0:
+            raise ValueError(f"max_migrations must be non-negative, got {max_migrations}")
         self.service = service
         self._connect = connect  # address -> client (carries the per-call deadlines)
+        self.max_migrations = max_migrations
         self.members: dict[str, EngineMember] = {}  # by address; ready ones and those still draining
         self._owners: dict[str, EngineMember] = {}  # request id -> the member streaming it
         self._closing: set[asyncio.Task[None]] = set()  # strong references until the channels close
@@ -63,16 +74,49 @@ class EngineSet:
                 logger.info("engine %s left %s with %d request(s) in flight", address, self.service, member.in_flight)
                 self._retire_if_idle(member)
 
-    def choose(self, request: EngineCoreRequest) -> EngineMember:
-        """The engine for `request`: the fewest requests in flight among the ready engines, healthy
-        ones first. The one place routing policy lives (a prefix-aware router replaces this)."""
-        ready = [m for m in self.members.values() if m.ready]
+    async def choose(self, request: EngineCoreRequest, exclude: frozenset[str] = frozenset()) -> EngineMember:
+        """The engine for `request`: the fewest requests in flight among the ready engines not in
+        `exclude` (addresses), healthy ones first. The one place routing policy lives."""
+        ready = [m for m in self.members.values() if m.ready and m.endpoint.address not in exclude]
         if not ready:
-            raise ConnectionError(f"no ready engine in service {self.service}")
+            raise ConnectionError(f"no ready engine in service {self.service}"
+                                  + (f" but {', '.join(sorted(exclude))}" if exclude else ""))
         return min(ready, key=lambda m: (not m.healthy, m.in_flight))
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
-        member = self.choose(request)
+        """One stream for `request`, moved to another engine when its engine dies mid-stream."""
+        migration = Migration(request)
+        failed: list[str] = []  # addresses of the engines that died under this request
+        died: Exception | None = None  # the last of their errors
+        next_request: EngineCoreRequest | EngineCoreOutput = request
+        try:
+            while isinstance(next_request, EngineCoreRequest):
+                try:
+                    member = await self.choose(next_request, exclude=frozenset(failed))
+                except ConnectionError as exc:
+                    if died is None:
+                        raise
+                    raise died from exc  # no engine left: the caller gets the error it would have got
+                try:
+                    async with aclosing(self._stream(member, next_request)) as stream:
+                        async for output in stream:
+                            yield migration.forward(output)
+                    return
+                except MIGRATABLE_ERRORS as exc:
+                    died = exc
+                    member.healthy = False  # until the health loop hears SERVING again
+                    failed.append(member.endpoint.address)
+                    if migration.num_migrations >= self.max_migrations:
+                        raise
+                    logger.warning("engine %s failed request %s after %d token(s) (%s); migrating it",
+                                   member.endpoint.address, request.request_id, len(migration.token_ids), exc)
+                    next_request = migration.resumed()
+            yield migration.forward(next_request)  # max_tokens were all streamed: only the end was lost
+        finally:
+            self._owners.pop(request.request_id, None)
+
+    async def _stream(self, member: EngineMember, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+        """`request`'s outputs from `member`, counted in its load and owned by it while they flow."""
         member.in_flight += 1
         self._owners[request.request_id] = member
         try:
@@ -81,17 +125,16 @@ class EngineSet:
                     yield output
         finally:
             member.in_flight -= 1
-            self._owners.pop(request.request_id, None)
             self._retire_if_idle(member)
 
     async def abort(self, request_ids: Sequence[str], reason: str = "abort") -> None:
         """Aborts each request in flight on the engine streaming it. Ids not in flight are done
         already: finished, or closed early, which aborted them."""
-        by_member: dict[str, list[str]] = {}
+        by_member: dict[int, tuple[EngineMember, list[str]]] = {}
         for request_id in request_ids:
             if (member := self._owners.get(request_id)) is not None:
-                by_member.setdefault(member.endpoint.address, []).append(request_id)
-        await asyncio.gather(*(self.members[a].client.abort(ids, reason) for a, ids in by_member.items()))
+                by_member.setdefault(id(member), (member, []))[1].append(request_id)
+        await asyncio.gather(*(member.client.abort(ids, reason) for member, ids in by_member.values()))
 
     async def info(self) -> EngineInfo:
         """Any ready engine's (they serve one model)."""

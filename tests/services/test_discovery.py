@@ -241,17 +241,18 @@ async def test_engine_set_routes_to_the_least_busy_ready_engine():
     request = EngineCoreRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=1))
     try:
         with pytest.raises(ConnectionError, match="no ready engine in service engines"):
-            engines.choose(request)
+            await engines.choose(request)
         assert await engines.stats() == EngineStats(**{f.name: 0 for f in fields(EngineStats)})
         a, b = Endpoint("127.0.0.1:1", "engine-0"), Endpoint("127.0.0.1:2", "engine-1")
         engines.update(frozenset({a, b}))
         engines.members[a.address].in_flight = 2
         engines.members[b.address].in_flight = 1
-        assert engines.choose(request).endpoint == b
+        assert (await engines.choose(request)).endpoint == b
         engines.members[b.address].healthy = False  # an unhealthy engine only when nothing else is ready
-        assert engines.choose(request).endpoint == a
+        assert (await engines.choose(request)).endpoint == a
+        assert (await engines.choose(request, exclude=frozenset({a.address}))).endpoint == b
         engines.update(frozenset({b}))  # a turns unready with requests in flight: it drains, gets no more
-        assert not engines.members[a.address].ready and engines.choose(request).endpoint == b
+        assert not engines.members[a.address].ready and (await engines.choose(request)).endpoint == b
         engines.update(frozenset({a, b}))  # back before it drained: the same member, routable again
         assert engines.members[a.address].ready and engines.members[a.address].in_flight == 2
         engines.members[a.address].in_flight = 0

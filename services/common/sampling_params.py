@@ -34,6 +34,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # A request migrated from an engine that died (services/processor/migration.py): the last this
+    # many prompt tokens are its own earlier outputs, which frequency and presence penalties count as
+    # outputs. max_tokens and min_tokens are then what is left of the original ones. 0 for every other.
+    num_resumed_outputs: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +72,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.num_resumed_outputs < 0:
+            raise ValueError(f"num_resumed_outputs must be non-negative, got {self.num_resumed_outputs}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

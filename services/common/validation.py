@@ -64,5 +64,8 @@ def check_engine_request(request: EngineCoreRequest, max_model_len: int, vocab_s
     if request.cache_salt is not None and len(request.cache_salt) > MAX_CACHE_SALT_LENGTH:
         raise ValueError(f"cache_salt must have at most {MAX_CACHE_SALT_LENGTH} characters")
     check_prompt(request.prompt_token_ids, max_model_len, vocab_size)
+    if params.num_resumed_outputs >= len(request.prompt_token_ids):
+        raise ValueError(f"num_resumed_outputs ({params.num_resumed_outputs}) must be below the number of prompt "
+                         f"tokens ({len(request.prompt_token_ids)}): a resumed request keeps its original prompt")
     check_params_token_ids(params, vocab_size)
     check_token_ids(request.eos_token_ids, vocab_size, "eos_token_ids")

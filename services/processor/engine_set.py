@@ -7,9 +7,14 @@ the same as over one static engine.
                                                       └─ Router(policy, prefix index) ─┘
 
 An endpoint that leaves the ready set stops getting new requests at once; its streams in flight
-run on (an engine that turned unready to drain, e.g. on SIGTERM, finishes them; one that died
-fails them with EngineDeadError or ConnectionError), and its channel closes when the last one
-ends. An endpoint that comes back before then is routable again on the same channel.
+run on (an engine that turned unready to drain, e.g. on SIGTERM, finishes them), and its channel
+closes when the last one ends. An endpoint that comes back before then is routable again on the
+same channel.
+
+A stream whose engine dies (EngineDeadError or ConnectionError) moves to another engine with the
+tokens streamed so far (services/processor/migration.py), at most `max_migrations` times: the
+caller sees one uninterrupted stream. The engine that failed it is marked unhealthy until its
+next health check says otherwise.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.prefix_index.engines_index import EnginesPrefixIndex, ask_engines
 from services.prefix_index.index import PrefixIndex
 from services.processor.metrics import RouterMetrics
+from services.processor.migration import MIGRATABLE_ERRORS, Migration
 from services.processor.router import Router
 
 logger = logging.getLogger(__name__)
@@ -62,6 +68,7 @@ class EngineSet:
                  index_timeout_s: float = 0.5, metrics: RouterMetrics | None = None) -> None:
         self.service = service
         self._connect = connect  # address -> client (carries the per-call deadlines)
+        self.max_migrations = routing.max_migrations  # RoutingConfig checked it
         self.members: dict[str, EngineMember] = {}  # by address; ready ones and those still draining
         self._owners: dict[str, EngineMember] = {}  # request id -> the member streaming it
         self._closing: set[asyncio.Task[None]] = set()  # strong references until the channels close
@@ -106,7 +113,39 @@ class EngineSet:
         return route.candidate
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
-        member = await self.choose(request)
+        """One stream for `request`, moved to another engine when its engine dies mid-stream."""
+        migration = Migration(request)
+        failed: list[str] = []  # addresses of the engines that died under this request
+        died: Exception | None = None  # the last of their errors
+        next_request: EngineCoreRequest | EngineCoreOutput = request
+        try:
+            while isinstance(next_request, EngineCoreRequest):
+                try:
+                    member = await self.choose(next_request, exclude=frozenset(failed))
+                except ConnectionError as exc:
+                    if died is None:
+                        raise
+                    raise died from exc  # no engine left: the caller gets the error it would have got
+                try:
+                    async with aclosing(self._stream(member, next_request)) as stream:
+                        async for output in stream:
+                            yield migration.forward(output)
+                    return
+                except MIGRATABLE_ERRORS as exc:
+                    died = exc
+                    member.healthy = False  # until the health loop hears SERVING again
+                    failed.append(member.endpoint.address)
+                    if migration.num_migrations >= self.max_migrations:
+                        raise
+                    logger.warning("engine %s failed request %s after %d token(s) (%s); migrating it",
+                                   member.endpoint.address, request.request_id, len(migration.token_ids), exc)
+                    next_request = migration.resumed()
+            yield migration.forward(next_request)  # max_tokens were all streamed: only the end was lost
+        finally:
+            self._owners.pop(request.request_id, None)
+
+    async def _stream(self, member: EngineMember, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+        """`request`'s outputs from `member`, counted in its load and owned by it while they flow."""
         member.in_flight += 1
         self._owners[request.request_id] = member
         predicted = self._predictions.pop(request.request_id, None)
@@ -119,7 +158,6 @@ class EngineSet:
                     yield output
         finally:
             member.in_flight -= 1
-            self._owners.pop(request.request_id, None)
             self._predictions.pop(request.request_id, None)  # a later choose() for it (a retry) left one
             self._retire_if_idle(member)
 
@@ -151,11 +189,11 @@ class EngineSet:
     async def abort(self, request_ids: Sequence[str], reason: str = "abort") -> None:
         """Aborts each request in flight on the engine streaming it. Ids not in flight are done
         already: finished, or closed early, which aborted them."""
-        by_member: dict[str, list[str]] = {}
+        by_member: dict[int, tuple[EngineMember, list[str]]] = {}
         for request_id in request_ids:
             if (member := self._owners.get(request_id)) is not None:
-                by_member.setdefault(member.endpoint.address, []).append(request_id)
-        await asyncio.gather(*(self.members[a].client.abort(ids, reason) for a, ids in by_member.items()))
+                by_member.setdefault(id(member), (member, []))[1].append(request_id)
+        await asyncio.gather(*(member.client.abort(ids, reason) for member, ids in by_member.values()))
 
     async def info(self) -> EngineInfo:
         """Any ready engine's (they serve one model)."""

@@ -22,7 +22,6 @@ class CachedRequestState:
     output_token_ids: list[int]
     sampling_params: SamplingParams
     stop_token_ids: frozenset[int]
-    generator: torch.Generator | None
 
 
 class InputBatch:
@@ -46,7 +45,7 @@ class InputBatch:
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
-    def add(self, new: NewRequestData, generator: torch.Generator | None) -> None:
+    def add(self, new: NewRequestData) -> None:
         if new.req_id in self.row_of:
             raise ValueError(f"request {new.req_id!r} is already in the worker's batch")
         if self.num_reqs >= self.max_num_reqs:
@@ -59,7 +58,7 @@ class InputBatch:
         self.row_of[new.req_id] = row
         self.states.append(CachedRequestState(
             new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
-            new.stop_token_ids, generator,
+            new.stop_token_ids,
         ))
         self.token_ids_np[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)

@@ -53,7 +53,7 @@ class ModelRunner:
         for new in out.scheduled_new_reqs:
             try:
                 self._add(new)
-            except (ValueError, RuntimeError) as exc:  # RuntimeError: torch refusing a seed
+            except ValueError as exc:
                 failed[new.req_id] = f"request {new.req_id}: {exc}"
         for cached in out.scheduled_cached_reqs:
             row = self.batch.row_of[cached.req_id]
@@ -65,12 +65,7 @@ class ModelRunner:
 
     def _add(self, new: NewRequestData) -> None:
         check_sampling_values(new.sampling_params)
-        seed = new.sampling_params.seed
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
-        self.batch.add(new, generator)
+        self.batch.add(new)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -124,7 +119,7 @@ class ModelRunner:
         batch.num_computed_tokens[rows] = seq_lens
 
         # Only requests whose scheduled tokens reach their last known token sample; partial
-        # prefills are not sampled at all, so seeded generators advance the same in any batch.
+        # prefills are not sampled at all.
         done = seq_lens == batch.num_tokens[rows]
         sample_rows = rows[done]
         if not len(sample_rows):
@@ -154,7 +149,6 @@ class ModelRunner:
             params=[s.sampling_params for s in states],
             output_token_ids=[s.output_token_ids for s in states],
             prompt_token_ids=[s.prompt_token_ids for s in states],
-            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
             stop_token_ids_per_row=[s.stop_token_ids for s in states],
             vocab_size=self.vocab_size,
             device=logits.device,
@@ -168,8 +162,7 @@ class ModelRunner:
     def _sample_each(self, logits: torch.Tensor, states: list[CachedRequestState],
                      failed: dict[str, str]) -> SampledTokens:
         """The slow path after a failed batched call: each row alone; a row that fails again goes to
-        `failed`. (A seeded row may have drawn from its generator in the failed call: its tokens
-        stay valid samples, but no longer repeat a run without the culprit.)"""
+        `failed`. (A seeded row draws the same again: its noise is keyed by its seed and position.)"""
         token_ids: list[int] = []
         logprobs: list[TokenLogprobs] = []
         for i, state in enumerate(states):

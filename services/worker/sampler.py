@@ -5,6 +5,10 @@
                                                                 └─► random rows:
         / temperature ─► min-p ─► top-k ─► top-p ─► softmax ─► argmax(probs / q), q ~ Exp(1)
 
+A seeded row's q comes from a generator seeded with `position_seed(seed, position)`, the position being
+that of the token drawn: a request resumed elsewhere (its earlier outputs now in its prompt) draws what
+it would have drawn uninterrupted, and no batch-mate or preemption moves its randomness.
+
 Logprobs are vLLM's default "raw_logprobs": taken before bias, penalties and temperature. Nothing here
 reads a tensor back to the host; `LogprobsTensors.to_host` is the one `.tolist()` at the end of a step.
 """
@@ -41,6 +45,12 @@ class SamplerOutput(NamedTuple):
 
 
 class Sampler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # One generator per device, re-seeded for each seeded row it fills: it carries no state
+        # from one draw to the next, only saves building a generator per row per step.
+        self._generators: dict[torch.device, torch.Generator] = {}
+
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """`logits`: [B, V] float32, one row per request, in the metadata's row order; not modified."""
         if logits.dtype != torch.float32 or logits.dim() != 2:
@@ -48,9 +58,14 @@ class Sampler(nn.Module):
                              f"{logits.dtype}")
         raw_logprobs = None if meta.max_num_logprobs is None else logits.log_softmax(dim=-1)
         logits = apply_logits_processors(logits, meta)
-        sampled = sample(logits, meta)
+        sampled = sample(logits, meta, self._generator(logits.device) if meta.seeds else None)
         logprobs = None if raw_logprobs is None else gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled, logprobs)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        return self._generators[device]
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num: int) -> LogprobsTensors:
@@ -114,8 +129,9 @@ def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts[:, :vocab_size]  # drop the padding bin
 
 
-def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """[B, V] processed logits -> [B] int64 token ids: argmax for greedy rows, a draw for the rest."""
+def sample(logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Generator | None = None) -> torch.Tensor:
+    """[B, V] processed logits -> [B] int64 token ids: argmax for greedy rows, a draw for the rest.
+    `generator` (on the logits' device) fills the seeded rows' noise; needed when `meta.seeds` is not empty."""
     greedy = None if meta.all_random else argmax(logits)
     if meta.all_greedy:
         return greedy
@@ -129,7 +145,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
     elif meta.top_k is not None:
         apply_top_k_(logits, meta.top_k, meta.max_top_k)
-    sampled = exponential_race(logits.softmax(dim=-1), meta.generators)
+    sampled = exponential_race(logits.softmax(dim=-1), meta.seeds, generator)
     return sampled if greedy_rows is None else torch.where(greedy_rows, greedy, sampled)
 
 
@@ -185,14 +201,19 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, seeds: dict[int, int],
+                     generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row from `probs` [B, V]: argmax(probs / q) with q ~ Exp(1) is a draw from
-    probs (the exponential race), with no device sync. Seeded rows fill their q from their own
-    generator, so their draws do not depend on the batch; the others share one batched fill."""
+    probs (the exponential race), with no device sync. Seeded rows (row -> `position_seed`) fill their
+    q from `generator` re-seeded for the row, so their draws depend on nothing but that seed; the
+    others share one batched fill. (Re-seeding is host-side: on CUDA each fill takes the seed at launch.)"""
     q = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
+    if len(seeds) < probs.shape[0]:
         q.exponential_()
-    for row, generator in generators.items():
+    if seeds:
+        assert generator is not None and generator.device == probs.device, "seeded rows need a generator here"
+    for row, seed in seeds.items():
+        generator.manual_seed(seed)
         q[row].exponential_(generator=generator)
     # exponential_ may return exactly 0, and 0 / 0 is NaN, which argmax would pick.
     q.clamp_(min=torch.finfo(q.dtype).tiny)

@@ -17,6 +17,25 @@ import torch
 from services.common.sampling_params import GREEDY_EPSILON, SamplingParams
 
 
+MASK64 = (1 << 64) - 1
+GOLDEN64 = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: splitmix64's increment
+
+
+def splitmix64(x: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers that spreads every input bit."""
+    x = (x + GOLDEN64) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed, in [0, 2^64), for the token at absolute `position` (the number of tokens
+    before it, prompt and outputs) of a request seeded `seed` (any int). Hashed twice, so that nearby
+    seeds (the processor gives choice i seed + i) and nearby positions never share a stream."""
+    return splitmix64(splitmix64(seed & MASK64) ^ (position & MASK64))
+
+
 class TokenEntries(NamedTuple):
     """Sparse entries `(rows[i], token_ids[i])` of a [num_rows, vocab_size] logits tensor."""
 
@@ -47,9 +66,10 @@ class SamplingMetadata:
     max_top_k: int  # the largest top_k over rows, known on the host; 0 exactly when top_k is None
     top_p: torch.Tensor | None  # [B] float32; 1 = off
     min_p: torch.Tensor | None  # [B] float32; 0 = off
-    # Row -> the request's own generator, for seeded random rows only: a seeded request's draws
-    # depend on nothing but its seed and its own history, whatever its batch-mates.
-    generators: dict[int, torch.Generator]
+    # Row -> position_seed(its seed, the position of the token it draws now), for seeded random rows
+    # only: a seeded request's draws depend on nothing but its seed and its length, whatever its
+    # batch-mates, preemptions, or the engine it was resumed on.
+    seeds: dict[int, int]
     penalties: PenaltyTensors | None  # None when no row has any penalty
     logit_bias: TokenEntries | None  # values are the biases, added to the logits
     # Stop tokens (EOS included, even with ignore_eos) of rows that have fewer than min_tokens
@@ -63,13 +83,12 @@ class SamplingMetadata:
         params: Sequence[SamplingParams],
         output_token_ids: Sequence[Sequence[int]],
         prompt_token_ids: Sequence[Sequence[int]],
-        generators: dict[int, torch.Generator],
         stop_token_ids_per_row: Sequence[set[int] | frozenset[int]],
         vocab_size: int,
         device: torch.device,
     ) -> SamplingMetadata:
-        """`stop_token_ids_per_row[i]` is row i's EOS ids plus its `stop_token_ids`; `generators` maps
-        row -> the generator of a seeded request (those of greedy rows are left untouched)."""
+        """`stop_token_ids_per_row[i]` is row i's EOS ids plus its `stop_token_ids`. Row i draws the token
+        at position len(prompt_token_ids[i]) + len(output_token_ids[i])."""
         device = torch.device(device)
         num_rows = len(params)
         if not len(output_token_ids) == len(prompt_token_ids) == len(stop_token_ids_per_row) == num_rows:
@@ -92,7 +111,9 @@ class SamplingMetadata:
             top_p=_to_device(torch.tensor(top_p, dtype=torch.float32), device) if min(top_p, default=1.0) < 1.0
             else None,
             min_p=_to_device(torch.tensor(min_p, dtype=torch.float32), device) if any(min_p) else None,
-            generators={row: g for row, g in generators.items() if not greedy[row]},
+            seeds={row: position_seed(p.seed, len(prompt) + len(outputs))
+                   for row, (p, prompt, outputs) in enumerate(zip(params, prompt_token_ids, output_token_ids))
+                   if p.seed is not None and not greedy[row]},
             penalties=_penalty_tensors(params, output_token_ids, prompt_token_ids, vocab_size, device),
             logit_bias=_logit_bias(params, vocab_size, device),
             stop_token_mask=_stop_token_mask(params, output_token_ids, stop_token_ids_per_row, vocab_size, device),
@@ -111,10 +132,20 @@ def _penalty_tensors(params: Sequence[SamplingParams], output_token_ids: Sequenc
         presence=_to_device(torch.tensor([p.presence_penalty for p in params], dtype=torch.float32), device),
         frequency=_to_device(torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32), device),
         repetition=_to_device(torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32), device),
-        output_token_ids=_pad_rows([ids if u else () for ids, u in zip(output_token_ids, uses)], vocab_size, device),
+        output_token_ids=_pad_rows([_penalized_outputs(p, prompt, ids) if u else ()
+                                    for p, prompt, ids, u in zip(params, prompt_token_ids, output_token_ids, uses)],
+                                   vocab_size, device),
         prompt_token_ids=_pad_rows([ids if p.repetition_penalty != 1.0 else () for ids, p in
                                     zip(prompt_token_ids, params)], vocab_size, device) if any_repetition else None,
     )
+
+
+def _penalized_outputs(params: SamplingParams, prompt: Sequence[int], outputs: Sequence[int]) -> Sequence[int]:
+    """The tokens frequency and presence penalties count: a migrated request's earlier outputs (the
+    end of its prompt) and the ones generated here."""
+    if not params.num_resumed_outputs:
+        return outputs
+    return [*prompt[len(prompt) - params.num_resumed_outputs:], *outputs]
 
 
 def _logit_bias(params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> TokenEntries | None:

@@ -3,6 +3,7 @@ left behind, the sampling parameters a user notices."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 from pathlib import Path
@@ -104,6 +105,23 @@ def test_n_choices_with_a_seed_differ_and_reproduce(llm: LLM):
     assert len(set(texts)) == 3, texts
     again = llm.generate(["My favourite animal is"], params)[0]
     assert [c.text for c in again.outputs] == texts
+    assert_nothing_left(llm)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_request_resumed_from_its_outputs_goes_on_as_uninterrupted(llm: LLM, temperature: float):
+    """What a migrated request is (services/processor/migration.py): prompt + the first k outputs,
+    marked as outputs, with what is left of max_tokens and min_tokens; its other tokens are the same,
+    penalties, min_tokens and the seeded draws included."""
+    prompt = llm.get_tokenizer().encode("List some fruits, and say why you like each:")
+    params = SamplingParams(temperature=temperature, seed=21, max_tokens=16, min_tokens=10, presence_penalty=0.5,
+                            frequency_penalty=1.0, repetition_penalty=1.1)
+    whole = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert len(whole) == 16
+    for k in (3, 12):
+        resumed = dataclasses.replace(params, max_tokens=16 - k, min_tokens=max(0, 10 - k), num_resumed_outputs=k)
+        rest = llm.generate([prompt + whole[:k]], resumed)[0].outputs[0].token_ids
+        assert whole[:k] + rest == whole, k
     assert_nothing_left(llm)
 
 

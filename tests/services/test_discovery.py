@@ -252,6 +252,7 @@ async def test_engine_set_routes_to_the_least_busy_ready_engine():
         assert (await engines.choose(request)).endpoint == b
         engines.members[b.address].healthy = False  # an unhealthy engine only when nothing else is ready
         assert (await engines.choose(request)).endpoint == a
+        assert (await engines.choose(request, exclude=frozenset({a.address}))).endpoint == b
         engines.update(frozenset({b}))  # a turns unready with requests in flight: it drains, gets no more
         assert not engines.members[a.address].ready and (await engines.choose(request)).endpoint == b
         engines.update(frozenset({a, b}))  # back before it drained: the same member, routable again

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -14,11 +16,10 @@ CPU = torch.device("cpu")
 
 
 def build(params: list[SamplingParams], vocab_size: int = V, outputs: list[list[int]] | None = None,
-          prompts: list[list[int]] | None = None, generators: dict[int, torch.Generator] | None = None,
-          stops: list[set[int]] | None = None) -> SamplingMetadata:
+          prompts: list[list[int]] | None = None, stops: list[set[int]] | None = None) -> SamplingMetadata:
     n = len(params)
     return SamplingMetadata.build(params, outputs or [[] for _ in range(n)], prompts or [[] for _ in range(n)],
-                                  generators or {}, stops or [set() for _ in range(n)], vocab_size, CPU)
+                                  stops or [set() for _ in range(n)], vocab_size, CPU)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], **kwargs) -> torch.Tensor:
@@ -145,14 +146,13 @@ def seeded_tokens(position: int, batch_size: int, mates_seed: int) -> list[int]:
                   SamplingParams(temperature=1.3, seed=mates_seed), SamplingParams(presence_penalty=1.0)]
     params = [mate_kinds[(i + mates_seed) % len(mate_kinds)] for i in range(batch_size)]
     params[position] = TARGET
-    generators = {row: torch.Generator().manual_seed(p.seed) for row, p in enumerate(params) if p.seed is not None}
     torch.manual_seed(mates_seed)  # unseeded batch-mates draw differently in every scenario
     tokens = []
     for step in range(NUM_STEPS):
         logits = random_logits(batch_size, seed=mates_seed * 1000 + step)
         logits[position] = target_logits(step)
-        outputs = [[1, 2, step] for _ in range(batch_size)]
-        meta = build(params, outputs=outputs, generators=generators)
+        outputs = [[1, 2] + [step] * step for _ in range(batch_size)]  # one token longer each step
+        meta = build(params, outputs=outputs)
         tokens.append(Sampler()(logits, meta).sampled_token_ids[position].item())
     return tokens
 
@@ -165,21 +165,30 @@ def test_seeded_request_does_not_depend_on_its_batch() -> None:
 
 def test_different_seeds_draw_differently() -> None:
     logits = random_logits(1, scale=0.1)  # nearly uniform over 64 tokens
-    params = [SamplingParams(seed=0)]
     draws = []
     for seed in (1, 2):
-        generators = {0: torch.Generator().manual_seed(seed)}
-        draws.append([sample(logits, params, generators=generators).item() for _ in range(8)])
+        draws.append([sample(logits, [SamplingParams(seed=seed)], outputs=[[0] * i]).item() for i in range(8)])
     assert draws[0] != draws[1]
 
 
-def test_greedy_rows_leave_their_generator_alone() -> None:
-    generator = torch.Generator().manual_seed(5)
-    state = generator.get_state()
-    meta = build([SamplingParams(temperature=0.0, seed=5), SamplingParams()], generators={0: generator})
-    assert meta.generators == {}
-    Sampler()(random_logits(2), meta)
-    assert torch.equal(generator.get_state(), state)
+def test_a_seeded_draw_is_keyed_by_seed_and_position_only() -> None:
+    """The draw at position p is the same whether the tokens before it are prompt or outputs, whatever
+    they are, and whichever Sampler draws it; another position draws anew."""
+    logits = random_logits(1, scale=0.1)
+    params = [SamplingParams(seed=3)]
+
+    def draws(prompt: list[int], outputs: list[int]) -> list[int]:
+        return [sample(logits, params, prompts=[prompt], outputs=[outputs]).item() for _ in range(2)]
+
+    at_five = draws([1, 2, 3, 4, 5], [])
+    assert at_five[0] == at_five[1]
+    assert draws([9, 9], [1, 2, 3]) == draws([7], [0, 0, 0, 0]) == at_five
+    assert [draws([], [0] * p)[0] for p in range(8)] != [at_five[0]] * 8
+
+
+def test_greedy_rows_are_not_seeded() -> None:
+    meta = build([SamplingParams(temperature=0.0, seed=5), SamplingParams(seed=6)])
+    assert list(meta.seeds) == [1]
 
 
 # ---- penalties, bias, min_tokens ----------------------------------------------------------------------
@@ -341,16 +350,17 @@ def test_draws_follow_the_distribution(kwargs: dict, expected) -> None:
 
 
 def test_seeded_draws_follow_the_distribution() -> None:
+    """Over the positions of one seeded request (its successive draws)."""
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
-    generator = torch.Generator().manual_seed(9)
-    meta = build([SamplingParams(seed=9)], vocab_size=4, generators={0: generator})
-    tokens = torch.stack([Sampler()(probs.log()[None], meta).sampled_token_ids[0] for _ in range(4000)])
+    sampler = Sampler()
+    tokens = torch.stack([sampler(probs.log()[None], build([SamplingParams(seed=9)], vocab_size=4, prompts=[[0] * p]))
+                          .sampled_token_ids[0] for p in range(1, 4001)])
     torch.testing.assert_close(torch.bincount(tokens, minlength=4).float() / 4000, probs, rtol=0, atol=0.03)
 
 
 def test_build_checks_row_counts() -> None:
     with pytest.raises(ValueError, match="one entry per batch row"):
-        SamplingMetadata.build([SamplingParams()], [], [[]], {}, [set()], V, CPU)
+        SamplingMetadata.build([SamplingParams()], [], [[]], [set()], V, CPU)
 
 
 def test_chunked_argmax_matches_torch_including_ties_and_infinities():
@@ -366,3 +376,46 @@ def test_chunked_argmax_matches_torch_including_ties_and_infinities():
     x[5] = 1.0  # all equal
     assert torch.equal(argmax(x), x.argmax(dim=-1))
     assert argmax(x)[1].item() == 100
+
+
+# ---- resumed requests (migrated from an engine that died) -----------------------------------------------
+
+def toy_model_logits(tokens: list[int]) -> torch.Tensor:
+    """[1, V] logits of a bigram model with peaked rows: without penalties it repeats itself."""
+    return random_logits(1, seed=tokens[-1], scale=3.0)
+
+
+def run(prompt: list[int], params: SamplingParams, num_steps: int) -> list[int]:
+    """`num_steps` tokens of one request decoded alone, a fresh Sampler each step (as a new engine)."""
+    outputs: list[int] = []
+    for _ in range(num_steps):
+        logits = toy_model_logits(prompt + outputs)
+        meta = build([params], prompts=[prompt], outputs=[outputs], stops=[{0, 1}])
+        outputs.append(Sampler()(logits, meta).sampled_token_ids[0].item())
+    return outputs
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.9, seed=11, presence_penalty=0.8, frequency_penalty=1.5, repetition_penalty=1.3,
+                   min_tokens=6, max_tokens=12),
+    SamplingParams(temperature=0.0, presence_penalty=1.0, frequency_penalty=2.0, min_tokens=6, max_tokens=12),
+], ids=["seeded", "greedy"])
+@pytest.mark.parametrize("k", [1, 4, 9])
+def test_a_resumed_request_draws_what_it_would_have_uninterrupted(params: SamplingParams, k: int) -> None:
+    """Resumed after k outputs: prompt + those outputs, marked as outputs, with what is left of
+    max_tokens and min_tokens; penalties and the min_tokens mask go on exactly."""
+    prompt = [5, 9, 5, 30, 2]
+    whole = run(prompt, params, 12)
+    assert len(set(whole)) > 4 and not {0, 1} & set(whole[:6])
+    resumed = replace(params, num_resumed_outputs=k, max_tokens=12 - k, min_tokens=max(0, params.min_tokens - k))
+    assert whole[:k] + run(prompt + whole[:k], resumed, 12 - k) == whole
+    # The logits the draw sees at the resume point: the same as uninterrupted; without the marker the
+    # penalties would forget the earlier outputs.
+    logits = toy_model_logits(prompt + whole[:k])
+
+    def processed(p: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+        return apply_logits_processors(logits, build([p], prompts=[prompt_ids], outputs=[output_ids], stops=[{0, 1}]))
+
+    expected = processed(params, prompt, whole[:k])
+    assert torch.equal(processed(resumed, prompt + whole[:k], []), expected)
+    assert not torch.equal(processed(replace(resumed, num_resumed_outputs=0), prompt + whole[:k], []), expected)

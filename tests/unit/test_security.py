@@ -61,6 +61,11 @@ def test_sampling_params_refuse_a_logit_bias_out_of_range(bias: float):
     assert SamplingParams(logit_bias={3: 100.0, 4: -100.0}).logit_bias == {3: 100.0, 4: -100.0}
 
 
+def test_sampling_params_refuse_negative_resumed_outputs():
+    with pytest.raises(ValueError, match="num_resumed_outputs must be non-negative"):
+        SamplingParams(num_resumed_outputs=-1)
+
+
 @pytest.mark.parametrize("request_kwargs, message", [
     ({"request_id": ""}, "request_id"),
     ({"request_id": "x" * 2000}, "request_id"),
@@ -72,6 +77,7 @@ def test_sampling_params_refuse_a_logit_bias_out_of_range(bias: float):
     ({"sampling_params": SamplingParams(logit_bias={100: 1.0})}, "logit_bias"),
     ({"cache_salt": "s" * 5000}, "cache_salt"),
     ({"prompt_token_ids": [1] * 64}, "maximum context length"),
+    ({"sampling_params": SamplingParams(num_resumed_outputs=3)}, r"num_resumed_outputs \(3\) must be below"),
 ])
 def test_the_engine_refuses_what_it_cannot_serve(request_kwargs, message):
     request = EngineCoreRequest(**{"request_id": "r", "prompt_token_ids": [1, 2, 3],

@@ -58,7 +58,7 @@ def sampling_params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         min_tokens=p.min_tokens, stop=p.stop, stop_token_ids=p.stop_token_ids,
         include_stop_str_in_output=p.include_stop_str_in_output, ignore_eos=p.ignore_eos,
         logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, skip_special_tokens=p.skip_special_tokens,
-        spaces_between_special_tokens=p.spaces_between_special_tokens,
+        spaces_between_special_tokens=p.spaces_between_special_tokens, num_resumed_outputs=p.num_resumed_outputs,
     )
 
 
@@ -74,6 +74,7 @@ def sampling_params_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
         logprobs=m.logprobs if m.HasField("logprobs") else None,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         skip_special_tokens=m.skip_special_tokens, spaces_between_special_tokens=m.spaces_between_special_tokens,
+        num_resumed_outputs=m.num_resumed_outputs,
     )
 
 

@@ -80,6 +80,7 @@ class KVPublisher:
         self._next_heartbeat = 0.0  # time.monotonic() of the next heartbeat (the first: at once)
         self._num_overflows = 0  # of the queue, counted so far
         self._task: asyncio.Task | None = None
+        self._closed = False
 
     def start(self) -> None:
         assert self._task is None, "already started"
@@ -87,7 +88,10 @@ class KVPublisher:
 
     async def close(self) -> None:
         """Stop publishing, clear this engine from the index (best effort, bounded: a router should
-        not send requests to an engine that is going away), close the index's client."""
+        not send requests to an engine that is going away), close the index's client. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

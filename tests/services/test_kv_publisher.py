@@ -32,7 +32,7 @@ from services.common.metrics import ServiceMetrics
 from services.common.sampling_params import SamplingParams
 from services.engine.async_engine import AsyncEngine, EngineIdentity
 from services.engine.client import GrpcEngineClient
-from services.engine.kv_events import KVEventQueue
+from services.engine.kv_events import CacheSnapshot, KVEventQueue
 from services.engine.kv_publisher import KVPublisher
 from services.engine.metrics import EngineLabels, PublisherMetrics
 from services.engine.server import EngineServiceArgs, engine_identity, start_engine
@@ -258,6 +258,20 @@ async def test_an_engine_swept_while_silent_republishes_when_it_speaks_again(red
     await run(fleet.engine, make_request("second", prompt(2, 21)))
     held = await fleet.wait_until_agreed()
     assert set(hash_token_blocks(first, BLOCK_SIZE, "scripted")) <= held  # swept, and republished
+
+
+async def test_a_newer_incarnation_ends_publishing_and_keeps_its_entries(redis_server, start_fleet):
+    fleet = await start_fleet(redis_server.url)
+    await run(fleet.engine, make_request("old", prompt(1, 21)))
+    await fleet.wait_until_agreed()
+    newer = [hash_token_blocks(prompt(2, 8), BLOCK_SIZE, "scripted")[0]]
+    assert await fleet.reader.apply(ENGINE_ID, 6, [CacheSnapshot(newer)]) is False  # restarted elsewhere
+    await run(fleet.engine, make_request("late", prompt(3, 21)))  # its events meet the newer epoch
+    await until_async(lambda: fleet.publisher.stale, timeout=5)
+    await fleet.publisher.close()
+    assert (await fleet.reader.engines())[ENGINE_ID].epoch == 6
+    assert await fleet.reader.longest_prefix(newer) == {ENGINE_ID: 1}  # the close left them alone
+    assert len(fleet.engine.core.kv_events) == 0  # and nothing piles up for a publisher that is gone
 
 
 async def test_without_a_prefix_index_no_queue_is_attached_and_nothing_recorded():

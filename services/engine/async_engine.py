@@ -8,6 +8,10 @@ side only queues work for it and hands its outputs to the streams.
                         queue; closing early (the caller was cancelled, or stopped reading) puts an
                         abort in the inbox, applied before the next step.
 
+Between steps the engine-loop thread also serves the prefix-index publisher's requests for a cache
+snapshot (request_cache_snapshot; services/engine/kv_publisher.py): recorded into the core's KV event
+queue there, it is ordered against every cache change.
+
 Why a thread: the step RPC is on the critical path of every token, and a blocking gRPC call from a
 plain thread is ~0.3 ms cheaper per round trip than awaiting it on the event loop (and the loop
 stays free for the streams). Only the engine-loop thread changes the core's state while it runs;
@@ -34,12 +38,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 from services.common.clients import EngineInfo, EngineStats, PrefixMatch, WorkerClient
 from services.common.config import SchedulerConfig
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.errors import EngineDeadError
 from services.engine.engine_core import EngineCore
+from services.engine.kv_events import KVEventQueue
 from services.engine.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -49,6 +55,14 @@ IDLE_SCHEDULE_WAIT = 0.001  # seconds; see _step
 
 # What the engine-loop thread hands a stream: an output, or the exception it ends with.
 Item = EngineCoreOutput | BaseException
+
+
+class EngineIdentity(NamedTuple):
+    """This engine in a fleet (EngineInfo.engine_id / epoch): the address processors reach it at, and
+    its start time in ns. ("", 0): not part of a fleet."""
+
+    engine_id: str = ""
+    epoch: int = 0
 
 
 class AsyncEngine:
@@ -64,6 +78,7 @@ class AsyncEngine:
         self._new_requests: list[EngineCoreRequest] = []
         self._aborts: dict[str, str] = {}  # request id -> reason
         self._wake = threading.Event()
+        self._snapshot_wanted = threading.Event()  # see request_cache_snapshot
         self._stopping = False
         self._error: EngineDeadError | None = None
         self._dead = asyncio.Event()
@@ -73,12 +88,15 @@ class AsyncEngine:
     @classmethod
     async def create(cls, worker: WorkerClient, scheduler_config: SchedulerConfig,
                      metrics: Callable[[EngineCore], EngineMetrics] | None = None,
-                     idle_check_interval: float | None = None) -> AsyncEngine:
+                     idle_check_interval: float | None = None, *, kv_events: KVEventQueue | None = None,
+                     identity: EngineIdentity = EngineIdentity()) -> AsyncEngine:
         """Ask the worker for its model, block size and KV-cache size, build the core (and its
-        metrics, which need the core's sizes), start the loop."""
-        core = await asyncio.to_thread(EngineCore.create, worker, scheduler_config)
+        metrics, which need the core's sizes), start the loop. `kv_events`: the prefix-index
+        publisher's queue (services/engine/kv_publisher.py); None: the block pool records nothing."""
+        core = await asyncio.to_thread(EngineCore.create, worker, scheduler_config, kv_events=kv_events)
         info = EngineInfo(model_id=core.model_id, model_path=core.worker_info.model_path,
-                          max_model_len=core.max_model_len, block_size=core.block_size)
+                          max_model_len=core.max_model_len, block_size=core.block_size,
+                          engine_id=identity.engine_id, epoch=identity.epoch)
         engine = cls(core, worker, info, metrics(core) if metrics is not None else None, idle_check_interval)
         engine.start()
         return engine
@@ -140,6 +158,17 @@ class AsyncEngine:
     async def match_prefix(self, block_hashes: Sequence[bytes]) -> PrefixMatch:
         return self.core.match_prefix(block_hashes)
 
+    @property
+    def identity(self) -> EngineIdentity:
+        return EngineIdentity(self._info.engine_id, self._info.epoch)
+
+    def request_cache_snapshot(self) -> None:
+        """Have the engine-loop thread record the prefix cache's whole state into the core's
+        `kv_events` between two steps (at once when idle), ordered after every event before it.
+        Requests made before it runs are served by one snapshot. Any thread."""
+        self._snapshot_wanted.set()
+        self._wake.set()
+
     async def is_healthy(self) -> bool:
         return self._error is None
 
@@ -162,6 +191,9 @@ class AsyncEngine:
             while not self._stopping:
                 self._wake.clear()  # before taking the inbox: a later put sets it again
                 items = self._take_inbox()
+                if self._snapshot_wanted.is_set():
+                    self._snapshot_wanted.clear()  # before recording: a later request gets a later snapshot
+                    self.core.record_cache_snapshot()
                 if not self._has_pending_work():
                     if items:
                         self._send(items)

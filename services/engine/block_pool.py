@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from services.common.hashing import BlockHash
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventQueue
+from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot, KVEventQueue
 
 
 @dataclass(slots=True, eq=False)
@@ -224,6 +224,16 @@ class BlockPool:
             if self.events is not None:
                 self.events.record(AllBlocksCleared())
         return True
+
+    def record_snapshot(self) -> None:
+        """Record the whole map as one CacheSnapshot, after every event before it (the consumer's
+        resync). Nothing without a queue, or with caching off (nothing is ever cached then)."""
+        if self.events is not None and self.enable_caching:
+            self.events.record(CacheSnapshot(self.cached_block_hashes()))
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every hash the cache holds now (O(cached blocks); the engine-loop thread, or a stopped engine)."""
+        return list(self._cached)
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks

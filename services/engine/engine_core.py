@@ -35,8 +35,9 @@ class EngineCore:
                  scheduler_config: SchedulerConfig, *, kv_events: KVEventQueue | None = None) -> None:
         """`worker_info` and `num_blocks` are what the worker said of itself (its model, its block
         size, the KV cache it allocated). `kv_events`: the prefix-index publisher's queue of cache
-        changes; None (today): none recorded."""
+        changes (services/engine/kv_publisher.py); None: none recorded."""
         self.executor = executor
+        self.kv_events = kv_events
         self.worker_info = worker_info
         self.block_size = worker_info.block_size
         self.model_id = worker_info.model_id
@@ -59,12 +60,12 @@ class EngineCore:
 
     @classmethod
     def create(cls, worker: WorkerClient, scheduler_config: SchedulerConfig,
-               executor: Executor | None = None) -> EngineCore:
+               executor: Executor | None = None, kv_events: KVEventQueue | None = None) -> EngineCore:
         """Ask the worker for its model and block size, have it allocate its KV cache for
         `max_num_seqs` requests, and build the core over what it has. Blocking."""
         worker_info = worker.get_info()
         num_blocks = worker.initialize_cache(scheduler_config.max_num_seqs)
-        return cls(executor, worker_info, num_blocks, scheduler_config)
+        return cls(executor, worker_info, num_blocks, scheduler_config, kv_events=kv_events)
 
     def check_request(self, request: EngineCoreRequest) -> None:
         """ValueError unless the request fits this engine (the processor checked it too; the engine
@@ -152,3 +153,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def record_cache_snapshot(self) -> None:
+        """Between steps (the engine-loop thread): the prefix cache's whole state into `kv_events`."""
+        self.kv_cache_manager.record_cache_snapshot()

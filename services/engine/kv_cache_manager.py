@@ -137,6 +137,9 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
+    def record_cache_snapshot(self) -> None:
+        self.block_pool.record_snapshot()
+
     def check_integrity(self) -> None:
         self.block_pool.check_integrity()
         owners: dict[int, int] = {}

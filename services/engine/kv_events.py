@@ -3,6 +3,7 @@
 The prefix index (Redis, in-memory, ...) is fed only from these, so they mirror the pool's map from
 block hash to cached block exactly: a `BlockStored` for every hash that enters the map, a
 `BlockRemoved` for every hash that leaves it, `AllBlocksCleared` when the map is emptied at once.
+`CacheSnapshot` is the whole map at one moment, recorded when the consumer asks for it (a resync).
 They are recorded into a bounded `KVEventQueue` that a consumer attaches; without one, none are kept.
 """
 
@@ -41,7 +42,15 @@ class AllBlocksCleared:
     """The whole prefix cache was dropped (`reset_prefix_cache`)."""
 
 
-KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+@dataclass(frozen=True, slots=True)
+class CacheSnapshot:
+    """All cleared, then exactly these blocks are cached: the pool's whole map between two steps,
+    recorded at the publisher's request so that a resync is ordered against the other events."""
+
+    block_hashes: list[BlockHash]
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared | CacheSnapshot
 
 
 class KVEventBatch(NamedTuple):
@@ -68,10 +77,13 @@ class KVEventQueue:
         self.num_overflows = 0  # collapses since start (a counter for metrics)
         self._events: list[KVCacheEvent] = []
         self._resync = False
+        self._closed = False
         self._lock = threading.Lock()
 
     def record(self, event: KVCacheEvent) -> None:
         with self._lock:
+            if self._closed:
+                return
             if len(self._events) >= self.max_events:
                 self._events = [AllBlocksCleared()]
                 self._resync = True
@@ -84,6 +96,11 @@ class KVEventQueue:
             batch = KVEventBatch(self._events, self._resync)
             self._events, self._resync = [], False
         return batch
+
+    def close(self) -> None:
+        """The consumer is gone for good (it stopped publishing): drop what is queued, keep nothing more."""
+        with self._lock:
+            self._events, self._closed = [], True
 
     def __len__(self) -> int:
         return len(self._events)

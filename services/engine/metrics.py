@@ -243,3 +243,22 @@ class _SchedulerCollector:
         ):
             family.add_metric(self._values, value)
             yield family
+
+
+class PublisherMetrics:
+    """The prefix-index publisher's counters (services/engine/kv_publisher.py), fed on the event loop."""
+
+    def __init__(self, registry: CollectorRegistry, labels: EngineLabels) -> None:
+        names, values = [COMPONENT, "model_name", "engine"], ("engine", labels.model_name, labels.engine)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=registry).labels(*values)
+
+        self.events_published = counter("kvmesh_engine_kv_events_published",
+                                        "KV-cache events the prefix index applied (a snapshot counts one)")
+        self.publish_failures = counter("kvmesh_engine_kv_publish_failures",
+                                        "Prefix-index calls that failed (unreachable, slow or refusing)")
+        self.resyncs = counter("kvmesh_engine_kv_resyncs",
+                               "Full republishes of the prefix cache asked for (overflow, failure, unknown engine)")
+        self.queue_overflows = counter("kvmesh_engine_kv_event_queue_overflows",
+                                       "Times the KV event queue collapsed to all-cleared (the publisher fell behind)")

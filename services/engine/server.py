@@ -10,8 +10,13 @@ stop(grace) -> engine shutdown. Health follows the engine: NOT_SERVING as soon a
 (gone, stuck, or a failed step), and the process exits 1 after --exit-grace, so that its supervisor
 restarts it with its worker.
 The block size is the worker's (WorkerInfo). Flags come from services/common/config.py
-(EngineServiceConfig, SchedulerConfig, ServingConfig); each falls back to KVMESH_ENGINE_<FIELD>
-(KVMESH_ENGINE_PORT, KVMESH_ENGINE_WORKER_ADDRESS, ...).
+(EngineServiceConfig, SchedulerConfig, ServingConfig, PrefixIndexConfig); each falls back to
+KVMESH_ENGINE_<FIELD> (KVMESH_ENGINE_PORT, KVMESH_ENGINE_WORKER_ADDRESS, ...).
+
+In a fleet the engine is named by its --advertise-address (default: --host:<bound port>, a wildcard
+host replaced by this machine's IP) and an epoch (its start time in ns), both in GetInfo. With
+--prefix-index it publishes its prefix cache there (services/engine/kv_publisher.py) and clears
+itself from it at SIGTERM, before draining; without, its block pool records no events at all.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import asyncio
 import logging
 import socket
 import sys
+import time
 from contextlib import aclosing
 from dataclasses import replace
 from typing import NamedTuple
@@ -43,8 +49,11 @@ from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.common.rpc.security import RpcSecurity
 from services.common.rpc.server import RpcServer, service_name
-from services.engine.async_engine import AsyncEngine
-from services.engine.metrics import EngineLabels, EngineMetrics
+from services.engine.async_engine import AsyncEngine, EngineIdentity
+from services.engine.kv_events import KVEventQueue
+from services.engine.kv_publisher import KVPublisher
+from services.engine.metrics import EngineLabels, EngineMetrics, PublisherMetrics
+from services.prefix_index import RedisPrefixIndex
 from services.worker.client import GrpcWorkerClient
 
 logger = logging.getLogger(__name__)
@@ -100,20 +109,57 @@ async def follow_engine_health(engine: AsyncEngine, server: RpcServer, exit_grac
     server.request_termination()
 
 
-async def serve(worker: GrpcWorkerClient, scheduler_config: SchedulerConfig, serving: ServingConfig,
-                metrics: ServiceMetrics, model_name: str | None = None,
-                security: RpcSecurity = RpcSecurity(), exit_grace: float = 1.0) -> bool:
+def engine_identity(advertise_address: str | None, host: str, port: int) -> EngineIdentity:
+    """The engine's id in the prefix index (the address processors reach it at) and a new epoch."""
+    if advertise_address is None:
+        if host in ("0.0.0.0", "::", "[::]"):  # listening everywhere: name this machine, not a wildcard
+            host = socket.gethostbyname(socket.gethostname())
+        advertise_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return EngineIdentity(advertise_address, time.time_ns())
+
+
+async def start_engine(worker: GrpcWorkerClient, args: EngineServiceArgs, metrics: ServiceMetrics,
+                       identity: EngineIdentity) -> tuple[AsyncEngine, KVPublisher | None]:
+    """The engine, and with --prefix-index its publisher (started); without, no KV event queue at
+    all. vLLM's metrics are labelled `model_name` (default: the worker's model id)."""
+    index_config = args.prefix_index
+    kv_events = KVEventQueue() if index_config.prefix_index is not None else None
+
+    def labels(core) -> EngineLabels:
+        return EngineLabels(args.model.served_model_name or core.model_id)
+
+    engine = await AsyncEngine.create(
+        worker, args.scheduler, lambda core: EngineMetrics.for_core(metrics.registry, labels(core), core),
+        worker.liveness_interval, kv_events=kv_events, identity=identity)
+    if kv_events is None:
+        return engine, None
+    index = RedisPrefixIndex.connect(index_config.prefix_index, timeout_s=index_config.prefix_index_timeout,
+                                     namespace=index_config.prefix_index_namespace,
+                                     heartbeat_ttl_s=index_config.heartbeat_ttl)
+    publisher = KVPublisher(index, engine, index_config.heartbeat_ttl,
+                            PublisherMetrics(metrics.registry, labels(engine.core)),
+                            close_timeout=2 * index_config.prefix_index_timeout)
+    publisher.start()
+    logger.info("publishing the prefix cache as engine %s (epoch %d)", identity.engine_id, identity.epoch)
+    return engine, publisher
+
+
+async def serve(worker: GrpcWorkerClient, args: EngineServiceArgs, metrics: ServiceMetrics,
+                security: RpcSecurity = RpcSecurity()) -> bool:
     """Serve until SIGTERM/SIGINT (True) or until the engine dies (False). The worker's client
-    deadlines bound the wait for it to come up. vLLM's metrics are labelled `model_name` (default:
-    the worker's model id)."""
-    engine = await AsyncEngine.create(worker, scheduler_config, lambda core: EngineMetrics.for_core(
-        metrics.registry, EngineLabels(model_name or core.model_id), core), worker.liveness_interval)
+    deadlines bound the wait for it to come up."""
+    serving = args.serving
+    # Bound first: the engine's id names the port it got.
     server = RpcServer(serving.host, serving.port, [SERVICE_NAME], [metrics.grpc.server_interceptor()], security)
+    identity = engine_identity(args.service.advertise_address, serving.host, server.port)
+    engine, publisher = await start_engine(worker, args, metrics, identity)
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server.server)
     await server.start()
-    health = asyncio.create_task(follow_engine_health(engine, server, exit_grace))
+    health = asyncio.create_task(follow_engine_health(engine, server, args.service.exit_grace))
     await server.wait_for_termination_signal()
     health.cancel()
+    if publisher is not None:
+        await publisher.close()  # out of the index first: routers stop choosing an engine that goes away
     healthy = await engine.is_healthy()
     await server.shutdown(serving.grace if healthy else 0.0, serving.drain if healthy else 0.0)
     await engine.shutdown()
@@ -156,6 +202,7 @@ class EngineServiceArgs(NamedTuple):
     model: ModelConfig
     serving: ServingConfig
     security: SecurityConfig = SecurityConfig()
+    prefix_index: PrefixIndexConfig = PrefixIndexConfig()
 
 
 def parse_args(argv: list[str] | None = None) -> EngineServiceArgs:
@@ -172,11 +219,13 @@ def parse_args(argv: list[str] | None = None) -> EngineServiceArgs:
             parser.error(f"--worker-hostname is needed: this host's name ({socket.gethostname()}) has no -engine-")
         service = replace(service, worker_hostname=hostname)
     return EngineServiceArgs(service, build(parser, SchedulerConfig, args), build(parser, ModelConfig, args),
-                             build(parser, ServingConfig, args), build(parser, SecurityConfig, args))
+                             build(parser, ServingConfig, args), build(parser, SecurityConfig, args),
+                             build(parser, PrefixIndexConfig, args))
 
 
 def main(argv: list[str] | None = None) -> int:
-    service, scheduler_config, model_config, serving, security_config = parse_args(argv)
+    args = parse_args(argv)
+    service, serving, security_config = args.service, args.serving, args.security
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     security = RpcSecurity.load(security_config)  # the engine's own port and its calls to the worker
 
@@ -191,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                                   liveness_interval=service.worker_liveness_interval,
                                   liveness_timeout=service.worker_liveness_timeout, security=security)
         try:
-            return await serve(worker, scheduler_config, serving, metrics, model_config.served_model_name,
-                               security, service.exit_grace)
+            return await serve(worker, args, metrics, security)
         finally:
             if endpoint is not None:
                 endpoint.close()

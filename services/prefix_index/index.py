@@ -49,13 +49,17 @@ class EngineState:
 
 
 class PrefixIndex(Protocol):
-    async def apply(self, engine_id: str, epoch: int, events: Sequence[KVCacheEvent]) -> None:
+    async def apply(self, engine_id: str, epoch: int, events: Sequence[KVCacheEvent]) -> bool:
         """Apply one engine's block-pool events in order, atomically, and keep the engine alive.
+        Returns whether the index knew this epoch of the engine before the call: False when the call
+        (re)created it (its first word, or after a `clear`, a `sweep`, or a Redis that lost its
+        data), and the publisher should republish the engine's whole cache.
         Raises StaleEpochError if `epoch` is older than the engine's current epoch."""
         ...
 
-    async def heartbeat(self, engine_id: str, epoch: int, load: EngineLoad) -> None:
-        """Record the engine's load and keep it alive. Raises StaleEpochError like `apply`."""
+    async def heartbeat(self, engine_id: str, epoch: int, load: EngineLoad) -> bool:
+        """Record the engine's load and keep it alive; returns as `apply` does. Raises StaleEpochError
+        like `apply`."""
         ...
 
     async def longest_prefix(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.common.hashing import BlockHash
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot, KVCacheEvent
 from services.prefix_index.index import EngineLoad, EngineState, StaleEpochError, validate_engine
 
 
@@ -30,8 +30,9 @@ class MemoryPrefixIndex:
         # block hash -> ids of engines holding it (in their current epoch: older epochs are purged).
         self._holders: dict[BlockHash, set[str]] = {}
 
-    def _touch(self, engine_id: str, epoch: int) -> _Engine:
-        """The engine's record for `epoch`, purging an older incarnation first; extends its life."""
+    def _touch(self, engine_id: str, epoch: int) -> tuple[_Engine, bool]:
+        """The engine's record for `epoch`, purging an older incarnation first; extends its life.
+        Also whether that record existed before (see PrefixIndex.apply)."""
         validate_engine(engine_id, epoch)
         engine = self._engines.get(engine_id)
         if engine is not None and engine.epoch > epoch:
@@ -39,12 +40,13 @@ class MemoryPrefixIndex:
         if engine is not None and engine.epoch < epoch:
             self._drop_blocks(engine_id, engine)
             engine = None
+        known = engine is not None
         if engine is None:
             engine = self._engines[engine_id] = _Engine(epoch, set(), 0.0)
         elif not self._alive(engine):
             engine.load = None  # a load older than the TTL is not worth reporting (Redis expires it too)
         engine.expires_at = self._clock() + self.heartbeat_ttl_s
-        return engine
+        return engine, known
 
     def _drop_blocks(self, engine_id: str, engine: _Engine) -> None:
         for block_hash in engine.blocks:
@@ -57,10 +59,12 @@ class MemoryPrefixIndex:
     def _alive(self, engine: _Engine) -> bool:
         return self._clock() < engine.expires_at
 
-    async def apply(self, engine_id: str, epoch: int, events: Sequence[KVCacheEvent]) -> None:
-        engine = self._touch(engine_id, epoch)
+    async def apply(self, engine_id: str, epoch: int, events: Sequence[KVCacheEvent]) -> bool:
+        engine, known = self._touch(engine_id, epoch)
         for event in events:
-            if isinstance(event, BlockStored):
+            if isinstance(event, (BlockStored, CacheSnapshot)):
+                if isinstance(event, CacheSnapshot):
+                    self._drop_blocks(engine_id, engine)
                 for block_hash in event.block_hashes:
                     engine.blocks.add(block_hash)
                     self._holders.setdefault(block_hash, set()).add(engine_id)
@@ -76,9 +80,12 @@ class MemoryPrefixIndex:
                 self._drop_blocks(engine_id, engine)
             else:
                 raise TypeError(f"not a KV cache event: {event!r}")
+        return known
 
-    async def heartbeat(self, engine_id: str, epoch: int, load: EngineLoad) -> None:
-        self._touch(engine_id, epoch).load = load
+    async def heartbeat(self, engine_id: str, epoch: int, load: EngineLoad) -> bool:
+        engine, known = self._touch(engine_id, epoch)
+        engine.load = load
+        return known
 
     async def longest_prefix(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         if not block_hashes:

@@ -26,7 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from services.common.hashing import BlockHash
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot, KVCacheEvent
 from services.prefix_index.index import EngineLoad, EngineState, StaleEpochError, validate_engine
 
 # Shared by the scripts: `newer` compares decimal epochs as strings (Lua numbers are doubles and lose
@@ -53,7 +53,8 @@ end
 """
 
 # ARGV: ns, id, epoch, ttl_ms, then ops: 'S' n h1..hn (stored), 'R' n h1..hn (removed), 'C' (all
-# cleared), 'L' running waiting free_blocks kv_usage (load).
+# cleared), 'L' running waiting free_blocks kv_usage (load). Returns 1 if this epoch of the engine was
+# in the index before the call, 0 if the call (re)created it.
 _APPLY = _LUA_COMMON + """
 local ns, id, epoch, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local ekey = ns .. ':e:' .. id .. ':epoch'
@@ -63,6 +64,7 @@ local current = redis.call('GET', ekey)
 if current and newer(current, epoch) then
   return redis.error_reply('STALE_EPOCH ' .. id .. ': epoch ' .. epoch .. ' is older than the current ' .. current)
 end
+local known = current == epoch
 if current and current ~= epoch then
   purge(ns, id, current)
   redis.call('DEL', lkey)
@@ -96,7 +98,8 @@ while i <= #ARGV do
 end
 redis.call('HSET', lkey, 'epoch', epoch)
 redis.call('PEXPIRE', lkey, ttl)
-return 1
+if known then return 1 end
+return 0
 """
 
 # ARGV: ns, h1..hn. Returns {id1, len1, id2, len2, ...}.
@@ -191,31 +194,33 @@ class RedisPrefixIndex:
         except (RedisConnectionError, RedisTimeoutError, OSError) as e:
             raise ConnectionError(f"prefix index: Redis unreachable: {e}") from e
 
-    async def _update(self, engine_id: str, epoch: int, ops: list[bytes | str | int]) -> None:
+    async def _update(self, engine_id: str, epoch: int, ops: list[bytes | str | int]) -> bool:
         validate_engine(engine_id, epoch)
         args = [self.namespace, engine_id, epoch, self.heartbeat_ttl_ms, *ops]
         try:
-            await self._run(self._apply, args)
+            return bool(await self._run(self._apply, args))
         except ResponseError as e:
             if "STALE_EPOCH" in str(e):
                 raise StaleEpochError(str(e).split("STALE_EPOCH ", 1)[-1]) from e
             raise
 
-    async def apply(self, engine_id: str, epoch: int, events: Sequence[KVCacheEvent]) -> None:
+    async def apply(self, engine_id: str, epoch: int, events: Sequence[KVCacheEvent]) -> bool:
         ops: list[bytes | str | int] = []
         for event in events:
-            if isinstance(event, (BlockStored, BlockRemoved)):
-                op = "S" if isinstance(event, BlockStored) else "R"
+            if isinstance(event, CacheSnapshot):
+                ops.append("C")  # then stored, in the same script: the swap is atomic
+            if isinstance(event, (BlockStored, BlockRemoved, CacheSnapshot)):
+                op = "R" if isinstance(event, BlockRemoved) else "S"
                 ops += [op, len(event.block_hashes), *event.block_hashes]
             elif isinstance(event, AllBlocksCleared):
                 ops.append("C")
             else:
                 raise TypeError(f"not a KV cache event: {event!r}")
-        await self._update(engine_id, epoch, ops)
+        return await self._update(engine_id, epoch, ops)
 
-    async def heartbeat(self, engine_id: str, epoch: int, load: EngineLoad) -> None:
+    async def heartbeat(self, engine_id: str, epoch: int, load: EngineLoad) -> bool:
         ops = ["L", load.num_running, load.num_waiting, load.num_free_blocks, repr(load.kv_cache_usage)]
-        await self._update(engine_id, epoch, ops)
+        return await self._update(engine_id, epoch, ops)
 
     async def longest_prefix(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         if not block_hashes:

@@ -8,7 +8,8 @@ import pytest
 
 from services.common.hashing import hash_token_blocks
 from services.engine.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventQueue
+from services.engine.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot, KVCacheEvent,
+                                       KVEventQueue)
 
 BLOCK_SIZE = 4
 
@@ -335,6 +336,41 @@ def test_a_consumer_that_falls_behind_gets_all_cleared_and_a_resync():
     assert queue.take() == ([BlockRemoved([hashes[2]])], False)  # back to exact events
     assert queue.num_overflows == 1
     pool.check_integrity()
+
+
+def test_a_snapshot_follows_the_events_before_it_and_names_every_cached_block():
+    pool = BlockPool(4, BLOCK_SIZE, events=KVEventQueue())
+    tokens = list(range(12))
+    hashes = hash_token_blocks(tokens, BLOCK_SIZE)
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(blocks, hashes, 0, 3, tokens)
+    pool.free_blocks(reversed(blocks))
+    pool.get_new_blocks(2)  # evicts the unhashed block 3 (nothing), then block 2 (hashes[2])
+    pool.record_snapshot()
+    assert take(pool) == [BlockStored(hashes, None, tokens, BLOCK_SIZE), BlockRemoved([hashes[2]]),
+                          CacheSnapshot([hashes[0], hashes[1]])]
+    pool.check_integrity()
+
+
+def test_no_snapshot_without_a_queue_or_with_caching_off():
+    BlockPool(4, BLOCK_SIZE).record_snapshot()
+    pool = BlockPool(4, BLOCK_SIZE, events=KVEventQueue(), enable_caching=False)
+    pool.record_snapshot()
+    assert take(pool) == []
+    pool.check_integrity()
+
+
+def test_a_closed_queue_keeps_nothing():
+    """A publisher that stopped for good (a newer incarnation took its id) closes its queue."""
+    queue = KVEventQueue()
+    pool = BlockPool(4, BLOCK_SIZE, events=queue)
+    pool.get_new_blocks(1)
+    pool.record_snapshot()
+    assert len(queue) == 1
+    queue.close()
+    assert len(queue) == 0
+    pool.record_snapshot()
+    assert queue.take() == ([], False)
 
 
 def test_event_queue_bound_is_checked():

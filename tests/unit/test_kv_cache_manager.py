@@ -354,7 +354,7 @@ def test_without_a_consumer_nothing_is_recorded():
 def test_engine_core_passes_its_queue_through():
     info = WorkerInfo("m", "/m", 100, 64, B)
     plain = EngineCore(None, info, 16, SchedulerConfig())
-    assert plain.kv_cache_manager.block_pool.events is None  # nothing attaches one today
+    assert plain.kv_cache_manager.block_pool.events is None  # an engine without --prefix-index
     queue = KVEventQueue()
     core = EngineCore(None, info, 16, SchedulerConfig(), kv_events=queue)
     assert core.kv_cache_manager.block_pool.events is queue

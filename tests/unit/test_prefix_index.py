@@ -19,7 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.common.hashing import BlockHash
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot
 from services.prefix_index import (
     EngineLoad,
     EngineState,
@@ -184,6 +184,46 @@ async def test_all_cleared_removes_exactly_that_engines_entries(make_index):
     check(index)
 
 
+async def test_a_snapshot_replaces_exactly_that_engines_entries(make_index):
+    index = make_index()
+    await index.apply("a", 1, [stored(*H[0:4])])
+    await index.apply("b", 1, [stored(*H[0:2])])
+    await index.apply("a", 1, [removed(H[3]), CacheSnapshot([H[0], H[1], H[5]]), stored(H[2])])
+    assert await index.longest_prefix(H[0:4]) == {"a": 3, "b": 2}
+    assert await index.longest_prefix([H[5]]) == {"a": 1}
+    await index.apply("a", 1, [CacheSnapshot([])])
+    assert await index.longest_prefix(H[0:4]) == {"b": 2}
+    if make_index.dump:
+        ns = make_index.namespace
+        dump = await make_index.dump()
+        assert ns + b":e:a:blocks" not in dump
+        assert {k: v for k, v in dump.items() if k.startswith(ns + b":b:")} == {
+            ns + b":b:" + H[0]: {b"b:1"},
+            ns + b":b:" + H[1]: {b"b:1"},
+        }
+    check(index)
+
+
+async def test_updates_say_whether_the_index_knew_the_engine(make_index):
+    """False tells the engine's publisher to republish its cache: the index (re)created the engine."""
+    index = make_index(heartbeat_ttl_s=1.0)
+    load = EngineLoad(0, 0, 8, 0.0)
+    assert await index.heartbeat("a", 1, load) is False  # its first word
+    assert await index.apply("a", 1, [stored(H[0])]) is True
+    assert await index.heartbeat("a", 1, load) is True
+    assert await index.apply("a", 2, []) is False  # a new incarnation starts empty
+    await index.clear("a")
+    assert await index.apply("a", 2, [stored(H[0])]) is False
+    time.sleep(1.1)  # expired, not swept: its entries were right, they count again
+    assert await index.apply("a", 2, []) is True
+    assert await index.longest_prefix([H[0]]) == {"a": 1}
+    time.sleep(1.1)
+    assert await index.sweep() == ["a"]
+    assert await index.heartbeat("a", 2, load) is False
+    with pytest.raises(StaleEpochError):
+        await index.apply("a", 1, [])
+
+
 async def test_clear_engine_leaves_no_trace(make_index):
     index = make_index()
     await index.apply("10.0.0.1:8000", 5, [stored(*H[0:4])])
@@ -345,9 +385,12 @@ async def test_random_events_agree_with_a_model(make_index):
                 if kind < 0.55:
                     events.append(stored(*picked))
                     blocks |= set(picked)
-                elif kind < 0.93:
+                elif kind < 0.88:
                     events.append(removed(*picked))
                     blocks -= set(picked)
+                elif kind < 0.95:
+                    events.append(CacheSnapshot(picked))
+                    blocks = set(picked)
                 else:
                     events.append(AllBlocksCleared())
                     blocks.clear()

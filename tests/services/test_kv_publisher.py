@@ -84,18 +84,19 @@ class Fleet:
     async def wait_until_agreed(self, timeout: float = 10.0) -> set[BlockHash]:
         """Once idle, the index converges on the pool (the publisher polls every few ms)."""
         await until_async(lambda: self.idle(), timeout)
-        pool = self.pool()
         try:
-            await until_async(lambda: self._agrees(pool), timeout)
+            await until_async(self._agrees, timeout)
         except TimeoutError:
+            pool = self.pool()
             raise AssertionError(f"index {len(await self.indexed())} blocks != pool {len(pool)} blocks: "
                                  f"{len(await self.indexed() ^ pool)} differ") from None
         self.engine.core.check_integrity()
-        return pool
+        return self.pool()
 
-    async def _agrees(self, pool: set[BlockHash]) -> bool:
+    async def _agrees(self) -> bool:
+        """The pool read afresh each time: the engine loop may still be finishing its last step."""
         try:
-            return await self.indexed() == pool
+            return await self.indexed() == self.pool()
         except (ConnectionError, RedisConnectionError):  # a restarted Redis: our connections were cut
             return False
 

@@ -15,7 +15,9 @@ kv-aware, in order:
     else                                             -> the lowest cost            (prefix_hit)
 
 "Queued" is the larger of what this processor has in flight on the engine and what the engine last
-told the index (running + waiting, every processor's requests). The prompt's hash chain is the
+told the index (running + waiting, every processor's requests). Those loads change with heartbeats
+(every heartbeat_ttl / 3), so they are read from the index at most every `states_max_age` seconds, in
+the background: a routing decision costs one index round trip, the prefix lookup. The prompt's hash chain is the
 engine's own (services/common/hashing.py over the engine's block size, model id and the request's cache
 salt), and the tokens predicted cached are what the engine's get_computed_blocks will hit: whole
 matched blocks, never the prompt's last token.
@@ -83,15 +85,24 @@ def session_score(session_id: str, address: str) -> bytes:
     return hashlib.sha256(f"{session_id}\0{address}".encode()).digest()
 
 
+STATES_MAX_AGE = 0.25  # seconds; see the module docstring
+
+
 class Router:
     def __init__(self, config: RoutingConfig, index: PrefixIndex | None = None,
-                 index_timeout_s: float = 0.5, metrics: RouterMetrics | None = None) -> None:
+                 index_timeout_s: float = 0.5, metrics: RouterMetrics | None = None,
+                 states_max_age: float = STATES_MAX_AGE) -> None:
+        """`states_max_age` 0: the engines' states are read with every lookup (tests that change loads)."""
         self.config = config
         self.index = index  # kv-aware only; None: kv-aware routes by load
         self.index_timeout_s = index_timeout_s
         self.metrics = metrics
         self._turn = 0  # round-robin position, and the tie-breaker of the others
         self._index_down = False  # logged once per outage
+        self.states_max_age = states_max_age
+        self._states: dict[str, EngineState] = {}  # the index's engine states as last read
+        self._states_read_at: float | None = None  # time.monotonic(); None: never read
+        self._states_refresh: asyncio.Task[None] | None = None
 
     async def route(self, candidates: Sequence[Candidate], request: EngineCoreRequest) -> Route:
         """The engine for `request` among `candidates` (non-empty: ready, healthy first, none excluded)."""
@@ -121,7 +132,8 @@ class Router:
         if self.index is None:
             return Route(self._least_loaded(candidates, {}), "no_index", None)
         try:
-            matched, states = await asyncio.wait_for(self._lookup(candidates, request), self.index_timeout_s)
+            async with asyncio.timeout(self.index_timeout_s):
+                matched, states = await self._lookup(candidates, request)
         except (ConnectionError, TimeoutError) as e:
             if not self._index_down:
                 logger.warning("prefix index unavailable, routing by load until it answers: %s", e)
@@ -155,7 +167,28 @@ class Router:
             chain = prompt_chain(request, group[0].info)
             held = await self.index.longest_prefix(chain) if chain else {}
             matched.update({c.address: held.get(c.index_id, 0) for c in group})
-        return matched, await self.index.engines()
+        return matched, await self._engine_states()
+
+    async def _engine_states(self) -> dict[str, EngineState]:
+        """The engines' states: read now the first time (and always with states_max_age 0), later
+        re-read in the background once older than states_max_age, the last read serving meanwhile."""
+        if self._states_read_at is None or self.states_max_age <= 0:
+            await self._read_states()
+        elif (time.monotonic() - self._states_read_at > self.states_max_age
+              and (self._states_refresh is None or self._states_refresh.done())):
+            self._states_refresh = asyncio.create_task(self._refresh_states())
+        return self._states
+
+    async def _read_states(self) -> None:
+        self._states = await self.index.engines()
+        self._states_read_at = time.monotonic()
+
+    async def _refresh_states(self) -> None:
+        try:
+            async with asyncio.timeout(self.index_timeout_s):
+                await self._read_states()
+        except (ConnectionError, TimeoutError) as e:  # the lookups say when the index is down
+            logger.debug("could not refresh the engines' states: %s", e)
 
     @staticmethod
     def _queued(candidate: Candidate, states: dict[str, EngineState]) -> int:

@@ -69,6 +69,7 @@ def engine_set(engines: dict[str, ClosableEngine], routing: str = "kv-aware", in
     metrics = RouterMetrics(ServiceMetrics.create("processor"))
     members = EngineSet("engines", engines.__getitem__, RoutingConfig(routing=routing, **config), index, 0.5,
                         metrics)
+    members.router.states_max_age = 0  # these tests change loads between routes: read them every time
     members.update(frozenset(Endpoint(a) for a in engines))
     return members
 
@@ -211,6 +212,26 @@ async def test_cost_weighs_the_hit_against_the_queue(engines) -> None:
     await index.heartbeat(B, 1, EngineLoad(num_running=3, num_waiting=0, num_free_blocks=64, kv_cache_usage=0.1))
     assert (await members.choose(request("r-3", shared))).address == A  # 48 < 52
     assert decisions(members) == {("kv-aware", "prefix_hit"): 5}
+    await members.close()
+
+
+async def test_engine_loads_are_reread_in_the_background_once_stale(engines) -> None:
+    """A decision costs one index round trip: the loads (which change with heartbeats) are read once,
+    then again in the background when older than states_max_age; the stale ones serve meanwhile."""
+    index = MemoryPrefixIndex()
+    members = engine_set(engines, index=index, routing_request_cost=4)
+    members.router.states_max_age = 0.2
+    shared = prompt(500, 40)
+    chain = prompt_chain(request("x", shared), SCRIPTED)
+    await index.apply(A, 1, [BlockStored(chain[:8], None, shared[:32], BLOCK_SIZE)])
+    await index.heartbeat(B, 1, EngineLoad(0, 0, 64, 0.0))
+    assert (await members.choose(request("r-0", shared))).address == A  # read now: A is idle
+    await index.heartbeat(A, 1, EngineLoad(num_running=9, num_waiting=1, num_free_blocks=10, kv_cache_usage=0.8))
+    assert (await members.choose(request("r-1", shared))).address == A  # the read of r-0 still serves
+    await asyncio.sleep(0.25)
+    await members.choose(request("r-2", shared))  # stale: starts a re-read, routes on the old loads
+    await asyncio.sleep(0.05)
+    assert (await members.choose(request("r-3", shared))).address == B  # A's report of its queue arrived
     await members.close()
 
 

@@ -375,6 +375,9 @@ class GatewayConfig:
     session_header: str = option(
         "x-session-id", "the header whose value routes a client's requests to one engine (--routing session); "
                         "at most 256 characters, longer is a 400")
+    return_tokens_as_token_ids: bool = option(
+        False, "write logprobs' tokens as 'token_id:N' unless a request's return_tokens_as_token_ids says "
+               "otherwise (vLLM's flag)")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -382,7 +385,8 @@ class GatewayConfig:
 
 # What `kvmesh serve` takes of GatewayConfig (the rest it sets itself, or leaves to a pod).
 GATEWAY_SERVE_FIELDS = ("api_key", "access_log", "log_level", "header_timeout", "body_timeout",
-                        "keep_alive_timeout", "max_connections", "max_header_bytes", "max_headers", "session_header")
+                        "keep_alive_timeout", "max_connections", "max_header_bytes", "max_headers", "session_header",
+                        "return_tokens_as_token_ids")
 
 
 @dataclass(frozen=True)

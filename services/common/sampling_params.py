@@ -8,6 +8,7 @@ from dataclasses import dataclass
 # Below this temperature sampling is greedy (and top-k/top-p/min-p are off), as in vLLM.
 GREEDY_EPSILON = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: a bias of +-100 already forces or bans a token
 REALS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
@@ -34,6 +35,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Only these tokens may be sampled (vLLM's allowed_token_ids); None: every token. Never empty.
+    allowed_token_ids: tuple[int, ...] | None = None
+    # The logprobs of exactly these tokens (after the sampled one's) at each output position, in place of
+    # the top-N (vLLM's logprob_token_ids); `logprobs`, if set too, must be their number.
+    logprob_token_ids: tuple[int, ...] | None = None
     # A request migrated from an engine that died (services/processor/migration.py): the last this
     # many prompt tokens are its own earlier outputs, which frequency and presence penalties count as
     # outputs. max_tokens and min_tokens are then what is left of the original ones. 0 for every other.
@@ -45,6 +51,9 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("allowed_token_ids", "logprob_token_ids"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -82,12 +91,32 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        self._validate_token_lists()
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
         for token_id, bias in (self.logit_bias or {}).items():
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # False for NaN
                 raise ValueError(f"logit_bias of token {token_id} must be in [-{MAX_LOGIT_BIAS:g}, "
                                  f"{MAX_LOGIT_BIAS:g}], got {bias}")
+
+    def _validate_token_lists(self) -> None:
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty if given (nothing could be sampled)")
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        if not 1 <= len(ids) <= MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(f"logprob_token_ids must list 1 to {MAX_LOGPROB_TOKEN_IDS} token ids, got {len(ids)}")
+        if self.logprobs is not None and self.logprobs != len(ids):
+            raise ValueError(f"logprobs ({self.logprobs}) must equal the number of logprob_token_ids ({len(ids)}) "
+                             "when both are set")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Logprobs per output token after the sampled one's: the top-N, or the explicit ids'; None: none."""
+        if self.logprob_token_ids is not None:
+            return len(self.logprob_token_ids)
+        return self.logprobs
 
     @property
     def greedy(self) -> bool:

@@ -16,14 +16,16 @@ MAX_REQUEST_ID_LENGTH = 1024
 MAX_STOP_TOKEN_IDS = 1024  # eos_token_ids and stop_token_ids, each
 MAX_STOP_STRINGS = 1024
 MAX_CACHE_SALT_LENGTH = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary: only a duplicate-laden list reaches it
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, where: str | None = None) -> None:
-    """ValueError naming the first id outside [0, vocab_size) (and `where` it was)."""
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    """ValueError naming every id outside [0, vocab_size) (and `where` they were)."""
+    bad = list(dict.fromkeys(t for t in token_ids if not 0 <= t < vocab_size))
+    if bad:
         prefix = f"{where}: " if where else ""
-        raise ValueError(f"{prefix}token id {bad} is out of vocabulary (size {vocab_size})")
+        ids = f"token id {bad[0]} is" if len(bad) == 1 else f"token ids {', '.join(map(str, bad))} are"
+        raise ValueError(f"{prefix}{ids} out of vocabulary (size {vocab_size})")
 
 
 def check_prompt(prompt_token_ids: Sequence[int], max_model_len: int, vocab_size: int) -> None:
@@ -43,6 +45,8 @@ def check_params_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """Token ids in the sampling parameters index the logits: each must be in the vocabulary."""
     check_token_ids(list(params.logit_bias or {}), vocab_size, "logit_bias")
     check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+    check_token_ids(params.allowed_token_ids or (), vocab_size, "allowed_token_ids")
+    check_token_ids(params.logprob_token_ids or (), vocab_size, "logprob_token_ids")
 
 
 def check_engine_request(request: EngineCoreRequest, max_model_len: int, vocab_size: int) -> None:
@@ -58,7 +62,8 @@ def check_engine_request(request: EngineCoreRequest, max_model_len: int, vocab_s
         raise ValueError(f"an engine request is one sequence (n=1; the processor splits n), got n={params.n}")
     for name, count, limit in (("eos_token_ids", len(request.eos_token_ids), MAX_STOP_TOKEN_IDS),
                                ("stop_token_ids", len(params.stop_token_ids), MAX_STOP_TOKEN_IDS),
-                               ("stop", len(params.stop), MAX_STOP_STRINGS)):
+                               ("stop", len(params.stop), MAX_STOP_STRINGS),
+                               ("allowed_token_ids", len(params.allowed_token_ids or ()), MAX_ALLOWED_TOKEN_IDS)):
         if count > limit:
             raise ValueError(f"{name} has {count} entries; at most {limit}")
     if request.cache_salt is not None and len(request.cache_salt) > MAX_CACHE_SALT_LENGTH:

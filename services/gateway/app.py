@@ -12,8 +12,8 @@ import importlib.metadata
 import re
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,6 +50,7 @@ from services.gateway.protocol import (
 )
 from services.gateway.sampling import to_sampling_params
 from services.gateway.tokenization import to_tokenize_request
+from services.gateway.unsupported import unsupported_asks
 from services.gateway.sse import sse_stream
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -65,11 +66,13 @@ T = TypeVar("T")
 
 def create_app(processor: ProcessorClient, served_model_name: str, health_timeout: float = 5.0,
                limits: Limits = Limits(), api_keys: Sequence[str] = (),
-               metrics: GatewayMetrics | None = None, *, session_header: str = DEFAULT_SESSION_HEADER) -> FastAPI:
+               metrics: GatewayMetrics | None = None, *, session_header: str = DEFAULT_SESSION_HEADER,
+               return_tokens_as_token_ids: bool = False) -> FastAPI:
     """The gateway app. `health_timeout` bounds /health's question to the processor (seconds);
     with `api_keys`, every path but the public ones needs one of them (services/gateway/auth.py).
     /metrics serves `metrics` (default: a registry of this app's own). The `session_header`'s value
-    becomes the requests' session id (the processor's `session` routing)."""
+    becomes the requests' session id (the processor's `session` routing). `return_tokens_as_token_ids`
+    is the default of the request field of that name (vLLM's server flag)."""
     app = FastAPI(title="kvmesh", version=_version(), docs_url=None, redoc_url=None, responses=OPENAPI_ERRORS)
     # Outermost last: request id, then the key (no body of an unauthenticated client is read), then
     # the body's size, then any error of ours answered, then routing.
@@ -86,7 +89,7 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
     # goes to Starlette's last-resort handler too (a 500 in our shape, and a logged traceback).
     for kind in (*ANSWERED_ERRORS, Exception):
         app.add_exception_handler(kind, _error)
-    api = app.state.api = _API(processor, served_model_name, limits, session_header)
+    api = app.state.api = _API(processor, served_model_name, limits, session_header, return_tokens_as_token_ids)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics_page() -> Response:
@@ -137,8 +140,9 @@ class _API:
     """The generating endpoints: request → processor requests → a response or an SSE stream."""
 
     def __init__(self, processor: ProcessorClient, served_model_name: str, limits: Limits,
-                 session_header: str = DEFAULT_SESSION_HEADER) -> None:
+                 session_header: str = DEFAULT_SESSION_HEADER, return_tokens_as_token_ids: bool = False) -> None:
         self.processor = processor
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.served_model_name = served_model_name
         self.limits = limits
         self.session_header = session_header
@@ -150,7 +154,7 @@ class _API:
         await self._check_sizes(prompt_size(p, None) for p in body.prompts() if isinstance(p, str))
         response_id, engine_id = _ids("cmpl", request, body.request_id)
         requests = generate_requests(body, engine_id, params)
-        self._set_session(requests, request)
+        self._set_session(requests, request, body)
         return await self._respond(request, requests, body.stream,
                                    lambda g: completion_chunks(g, body, response_id, self.served_model_name),
                                    lambda g: completion_response(g, body, response_id, self.served_model_name))
@@ -160,25 +164,33 @@ class _API:
         await self._check_sizes([PromptSize(0, len(body.messages))])  # before converting each of them
         response_id, engine_id = _ids("chatcmpl", request, body.request_id)
         requests = [generate_request(body, engine_id, params)]
-        self._set_session(requests, request)
+        self._set_session(requests, request, body)
         await self._check_sizes([prompt_size(None, requests[0].messages, requests[0].chat_template_kwargs.values())])
         return await self._respond(request, requests, body.stream,
                                    lambda g: chat_chunks(g, body, response_id, self.served_model_name),
                                    lambda g: chat_response(g, body, response_id, self.served_model_name))
 
-    def _set_session(self, requests: list[GenerateRequest], request: Request) -> None:
-        """The session header's value, if sent, as every request's session id; 400 when too long."""
-        session_id = request.headers.get(self.session_header)
+    def _set_session(self, requests: list[GenerateRequest], request: Request, body: SamplingRequest) -> None:
+        """The session header's value, if sent, else the body's session_id (vLLM's field), as every
+        request's session id; 400 when too long."""
+        session_id, where = request.headers.get(self.session_header), self.session_header
+        if session_id is None:
+            session_id, where = body.session_id, "session_id"
         if session_id is None:
             return
         if len(session_id) > MAX_SESSION_ID_CHARS:
-            raise bad_request(f"the {self.session_header} header is {len(session_id)} characters long; at most "
-                              f"{MAX_SESSION_ID_CHARS} are allowed", self.session_header)
+            raise bad_request(f"the {where} is {len(session_id)} characters long; at most "
+                              f"{MAX_SESSION_ID_CHARS} are allowed", where)
         for r in requests:
             r.session_id = session_id or None
 
     def _params(self, body: SamplingRequest) -> SamplingParams:
         self._check_model(body.model)
+        asked = unsupported_asks(body)
+        if asked:
+            raise bad_request("; ".join(a.message for a in asked), asked[0].field)
+        if body.return_tokens_as_token_ids is None:  # the request as this server reads it: its flag decides
+            body.return_tokens_as_token_ids = self.return_tokens_as_token_ids
         return check_limits(self.limits, body, to_sampling_params(body))
 
     def _check_model(self, model: str | None) -> None:
@@ -345,25 +357,40 @@ def _error_response(status: int, info: ErrorInfo) -> Response:
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-    """400 (not FastAPI's 422), naming the first offending field."""
-    errors = exc.errors()
-    first = errors[0] if errors else {}
+    """400 (not FastAPI's 422), naming every offending field (param: the first)."""
+    errors = exc.errors() or [{}]
+    first = errors[0]
+    if first.get("type") == "json_invalid":  # its location is a character position, not a field
+        message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+        return _error_response(400, ErrorInfo(message=message, type="invalid_request_error"))
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") not in ("value_error", "assertion_error"):
+        message = (f"the body must be a JSON object, sent as Content-Type: application/json "
+                   f"({first.get('msg', 'invalid request')})")  # not an object, or none
+        return _error_response(400, ErrorInfo(message=message, type="invalid_request_error"))
+    described: dict[str, str] = {}  # field -> its messages
+    for error in errors:
+        path, text, in_union = _described(error)
+        key = ".".join(path)
+        if in_union and key in described:
+            continue  # a union's members each report the field: its first answer says enough
+        described[key] = f"{described[key]}; {text}" if key in described and not in_union else text
+    message = "; ".join(described.values())
+    param = next((key.split(".")[0] for key in described if key), None)
+    return _error_response(400, ErrorInfo(message=message, type="invalid_request_error", param=param))
+
+
+def _described(error: Mapping[str, Any]) -> tuple[list[str], str, bool]:
+    """(the field's path, "path: message", whether pydantic was trying a union's member) of one error."""
     path: list[str] = []
-    for part in first.get("loc", ()):
+    in_union = False
+    for part in error.get("loc", ()):
         if isinstance(part, str) and _UNION_MEMBER.match(part):
+            in_union = True
             break  # pydantic names the member of a union it tried; the user knows the field only
         if part != "body":
             path.append(str(part))
-    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-    if first.get("type") == "json_invalid":
-        path = []  # its location is a character position, not a field
-        message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}"
-    elif path:
-        message = f"{'.'.join(path)}: {message}"
-    elif tuple(first.get("loc", ())) == ("body",) and first.get("type") != "value_error":  # not an object, or none
-        message = f"the body must be a JSON object, sent as Content-Type: application/json ({message})"
-    return _error_response(400, ErrorInfo(message=message, type="invalid_request_error",
-                                          param=path[0] if path else None))
+    message = str(error.get("msg", "invalid request")).removeprefix("Value error, ")
+    return path, f"{'.'.join(path)}: {message}" if path else message, in_union
 
 
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|[A-Z]\w*|\w+\[.*\])$")

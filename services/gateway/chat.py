@@ -2,14 +2,16 @@
 
 The stream opens with one chunk per choice carrying the role and empty content (with `echo`, a
 chunk with the echoed content follows), then content deltas; each choice's last chunk carries its
-finish_reason; with `stream_options.include_usage` a usage chunk with `choices: []` follows.
+finish_reason; with `stream_options.include_usage` a usage chunk with `choices: []` follows. With
+vLLM's `return_token_ids` the response carries the prompt's ids (`prompt_token_ids`; streamed, on
+each role chunk) and each choice its generated ids (`token_ids`; streamed, each chunk's new ones).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from services.common.clients import GenerateRequest
+from services.common.clients import ChoiceDelta, GenerateRequest
 from services.common.sampling_params import SamplingParams
 from services.gateway.errors import bad_request
 from services.gateway.generation import Generation
@@ -22,6 +24,7 @@ from services.gateway.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatStreamChoice,
+    ChatTokenLogprob,
     DeltaMessage,
     now,
 )
@@ -32,12 +35,23 @@ def generate_request(body: ChatCompletionRequest, request_id: str, params: Sampl
         messages = [m.to_template() for m in body.messages]
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
+    # vLLM hands tools (with tool_choice "none": they are never called) and documents to the template.
+    template_inputs = {name: value for name, value in (("tools", body.tools), ("documents", body.documents))
+                       if value is not None}
     return GenerateRequest(
         request_id=request_id, params=params, messages=messages,
         add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-        chat_template_kwargs=body.chat_template_kwargs or {}, priority=body.priority, cache_salt=body.cache_salt,
-        truncate_prompt_tokens=body.truncate_prompt_tokens,
+        chat_template_kwargs={**(body.chat_template_kwargs or {}), **template_inputs}, priority=body.priority,
+        cache_salt=body.cache_salt, truncate_prompt_tokens=body.truncate_prompt_tokens,
     )
+
+
+def _logprobs(request: ChatCompletionRequest, choice: ChoiceDelta) -> list[ChatTokenLogprob]:
+    return chat_logprobs(choice, bool(request.return_tokens_as_token_ids), request.logprob_token_ids is not None)
+
+
+def _prompt_ids(generation: Generation, request: ChatCompletionRequest) -> list[int] | None:
+    return generation.first(0).prompt_token_ids if request.return_token_ids else None
 
 
 def echoed(request: ChatCompletionRequest) -> str:
@@ -52,7 +66,8 @@ async def chat_response(generation: Generation, request: ChatCompletionRequest, 
                         model: str) -> ChatCompletionResponse:
     prefix = echoed(request)
     choices = [ChatCompletionChoice(index=i, message=AssistantMessage(role=request.role, content=prefix),
-                                    logprobs=ChatChoiceLogprobs(content=[]) if request.logprobs else None)
+                                    logprobs=ChatChoiceLogprobs(content=[]) if request.logprobs else None,
+                                    token_ids=[] if request.return_token_ids else None)
                for i in range(request.n)]
     prompt_lps = None
     async for _, delta in generation.deltas():
@@ -61,35 +76,40 @@ async def chat_response(generation: Generation, request: ChatCompletionRequest, 
         for c in delta.choices:
             choice = choices[c.index]
             choice.message.content += c.text
+            if choice.token_ids is not None:
+                choice.token_ids += c.token_ids
             if choice.logprobs is not None:
-                choice.logprobs.content.extend(chat_logprobs(c))
+                choice.logprobs.content.extend(_logprobs(request, c))
             if c.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
     return ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=generation.usage(),
-                                  prompt_logprobs=prompt_lps)
+                                  prompt_logprobs=prompt_lps, prompt_token_ids=_prompt_ids(generation, request))
 
 
 async def chat_chunks(generation: Generation, request: ChatCompletionRequest, response_id: str,
                       model: str) -> AsyncIterator[ChatCompletionChunk]:
     created = now()
 
-    def chunk(choice: ChatStreamChoice) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice], usage=usage)
+    def chunk(choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice], usage=usage,
+                                   prompt_token_ids=prompt_token_ids)
 
     usage = generation.usage() if request.continuous_usage_stats else None
     prefix = echoed(request)
+    prompt_ids = _prompt_ids(generation, request)
     for i in range(request.n):
-        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role=request.role, content="")))
+        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role=request.role, content="")), prompt_ids)
         if prefix:
             yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=prefix)))
     async for _, delta in generation.deltas():
         usage = generation.usage() if request.continuous_usage_stats else None
         for c in delta.choices:
-            if not (c.text or c.finish_reason or c.logprobs):
+            if not (c.text or c.finish_reason or c.logprobs or (request.return_token_ids and c.token_ids)):
                 continue
-            logprobs = ChatChoiceLogprobs(content=chat_logprobs(c)) if request.logprobs else None
+            logprobs = ChatChoiceLogprobs(content=_logprobs(request, c)) if request.logprobs else None
             message = DeltaMessage(content=c.text) if c.text else DeltaMessage()
             yield chunk(ChatStreamChoice(index=c.index, delta=message, logprobs=logprobs, finish_reason=c.finish_reason,
-                                         stop_reason=c.stop_reason))
+                                         stop_reason=c.stop_reason,
+                                         token_ids=c.token_ids if request.return_token_ids else None))
     if request.include_usage:
         yield ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], usage=generation.usage())

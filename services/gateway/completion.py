@@ -2,7 +2,9 @@
 
 Choice `i` of prompt `p` is choice `p * n + i` of the response, as OpenAI numbers them. With `echo`
 each choice starts with its prompt (and, with `logprobs`, the prompt tokens' logprobs, the first
-token's None); `echo` with `max_tokens` 0 answers the prompt alone.
+token's None); `echo` with `max_tokens` 0 answers the prompt alone. With vLLM's `return_token_ids`
+each choice carries its prompt's ids (`prompt_token_ids`; streamed, in the choice's first chunk) and
+its generated ids (`token_ids`; streamed, each chunk's new ones).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _echo(request: CompletionRequest, delta: GenerateDelta) -> tuple[str, Comple
     text = delta.prompt_text or ""
     if request.logprobs is None:
         return text, None, len(text)
-    logprobs, offset = completion_logprobs(prompt_entries(delta, request.logprobs))
+    logprobs, offset = completion_logprobs(prompt_entries(delta, request.logprobs, request.return_tokens_as_token_ids))
     return text, logprobs, offset
 
 
@@ -64,10 +66,15 @@ async def completion_response(generation: Generation, request: CompletionRequest
             if choice is None:
                 text, logprobs, offsets[index] = _echo(request, first)
                 choice = choices[index] = CompletionChoice(index=index, text=text, logprobs=logprobs)
+                if request.return_token_ids:
+                    choice.prompt_token_ids, choice.token_ids = first.prompt_token_ids, []
             if not request.echo_only:
                 choice.text += c.text
+                if choice.token_ids is not None:
+                    choice.token_ids += c.token_ids
                 if choice.logprobs is not None:
-                    more, offsets[index] = completion_logprobs(output_entries(c), offsets[index])
+                    more, offsets[index] = completion_logprobs(output_entries(c, request.return_tokens_as_token_ids),
+                                                               offsets[index])
                     extend(choice.logprobs, more)
             if c.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
@@ -88,19 +95,24 @@ async def completion_chunks(generation: Generation, request: CompletionRequest, 
         usage = generation.usage() if request.continuous_usage_stats else None
         for c in delta.choices:
             index = p * n + c.index
-            text, logprobs = "", None
+            text, logprobs, prompt_ids = "", None, None
             if index not in offsets:
                 text, logprobs, offsets[index] = _echo(request, first)
+                prompt_ids = first.prompt_token_ids if request.return_token_ids else None
+            token_ids = [] if request.echo_only else c.token_ids
             if not request.echo_only:
                 text += c.text
                 if request.logprobs is not None:
-                    more, offsets[index] = completion_logprobs(output_entries(c), offsets[index])
+                    more, offsets[index] = completion_logprobs(output_entries(c, request.return_tokens_as_token_ids),
+                                                               offsets[index])
                     logprobs = more if logprobs is None else _joined(logprobs, more)
-            if not (text or c.finish_reason or (logprobs and logprobs.tokens)):
+            if not (text or c.finish_reason or (logprobs and logprobs.tokens) or prompt_ids
+                    or (request.return_token_ids and token_ids)):
                 continue
             yield CompletionChunk(id=response_id, created=created, model=model, usage=usage, choices=[
                 CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
-                                 stop_reason=c.stop_reason)])
+                                 stop_reason=c.stop_reason, prompt_token_ids=prompt_ids,
+                                 token_ids=token_ids if request.return_token_ids else None)])
     if request.include_usage:
         yield CompletionChunk(id=response_id, created=created, model=model, choices=[], usage=generation.usage())
 

@@ -3,6 +3,7 @@
     Generation.start(processor, requests)   one pump task per stream -> one queue
     await started()                          every stream's first delta is in: invalid input has
                                              raised by now, so it is a status code, not an error event
+    first(i)                                 prompt i's first delta (its prompt ids), once started
     async for i, delta in deltas()           (prompt index, delta) until every stream ended
     end(error)                               from outside: deltas() raises `error` (server shutdown)
     await aclose()                           cancels the pumps, which closes their streams and so
@@ -33,6 +34,7 @@ class Generation:
         self._remaining = len(streams)
         self._started: list[tuple[int, GenerateDelta]] = []  # read by started(), replayed by deltas()
         self._last: dict[int, GenerateDelta] = {}  # per prompt: its usage counters are cumulative
+        self._first: dict[int, GenerateDelta] = {}  # per prompt: its first delta
 
     @classmethod
     def start(cls, processor: ProcessorClient, requests: Sequence[GenerateRequest]) -> Generation:
@@ -48,8 +50,13 @@ class Generation:
         while len(seen) < self.num_prompts:
             i, delta = await self._next()
             self._started.append((i, delta))
+            self._first.setdefault(i, delta)
             seen.add(i)
         return True
+
+    def first(self, index: int) -> GenerateDelta:
+        """Prompt `index`'s first delta; only after started()."""
+        return self._first[index]
 
     async def deltas(self) -> AsyncIterator[tuple[int, GenerateDelta]]:
         while self._started or self._remaining:

@@ -10,7 +10,10 @@ the text of each column's token id (the gateway has no tokenizer):
                  None for the first
 
 A logprob of -inf (a token the sampler ruled out) is written as -9999.0, as vLLM does: JSON has no
-infinity and OpenAI's clients expect a number.
+infinity and OpenAI's clients expect a number. With `as_ids` (vLLM's return_tokens_as_token_ids) a
+token is written "token_id:N" in place of its text, so that one that is not valid text is still known.
+With vLLM's logprob_token_ids the columns after the sampled token are the ids asked for, and chat lists
+every column (the sampled token first, once) where it would list the top-N.
 """
 
 from __future__ import annotations
@@ -37,6 +40,14 @@ class TokenEntry(NamedTuple):
     top: dict[str, float] | None
 
 
+def token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def _texts(lp: TokenLogprobs, texts: Sequence[str], as_ids: bool) -> Sequence[str]:
+    return [token_id_text(t) for t in lp.token_ids] if as_ids else texts
+
+
 def _entry(lp: TokenLogprobs, texts: Sequence[str], num_columns: int) -> TokenEntry:
     top: dict[str, float] = {}
     for text, logprob in zip(texts[:num_columns], lp.logprobs[:num_columns]):
@@ -44,15 +55,20 @@ def _entry(lp: TokenLogprobs, texts: Sequence[str], num_columns: int) -> TokenEn
     return TokenEntry(texts[0], finite(lp.logprobs[0]), top)
 
 
-def output_entries(choice: ChoiceDelta) -> list[TokenEntry]:
-    return [_entry(lp, texts, len(texts)) for lp, texts in zip(choice.logprobs, choice.logprob_tokens)]
+def output_entries(choice: ChoiceDelta, as_ids: bool = False) -> list[TokenEntry]:
+    return [_entry(lp, _texts(lp, texts, as_ids), len(texts))
+            for lp, texts in zip(choice.logprobs, choice.logprob_tokens)]
 
 
-def prompt_entries(delta: GenerateDelta, num_top: int) -> list[TokenEntry]:
+def prompt_entries(delta: GenerateDelta, num_top: int, as_ids: bool = False) -> list[TokenEntry]:
     """The echoed prompt's entries: its first token has no logprobs; the others' top-N are cut to
     `num_top` (the prompt logprobs may have been asked for with a larger N)."""
-    entries = [TokenEntry(delta.prompt_logprob_tokens[0][0], None, None)]
-    entries.extend(_entry(lp, texts, num_top + 1)
+    first = delta.prompt_logprob_tokens[0][0]
+    if as_ids:
+        assert delta.prompt_token_ids, "the first delta carries the prompt's ids"
+        first = token_id_text(delta.prompt_token_ids[0])
+    entries = [TokenEntry(first, None, None)]
+    entries.extend(_entry(lp, _texts(lp, texts, as_ids), num_top + 1)
                    for lp, texts in zip(delta.prompt_logprobs[1:], delta.prompt_logprob_tokens[1:]))
     return entries
 
@@ -77,12 +93,19 @@ def extend(logprobs: CompletionLogprobs, more: CompletionLogprobs) -> None:
     logprobs.text_offset.extend(more.text_offset)
 
 
-def chat_logprobs(choice: ChoiceDelta) -> list[ChatTokenLogprob]:
-    """One entry per new token: the sampled token, then its top-N alternatives."""
+def chat_logprobs(choice: ChoiceDelta, as_ids: bool = False, explicit: bool = False) -> list[ChatTokenLogprob]:
+    """One entry per new token: the sampled token, then its top-N alternatives; with `explicit`
+    (logprob_token_ids) the sampled token and the ids asked for, each id once."""
     entries = []
     for lp, texts in zip(choice.logprobs, choice.logprob_tokens):
-        top = [ChatTopLogprob(token=t, logprob=finite(l), bytes=list(t.encode()))
-               for t, l in zip(texts[1:], lp.logprobs[1:])]
+        texts = _texts(lp, texts, as_ids)
+        columns = list(zip(lp.token_ids, texts, lp.logprobs))
+        if explicit:  # the sampled token may be one of the ids asked for: each id once, first place kept
+            firsts = {token_id: i for i, (token_id, _, _) in reversed(list(enumerate(columns)))}
+            columns = [columns[i] for i in sorted(firsts.values())]
+        else:
+            columns = columns[1:]
+        top = [ChatTopLogprob(token=t, logprob=finite(l), bytes=list(t.encode())) for _, t, l in columns]
         entries.append(ChatTokenLogprob(token=texts[0], logprob=finite(lp.logprobs[0]),
                                         bytes=list(texts[0].encode()), top_logprobs=top))
     return entries

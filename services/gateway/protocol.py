@@ -1,5 +1,6 @@
 """OpenAI's request and response bodies (completions, chat completions, models, errors), with the
-vLLM extras the gateway supports. Unknown request fields are ignored, as vLLM does."""
+vLLM extras the gateway supports. Unknown request fields are ignored, as vLLM does; the fields vLLM
+knows and kvmesh does not implement are refused (services/gateway/unsupported.py, docs/vllm_api.md)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from services.gateway.unsupported import UnsupportedChat, UnsupportedCompletion, UnsupportedSampling
+
 
 class OpenAIRequest(BaseModel):
-    # Strict: a wrong type is a 400, never coerced ("3" is not n=3, 1 is not stream=true); a JSON
-    # integer still passes for a float. NaN and infinities (Python's json reads `NaN`) are refused.
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    # Lax, as vLLM's models (pydantic's default): a compatible JSON type is coerced ("3" is n=3,
+    # "true" is true, 2.0 is 2); anything else is a 400. NaN and infinities (Python's json reads
+    # `NaN`) are refused.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class OpenAIResponse(BaseModel):
@@ -23,11 +27,16 @@ class OpenAIResponse(BaseModel):
 
 
 class StreamOptions(OpenAIRequest):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
+    include_usage: bool | None = True  # vLLM's default once stream_options is sent (OpenAI's is false)
+    continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk, when include_usage is on
 
 
-class SamplingRequest(OpenAIRequest):
+class ResponseFormat(OpenAIRequest):
+    model_config = ConfigDict(extra="allow")  # json_schema, ...: refused with any type but "text"
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+
+
+class SamplingRequest(OpenAIRequest, UnsupportedSampling):
     """The fields completions and chat completions share."""
 
     model: str | None = None  # None: the served model
@@ -57,6 +66,12 @@ class SamplingRequest(OpenAIRequest):
     priority: int = 0  # lower runs first, under the engine's priority policy
     request_id: str | None = None  # names the request, unless X-Request-Id does
     cache_salt: str | None = None  # prefix-cache blocks are shared only between requests of one salt
+    response_format: ResponseFormat | None = None  # only {"type": "text"}
+    session_id: str | None = None  # routing affinity, as the session header (which wins)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    logprob_token_ids: list[int] | None = None  # logprobs of these tokens in place of the top-N
+    return_token_ids: bool | None = None  # prompt_token_ids and each choice's token_ids in the answer
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"; None: the server's flag
 
     @model_validator(mode="after")
     def _check_sampling_request(self) -> SamplingRequest:
@@ -68,32 +83,38 @@ class SamplingRequest(OpenAIRequest):
             raise ValueError("cache_salt must be a non-empty string if given")
         if self.request_id is not None and not self.request_id:
             raise ValueError("request_id must be a non-empty string if given")
+        for name in ("allowed_token_ids", "logprob_token_ids"):
+            if getattr(self, name) == []:
+                raise ValueError(f"{name} must not be an empty list if given")
         return self
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     @property
     def continuous_usage_stats(self) -> bool:
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+        """vLLM's rule: usage on every chunk only when the final usage chunk is asked for too."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
-class CompletionRequest(SamplingRequest):
+class CompletionRequest(SamplingRequest, UnsupportedCompletion):
     prompt: Prompt
     max_tokens: int | None = 16  # 0 with echo: score the prompt only
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = None  # refused (services/gateway/unsupported.py)
     add_special_tokens: bool = True  # vLLM's extra
 
     @model_validator(mode="after")
     def _check_completion_request(self) -> CompletionRequest:
-        if self.suffix is not None:
-            raise ValueError("suffix is not supported")
+        if self.logprob_token_ids is not None and self.logprobs is None:
+            raise ValueError("logprob_token_ids can only be set when logprobs is set")
+        if self.logprob_token_ids is not None and self.echo_only:
+            raise ValueError("logprob_token_ids needs generated tokens: not with echo and max_tokens 0")
         return self
 
     @property
@@ -140,17 +161,12 @@ class ChatMessage(OpenAIRequest):
         return message
 
 
-class ResponseFormat(OpenAIRequest):
-    type: Literal["text", "json_object", "json_schema"]
-
-
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, UnsupportedChat):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens; None: the rest of the context
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     # vLLM's extras
     echo: bool = False  # the answer starts with the last message's content when it has the answer's role
     add_generation_prompt: bool = True
@@ -159,11 +175,10 @@ class ChatCompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _check_chat_request(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs can only be set when logprobs is true")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported (structured "
-                             "outputs are not implemented); use {'type': 'text'}")
+        if self.logprob_token_ids is not None and not self.logprobs:
+            raise ValueError("logprob_token_ids can only be set when logprobs is true")
         return self
 
     @property
@@ -239,6 +254,10 @@ class CompletionChoice(OpenAIResponse):
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
     prompt_logprobs: PromptLogprobs | None = None
+    # vLLM's, with return_token_ids: the prompt's ids (streamed: in the choice's first chunk) and the
+    # choice's generated ids (streamed: each chunk's new ones)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIResponse):
@@ -275,6 +294,7 @@ class ChatCompletionChoice(OpenAIResponse):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatCompletionResponse(OpenAIResponse):
@@ -285,6 +305,7 @@ class ChatCompletionResponse(OpenAIResponse):
     choices: list[ChatCompletionChoice]
     usage: Usage | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class DeltaMessage(OpenAIResponse):
@@ -304,6 +325,7 @@ class ChatStreamChoice(OpenAIResponse):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: this chunk's new ids
 
 
 class ChatCompletionChunk(OpenAIResponse):
@@ -313,6 +335,7 @@ class ChatCompletionChunk(OpenAIResponse):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids: on each choice's role chunk
 
 
 class CompletionChunk(OpenAIResponse):

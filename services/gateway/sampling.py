@@ -20,6 +20,8 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
         logprobs = request.logprobs
         if request.echo and logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = logprobs
+    if request.logprob_token_ids is not None:
+        logprobs = None  # the explicit ids take the top-N's place (vLLM)
     return SamplingParams(
         n=request.n,
         temperature=1.0 if request.temperature is None else request.temperature,
@@ -41,18 +43,25 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
+        allowed_token_ids=request.allowed_token_ids,
+        logprob_token_ids=request.logprob_token_ids,
     )
 
 
 def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI sends token ids as JSON object keys, so as strings; biases are clamped to [-100, 100]."""
+    """OpenAI sends token ids as JSON object keys, so as strings; biases are clamped to [-100, 100].
+    ValueError naming every key that is not a token id."""
     if not logit_bias:
         return None
-    biases: dict[int, float] = {}
-    for key, bias in logit_bias.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
-        biases[token_id] = max(-100.0, min(100.0, float(bias)))
-    return biases
+    bad = [key for key in logit_bias if not _is_int(key)]
+    if bad:
+        raise ValueError(f"logit_bias keys must be token ids; these are not: {', '.join(map(repr, bad))}")
+    return {int(key): max(-100.0, min(100.0, float(bias))) for key, bias in logit_bias.items()}
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True

@@ -74,7 +74,8 @@ async def serve(gateway: GatewayConfig, served_model_name: str, serving: Serving
     processor = GrpcProcessorClient(gateway.processor_address, timeout=gateway.timeout,
                                     metrics=GrpcMetrics(metrics.registry, "gateway"), security=security)
     app = create_app(processor, served_model_name, health_timeout=gateway.timeout, metrics=metrics, limits=limits,
-                     api_keys=api_keys, session_header=gateway.session_header)
+                     api_keys=api_keys, session_header=gateway.session_header,
+                     return_tokens_as_token_ids=gateway.return_tokens_as_token_ids)
     config = uvicorn.Config(app, host=serving.host, port=serving.port, timeout_graceful_shutdown=serving.grace,
                             access_log=gateway.access_log, log_level=gateway.log_level, **uvicorn_options(gateway))
     try:

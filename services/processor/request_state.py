@@ -70,7 +70,7 @@ class RequestState:
                                     drop_last_token=out.finish_reason == FINISH_STOP and bool(out.new_token_ids))
         choice.finished = text.finished
         choice.stopped_by_string = text.abort_engine
-        logprobs = list(out.new_logprobs) if choice.request.sampling_params.logprobs is not None else []
+        logprobs = list(out.new_logprobs) if choice.request.sampling_params.num_logprobs is not None else []
         decode = self.processor.decode_token
         return ChoiceDelta(
             index=index,

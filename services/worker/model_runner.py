@@ -156,7 +156,7 @@ class ModelRunner:
         sampled = self.sampler(logits, meta)
         logprobs = None
         if sampled.logprobs is not None:
-            logprobs = sampled.logprobs.to_host([s.sampling_params.logprobs or 0 for s in states])
+            logprobs = sampled.logprobs.to_host([s.sampling_params.num_logprobs or 0 for s in states])
         return SampledTokens(sampled.sampled_token_ids.tolist(), logprobs)
 
     def _sample_each(self, logits: torch.Tensor, states: list[CachedRequestState],
@@ -176,7 +176,7 @@ class ModelRunner:
             logprobs += one.logprobs or gather_logprobs(
                 logits[i : i + 1].log_softmax(dim=-1), torch.tensor(one.token_ids, device=logits.device), 0
             ).to_host([0])
-        any_logprobs = any(s.sampling_params.logprobs is not None for s in states)
+        any_logprobs = any(s.sampling_params.num_logprobs is not None for s in states)
         return SampledTokens(token_ids, logprobs if any_logprobs else None)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: np.ndarray, starts: np.ndarray,

@@ -1,7 +1,7 @@
 """The batched sampler: one tensor program per step over all rows, vLLM V1's order of operations.
 
-    raw logits ─┬─► log_softmax ───────────────────────────────────► logprobs (when asked)
-                └─► logit bias ─► min_tokens mask ─► penalties ─┬─► argmax ─► greedy rows
+    raw logits ─┬─► log_softmax ──────────────────────────────────────────────────► logprobs (when asked)
+                └─► allowed tokens ─► logit bias ─► min_tokens mask ─► penalties ─┬─► argmax ─► greedy rows
                                                                 └─► random rows:
         / temperature ─► min-p ─► top-k ─► top-p ─► softmax ─► argmax(probs / q), q ~ Exp(1)
 
@@ -22,7 +22,7 @@ from torch import nn
 
 from services.common.model_runner_output import TokenLogprobs
 from services.common.sampling_params import GREEDY_EPSILON
-from services.worker.sampling_metadata import PenaltyTensors, SamplingMetadata
+from services.worker.sampling_metadata import ExplicitLogprobs, PenaltyTensors, SamplingMetadata
 
 
 class LogprobsTensors(NamedTuple):
@@ -59,7 +59,9 @@ class Sampler(nn.Module):
         raw_logprobs = None if meta.max_num_logprobs is None else logits.log_softmax(dim=-1)
         logits = apply_logits_processors(logits, meta)
         sampled = sample(logits, meta, self._generator(logits.device) if meta.seeds else None)
-        logprobs = None if raw_logprobs is None else gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs, meta.explicit_logprobs)
         return SamplerOutput(sampled, logprobs)
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -77,24 +79,36 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num:
     return gather_logprobs(logits.log_softmax(dim=-1), target_ids, num)
 
 
-def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num: int) -> LogprobsTensors:
-    """Column 0: `token_ids` and their logprobs; columns 1..num: the top-`num` of each row."""
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num: int,
+                    explicit: ExplicitLogprobs | None = None) -> LogprobsTensors:
+    """Column 0: `token_ids` and their logprobs; columns 1..num: the top-`num` of each row, or for
+    the `explicit` rows the logprobs of their own token ids."""
     assert 0 <= num <= logprobs.shape[-1], (num, logprobs.shape)
     token_ids = token_ids.unsqueeze(-1)  # [B, 1]
     token_logprobs = logprobs.gather(-1, token_ids)  # [B, 1]
     ranks = (logprobs > token_logprobs).sum(dim=-1) + 1  # [B]
     top_logprobs, top_ids = logprobs.topk(num, dim=-1)  # [B, num]
+    if explicit is not None:
+        top_ids[explicit.rows] = explicit.token_ids
+        top_logprobs[explicit.rows] = logprobs[explicit.rows].gather(-1, explicit.token_ids)
     return LogprobsTensors(token_ids=torch.cat([token_ids, top_ids], dim=-1),
                            logprobs=torch.cat([token_logprobs, top_logprobs], dim=-1),
                            ranks=ranks)
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Logit bias, then the min_tokens stop mask, then penalties: they change greedy choices too.
-    Returns a new tensor when any applies (the caller's logits stay raw), else `logits` itself."""
-    if meta.logit_bias is None and meta.stop_token_mask is None and meta.penalties is None:
+    """Allowed tokens, logit bias, then the min_tokens stop mask, then penalties: they change greedy
+    choices too. Returns a new tensor when any applies (the caller's logits stay raw), else `logits`."""
+    if (meta.allowed_tokens is None and meta.logit_bias is None and meta.stop_token_mask is None
+            and meta.penalties is None):
         return logits
     logits = logits.clone()
+    if meta.allowed_tokens is not None:
+        restricted_rows, rows, token_ids = meta.allowed_tokens
+        banned = torch.zeros_like(logits, dtype=torch.bool)  # [B, V]
+        banned[restricted_rows] = True
+        banned[rows, token_ids] = False
+        logits.masked_fill_(banned, float("-inf"))
     if meta.logit_bias is not None:
         rows, token_ids, bias = meta.logit_bias
         logits.index_put_((rows, token_ids), bias, accumulate=True)

@@ -56,6 +56,21 @@ class PenaltyTensors(NamedTuple):
     prompt_token_ids: torch.Tensor | None  # [B, max_prompt_len] int64, padded with vocab_size
 
 
+class AllowedTokens(NamedTuple):
+    """The rows that may sample only some tokens, and those tokens as sparse (row, token id) entries."""
+
+    restricted_rows: torch.Tensor  # [R] int64
+    rows: torch.Tensor  # [K] int64
+    token_ids: torch.Tensor  # [K] int64
+
+
+class ExplicitLogprobs(NamedTuple):
+    """Rows that asked for the logprobs of given tokens (vLLM's logprob_token_ids) instead of their top-N."""
+
+    rows: torch.Tensor  # [R] int64
+    token_ids: torch.Tensor  # [R, max_num_logprobs] int64; a row's ids first, padded with 0 (cut on the host)
+
+
 @dataclass(slots=True)
 class SamplingMetadata:
     temperature: torch.Tensor  # [B] float32; 0 for greedy rows
@@ -75,7 +90,9 @@ class SamplingMetadata:
     # Stop tokens (EOS included, even with ignore_eos) of rows that have fewer than min_tokens
     # outputs; values are -inf, written over the logits.
     stop_token_mask: TokenEntries | None
+    allowed_tokens: AllowedTokens | None  # None when no row restricts its tokens
     max_num_logprobs: int | None  # the largest top-N over rows; None when no row wants logprobs
+    explicit_logprobs: ExplicitLogprobs | None  # None when no row names its logprob tokens
 
     @classmethod
     def build(
@@ -100,7 +117,8 @@ class SamplingMetadata:
         top_k = [0 if p is None or p.top_k >= vocab_size else p.top_k for p in random_params]
         top_p = [1.0 if p is None else p.top_p for p in random_params]
         min_p = [0.0 if p is None else p.min_p for p in random_params]
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        logprobs = [p.num_logprobs for p in params if p.num_logprobs is not None]
+        max_num_logprobs = max(logprobs) if logprobs else None
         return cls(
             temperature=_to_device(torch.tensor([0.0 if p is None else p.temperature for p in random_params],
                                                 dtype=torch.float32), device),
@@ -117,7 +135,9 @@ class SamplingMetadata:
             penalties=_penalty_tensors(params, output_token_ids, prompt_token_ids, vocab_size, device),
             logit_bias=_logit_bias(params, vocab_size, device),
             stop_token_mask=_stop_token_mask(params, output_token_ids, stop_token_ids_per_row, vocab_size, device),
-            max_num_logprobs=max(logprobs) if logprobs else None,
+            allowed_tokens=_allowed_tokens(params, vocab_size, device),
+            max_num_logprobs=max_num_logprobs,
+            explicit_logprobs=_explicit_logprobs(params, max_num_logprobs or 0, vocab_size, device),
         )
 
 
@@ -163,6 +183,29 @@ def _logit_bias(params: Sequence[SamplingParams], vocab_size: int, device: torch
     return _token_entries(rows, token_ids, torch.tensor(values, dtype=torch.float32), device)
 
 
+def _allowed_tokens(params: Sequence[SamplingParams], vocab_size: int,
+                    device: torch.device) -> AllowedTokens | None:
+    restricted = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not restricted:
+        return None
+    rows = [row for row in restricted for _ in params[row].allowed_token_ids]
+    token_ids = [t for row in restricted for t in params[row].allowed_token_ids]
+    _check_token_ids(token_ids, vocab_size, "allowed_token_ids")
+    return AllowedTokens(*(_to_device(torch.tensor(x, dtype=torch.int64), device)
+                           for x in (restricted, rows, token_ids)))
+
+
+def _explicit_logprobs(params: Sequence[SamplingParams], width: int, vocab_size: int,
+                       device: torch.device) -> ExplicitLogprobs | None:
+    rows = [row for row, p in enumerate(params) if p.logprob_token_ids is not None]
+    if not rows:
+        return None
+    ids = [params[row].logprob_token_ids for row in rows]
+    _check_token_ids([t for row_ids in ids for t in row_ids], vocab_size, "logprob_token_ids")
+    return ExplicitLogprobs(rows=_to_device(torch.tensor(rows, dtype=torch.int64), device),
+                            token_ids=_pad_rows(ids, 0, device, width))
+
+
 def _stop_token_mask(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
                      stop_token_ids_per_row: Sequence[set[int] | frozenset[int]], vocab_size: int,
                      device: torch.device) -> TokenEntries | None:
@@ -191,9 +234,9 @@ def _check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:
         raise ValueError(f"{what} token ids {sorted(set(bad))[:8]} are outside the vocabulary [0, {vocab_size})")
 
 
-def _pad_rows(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """Right-pad ragged rows with `pad` into one [len(rows), longest] int64 tensor."""
-    out = np.full((len(rows), max((len(r) for r in rows), default=0)), pad, dtype=np.int64)
+def _pad_rows(rows: Sequence[Sequence[int]], pad: int, device: torch.device, width: int = 0) -> torch.Tensor:
+    """Right-pad ragged rows with `pad` into one [len(rows), max(longest, width)] int64 tensor."""
+    out = np.full((len(rows), max(width, max((len(r) for r in rows), default=0))), pad, dtype=np.int64)
     for i, row in enumerate(rows):
         out[i, :len(row)] = row
     return _to_device(torch.from_numpy(out), device)

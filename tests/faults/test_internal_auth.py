@@ -199,6 +199,11 @@ POISONED = [
     poisoned("too many stop_token_ids",
              lambda r: r.sampling_params.stop_token_ids.extend([7] * (MAX_STOP_TOKEN_IDS + 1))),
     poisoned("too many stop strings", lambda r: r.sampling_params.stop.extend(["x"] * 5000)),
+    poisoned("allowed_token_ids out of vocabulary", lambda r: r.sampling_params.allowed_token_ids.extend([28, 10**9])),
+    poisoned("logprob_token_ids negative", lambda r: r.sampling_params.logprob_token_ids.append(-3)),
+    poisoned("too many logprob_token_ids", lambda r: r.sampling_params.logprob_token_ids.extend([28] * 129)),
+    poisoned("logprobs not the number of logprob_token_ids",
+             lambda r: (r.sampling_params.logprob_token_ids.extend([28, 29]), set_params(logprobs=1)(r))),
     poisoned("empty stop string", lambda r: r.sampling_params.stop.append("")),
     # With min_tokens the worker masks every eos id in the logits: an id outside them failed the step.
     poisoned("eos out of vocabulary", lambda r: (r.eos_token_ids.append(10**9), set_params(min_tokens=2)(r))),

@@ -20,7 +20,8 @@ PARAMS = [
                    frequency_penalty=0.3, repetition_penalty=1.1, logit_bias={5: -100.0, 7: 2.5}, max_tokens=None,
                    min_tokens=4, stop=("\n\n", "END"), stop_token_ids=(2, 9), include_stop_str_in_output=True,
                    ignore_eos=True, logprobs=5, prompt_logprobs=0, skip_special_tokens=False,
-                   spaces_between_special_tokens=False, num_resumed_outputs=3),
+                   spaces_between_special_tokens=False, num_resumed_outputs=3, allowed_token_ids=(4, 2, 9)),
+    SamplingParams(logprob_token_ids=(7, 3, 7), allowed_token_ids=(1,)),
     SamplingParams(temperature=0.0, seed=0, logprobs=0, max_tokens=1),
 ]
 LOGPROBS = TokenLogprobs([11, 3, 11], [-0.25, -1.5, -3.0], 1)

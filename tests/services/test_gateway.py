@@ -325,6 +325,20 @@ async def test_session_header_becomes_the_session_id(client, engine, tokenizer, 
     assert engine.requests[-1].session_id == "u-9"
 
 
+async def test_return_tokens_as_token_ids_flag_is_the_request_fields_default(tokenizer, model_path, engine):
+    """The gateway's --return-tokens-as-token-ids (vLLM's flag): logprob tokens as "token_id:N" unless a
+    request's return_tokens_as_token_ids says otherwise."""
+    processor = Processor.for_tokenizer(tokenizer, model_path, MAX_MODEL_LEN)
+    app = create_app(AsyncProcessor(processor, engine), MODEL, return_tokens_as_token_ids=True)
+    body = {"prompt": "x", "max_tokens": 2, "logprobs": 1}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        by_id = (await client.post("/v1/completions", json=body)).json()["choices"][0]["logprobs"]
+        as_text = (await client.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False})
+                   ).json()["choices"][0]["logprobs"]
+    assert by_id["tokens"] == [f"token_id:{t}" for t in engine.script[:2]]
+    assert as_text["tokens"] == [tokenizer.decode([t]) for t in engine.script[:2]]
+
+
 async def test_health_models_version(client, engine):
     assert (await client.get("/health")).status_code == 200
     engine.healthy = False

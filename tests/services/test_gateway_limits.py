@@ -109,7 +109,7 @@ async def test_the_body_size_is_checked_as_it_streams(client, engine):
     (b"{not json", "not valid JSON"),
     (b"[]", "JSON object"), (b"1", "JSON object"), (b'"x"', "JSON object"), (b"null", "JSON object"),
     (b"", "JSON object"),
-    (b'{"prompt": "x", "n": "2"}', "n:"), (b'{"prompt": "x", "stream": 1}', "stream:"),
+    (b'{"prompt": "x", "n": "two"}', "n:"), (b'{"prompt": "x", "stream": "maybe"}', "stream:"),
     (b'{"prompt": "x", "max_tokens": 1.5}', "max_tokens:"), (b'{"prompt": 5}', "prompt"),
     (b'{"prompt": [1, "a"]}', "prompt"), (b'{"prompt": [[]]}', "empty"), (b'{"prompt": [""]}', "empty"),
     (b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream"),

@@ -59,7 +59,8 @@ def test_non_default_values_round_trip_through_flags():
         ModelConfig(model="/models/x", served_model_name="x", dtype="bfloat16", max_model_len=512, seed=3),
         CacheConfig(block_size=32, kv_cache_memory=2**28, memory_fraction=0.5),
         SchedulerConfig(max_num_seqs=4, max_num_waiting=0, policy="priority", enable_prefix_caching=False),
-        GatewayConfig(access_log=False, api_key=("a", "b"), aggregate_metrics=("http://127.0.0.1:1/metrics",)),
+        GatewayConfig(access_log=False, api_key=("a", "b"), aggregate_metrics=("http://127.0.0.1:1/metrics",),
+                      return_tokens_as_token_ids=True),
         Limits(max_n=2, max_tokens=7),
         ProcessorServiceConfig(engine_address=("127.0.0.1:1", "127.0.0.1:2"), engine_timeout=3.0),
         PrefixIndexConfig(prefix_index="redis://127.0.0.1:6379/2", prefix_index_namespace="t", heartbeat_ttl=2.0),
@@ -108,7 +109,7 @@ def test_serve_hands_each_child_exactly_its_configs():
     parser = cli.build_serve_parser()
     argv = ["--model", "/m", "--kv-cache-memory", "64MiB", "--max-num-seqs", "3", "--no-enable-prefix-caching",
             "--scheduling-policy", "priority", "--attention-backend", "torch", "--max-n", "2", "--api-key", "k",
-            "--port", "8123", "--block-size", "32"]
+            "--port", "8123", "--block-size", "32", "--return-tokens-as-token-ids"]
     args = parser.parse_args(argv)
     spec = cli.ServeSpec(*(build(parser, c, args) for c, _ in cli.SERVE_FLAGS))
     layout = cli.Layout(cli.pairs_of(1), {"worker": 1, "engine": 2, "processor": 3},
@@ -136,6 +137,7 @@ def test_serve_hands_each_child_exactly_its_configs():
     gateway_args = gateway_parser.parse_args(argvs["gateway"])
     gateway = build(gateway_parser, GatewayConfig, gateway_args)
     assert (gateway.processor_address, gateway.api_key) == ("127.0.0.1:3", ("k",))
+    assert gateway.return_tokens_as_token_ids
     assert gateway.aggregate_metrics == tuple(f"http://127.0.0.1:{p}/metrics" for p in (4, 5, 6))
     assert build(gateway_parser, Limits, gateway_args) == Limits(max_n=2)
     assert build(gateway_parser, ServingConfig, gateway_args).port == 8123

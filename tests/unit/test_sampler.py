@@ -419,3 +419,47 @@ def test_a_resumed_request_draws_what_it_would_have_uninterrupted(params: Sampli
     expected = processed(params, prompt, whole[:k])
     assert torch.equal(processed(resumed, prompt + whole[:k], []), expected)
     assert not torch.equal(processed(replace(resumed, num_resumed_outputs=0), prompt + whole[:k], []), expected)
+
+
+# ---- allowed_token_ids and logprob_token_ids (vLLM's) ---------------------------------------------------
+
+def test_allowed_token_ids_restrict_their_row_only() -> None:
+    logits = random_logits(3)
+    allowed = (5, 17, 40)
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, seed=3, allowed_token_ids=(9,))]
+    out = sample(logits, params)
+    assert out[0].item() == max(allowed, key=lambda t: logits[0, t].item())
+    assert out[1].item() == logits[1].argmax().item()  # not restricted
+    assert out[2].item() == 9  # one allowed token: it is drawn whatever the temperature
+    for seed in range(20):  # random rows draw inside their set only
+        drawn = sample(random_logits(1, seed=seed), [SamplingParams(temperature=2.0, allowed_token_ids=allowed)])
+        assert drawn.item() in allowed
+
+
+def test_logprob_token_ids_replace_the_top_n_of_their_row() -> None:
+    logits = random_logits(3)
+    raw = logits.log_softmax(-1)
+    asked = (3, 60, 3)  # a repeat is answered twice, as asked
+    params = [SamplingParams(temperature=0.0, logprob_token_ids=asked), SamplingParams(temperature=0.0, logprobs=4),
+              SamplingParams(temperature=0.0, logprob_token_ids=(11,))]
+    meta = build(params)
+    assert meta.max_num_logprobs == 4
+    out = Sampler()(logits, meta)
+    rows = out.logprobs.to_host([p.num_logprobs for p in params])
+    sampled = logits.argmax(-1).tolist()
+    assert rows[0].token_ids == [sampled[0], *asked]
+    assert rows[0].logprobs == pytest.approx([raw[0, t].item() for t in rows[0].token_ids])
+    assert rows[1].token_ids[1:] == raw[1].topk(4).indices.tolist()  # the others keep their top-N
+    assert rows[2].token_ids == [sampled[2], 11] and rows[2].rank == 1
+
+
+def test_token_lists_are_checked_where_they_are_built() -> None:
+    with pytest.raises(ValueError, match="allowed_token_ids must not be empty"):
+        SamplingParams(allowed_token_ids=())
+    with pytest.raises(ValueError, match="1 to 128"):
+        SamplingParams(logprob_token_ids=tuple(range(129)))
+    with pytest.raises(ValueError, match="must equal the number of logprob_token_ids"):
+        SamplingParams(logprobs=1, logprob_token_ids=(1, 2))
+    with pytest.raises(ValueError, match=r"allowed_token_ids token ids \[64, 99\]"):
+        build([SamplingParams(allowed_token_ids=(1, 99, 64))])

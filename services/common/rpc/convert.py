@@ -59,6 +59,7 @@ def sampling_params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         include_stop_str_in_output=p.include_stop_str_in_output, ignore_eos=p.ignore_eos,
         logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, skip_special_tokens=p.skip_special_tokens,
         spaces_between_special_tokens=p.spaces_between_special_tokens, num_resumed_outputs=p.num_resumed_outputs,
+        allowed_token_ids=p.allowed_token_ids, logprob_token_ids=p.logprob_token_ids,
     )
 
 
@@ -75,6 +76,7 @@ def sampling_params_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         skip_special_tokens=m.skip_special_tokens, spaces_between_special_tokens=m.spaces_between_special_tokens,
         num_resumed_outputs=m.num_resumed_outputs,
+        allowed_token_ids=tuple(m.allowed_token_ids) or None, logprob_token_ids=tuple(m.logprob_token_ids) or None,
     )
 
 

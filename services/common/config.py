@@ -92,6 +92,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        # The CPU's attention and fused kernels take float32 or bfloat16 only: refused here, at
+        # start-up, rather than by every request's first step (issue 15).
+        if self.dtype == "float16" and self.device.split(":")[0] == "cpu":
+            raise ValueError("dtype float16 is not supported on the CPU (its kernels take float32 or bfloat16): "
+                             "use --dtype bfloat16 or --dtype float32, or float16 with --device cuda")
 
     @property
     def name(self) -> str:
@@ -378,15 +383,28 @@ class GatewayConfig:
     return_tokens_as_token_ids: bool = option(
         False, "write logprobs' tokens as 'token_id:N' unless a request's return_tokens_as_token_ids says "
                "otherwise (vLLM's flag)")
+    # vLLM's server flags (issue 15).
+    root_path: str = option(
+        "", "the path prefix a proxy serves the API under and strips before forwarding (e.g. /kvmesh): the "
+            "ASGI root_path, as vLLM's --root-path")
+    enable_request_id_headers: bool = option(
+        False, "answer every response with an X-Request-Id header (the client's, or a new one), as vLLM's flag")
+    enable_force_include_usage: bool = option(
+        False, "every stream ends with a usage chunk, as if stream_options.include_usage were true")
+    enable_tokenizer_info_endpoint: bool = option(
+        False, "serve GET /tokenizer_info (the tokenizer's configuration, chat template included)")
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"root_path must start with / and not end with one (e.g. /kvmesh), got {self.root_path!r}")
 
 
 # What `kvmesh serve` takes of GatewayConfig (the rest it sets itself, or leaves to a pod).
 GATEWAY_SERVE_FIELDS = ("api_key", "access_log", "log_level", "header_timeout", "body_timeout",
                         "keep_alive_timeout", "max_connections", "max_header_bytes", "max_headers", "session_header",
-                        "return_tokens_as_token_ids")
+                        "return_tokens_as_token_ids", "root_path", "enable_request_id_headers",
+                        "enable_force_include_usage", "enable_tokenizer_info_endpoint")
 
 
 @dataclass(frozen=True)
@@ -395,7 +413,8 @@ class Limits:
     (services/gateway/limits.py checks them)."""
 
     max_body_bytes: int = option(8 * 2**20, "bytes of a request body", minimum=1)
-    max_prompts: int = option(64, "prompts in one completion request", minimum=1)
+    max_prompts: int = option(64, "prompts in one completion request (conversations in one batched chat request)",
+                              minimum=1)
     max_n: int = option(16, "choices per prompt (n)", minimum=1)
     max_chars_per_token: int = option(
         128, "characters one token may cover: a prompt (or chat messages) of more than the context length times "
@@ -403,8 +422,9 @@ class Limits:
              "vocabulary's longest token)", minimum=1)
     max_sequences_per_request: int = option(
         64, "sequences one request may ask for: its prompts times n", minimum=1)
-    max_logprobs: int = option(MAX_LOGPROBS, "top logprobs per token (logprobs, top_logprobs, prompt_logprobs)",
-                               minimum=1, maximum=MAX_LOGPROBS)
+    max_logprobs: int = option(
+        MAX_LOGPROBS, "top logprobs per token (logprobs, top_logprobs, prompt_logprobs); -1: no limit, so that -1 in "
+                      "a request (the whole vocabulary) is allowed, as vLLM's --max-logprobs", minimum=-1)
     max_stop_strings: int = option(16, "stop strings in one request", minimum=1)
     max_stop_string_length: int = option(256, "characters of one stop string", minimum=1)
     # None: only the model's context bounds it. --max-tokens would read as a default, hence the name.

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 # Below this temperature sampling is greedy (and top-k/top-p/min-p are off), as in vLLM.
 GREEDY_EPSILON = 1e-5
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # the gateway's default limit (--max-logprobs), as vLLM's
+WHOLE_VOCABULARY = -1  # logprobs / prompt_logprobs: every token's (vLLM's -1), resolved by the processor
 MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: a bias of +-100 already forces or bans a token
 REALS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -31,8 +32,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: int | None = None  # top-N per output token, plus the sampled one
-    prompt_logprobs: int | None = None
+    logprobs: int | None = None  # top-N per output token, plus the sampled one; -1: the whole vocabulary
+    prompt_logprobs: int | None = None  # the same for each prompt token
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # Only these tokens may be sampled (vLLM's allowed_token_ids); None: every token. Never empty.
@@ -89,8 +90,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+            if value is not None and value < WHOLE_VOCABULARY:
+                raise ValueError(f"{name} must be non-negative, or -1 for the whole vocabulary, got {value}")
         self._validate_token_lists()
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")

@@ -5,9 +5,10 @@ not trust its callers. One function per check, so both say the same thing."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from services.common.engine_output import EngineCoreRequest
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import WHOLE_VOCABULARY, SamplingParams
 
 # What one engine request may carry beyond its prompt. Generous for every real caller (the
 # processor sends a model's few eos ids and the gateway's bounded stop lists); they bound the
@@ -49,6 +50,20 @@ def check_params_token_ids(params: SamplingParams, vocab_size: int) -> None:
     check_token_ids(params.logprob_token_ids or (), vocab_size, "logprob_token_ids")
 
 
+def resolved_logprobs(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """`params` with -1 (the whole vocabulary) as `vocab_size`; ValueError for more than the
+    vocabulary has (vLLM's check against the model's vocabulary)."""
+    counts = {}
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value == WHOLE_VOCABULARY:
+            counts[name] = value = vocab_size
+        if value is not None and value > vocab_size:
+            raise ValueError(f"{name} asks for {value} top logprobs; the vocabulary has {vocab_size} tokens (-1 "
+                             "asks for all of them)")
+    return replace(params, **counts) if counts else params
+
+
 def check_engine_request(request: EngineCoreRequest, max_model_len: int, vocab_size: int) -> None:
     """Everything an engine request carries, checked as if it came from anywhere (the engine's
     gRPC port is reachable by more than its processor): the prompt, every token id that indexes the
@@ -74,3 +89,7 @@ def check_engine_request(request: EngineCoreRequest, max_model_len: int, vocab_s
                          f"tokens ({len(request.prompt_token_ids)}): a resumed request keeps its original prompt")
     check_params_token_ids(params, vocab_size)
     check_token_ids(request.eos_token_ids, vocab_size, "eos_token_ids")
+    for name in ("logprobs", "prompt_logprobs"):  # the processor resolved -1 to the vocabulary's size
+        value = getattr(params, name)
+        if value is not None and not 0 <= value <= vocab_size:
+            raise ValueError(f"{name} must be in [0, {vocab_size}] (the vocabulary), got {value}")

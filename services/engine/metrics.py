@@ -62,6 +62,18 @@ class CacheInfo:
     block_size: int
     num_gpu_blocks: int
     enable_prefix_caching: bool
+    max_model_len: int
+
+    @property
+    def kv_cache_max_concurrency(self) -> float:
+        """Requests of the whole context the cache holds at once (vLLM's: blocks / blocks per
+        max_model_len request)."""
+        return self.num_gpu_blocks / -(-self.max_model_len // self.block_size)
+
+    @property
+    def kv_cache_size_tokens(self) -> int:
+        """vLLM's: the concurrency times the context, in tokens."""
+        return int(self.kv_cache_max_concurrency * self.max_model_len)
 
 
 @dataclass(slots=True)
@@ -124,9 +136,10 @@ class EngineMetrics:
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
                                           "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS)
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-              ["block_size", "enable_prefix_caching", "num_gpu_blocks", "engine"], registry=registry).labels(
+              ["block_size", "enable_prefix_caching", "num_gpu_blocks", "kv_cache_size_tokens",
+               "kv_cache_max_concurrency", "engine"], registry=registry).labels(
             str(cache_info.block_size), str(cache_info.enable_prefix_caching), str(cache_info.num_gpu_blocks),
-            labels.engine).set(1)
+            str(cache_info.kv_cache_size_tokens), str(cache_info.kv_cache_max_concurrency), labels.engine).set(1)
 
         step_names, step_values = [COMPONENT, *names], ("engine", *values)
         self.step_seconds = Histogram("kvmesh_engine_step_seconds", "One engine step: schedule, execute, update",
@@ -138,7 +151,8 @@ class EngineMetrics:
 
     @classmethod
     def for_core(cls, registry: CollectorRegistry, labels: EngineLabels, core: EngineCore) -> EngineMetrics:
-        cache_info = CacheInfo(core.block_size, core.stats().num_total_blocks, core.enable_prefix_caching)
+        cache_info = CacheInfo(core.block_size, core.stats().num_total_blocks, core.enable_prefix_caching,
+                               core.max_model_len)
         return cls(registry, labels, core.max_model_len, cache_info, core.stats)
 
     # ------------------------------------------------------------------ fed by the engine-loop thread
@@ -153,21 +167,27 @@ class EngineMetrics:
         now = time.monotonic()
         self.step_seconds.observe(step_seconds)
         self.step_rpc_seconds.observe(rpc_seconds)
-        if scheduler_output.total_num_scheduled_tokens:
-            self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
         step_start = now - step_seconds
         for new in scheduler_output.scheduled_new_reqs:  # also a request resuming after preemption
             times = self._requests.get(new.req_id)
             if times is not None and times.scheduled is None:
                 times.scheduled = step_start
+        # vLLM's iteration tokens: each output's new tokens, plus a request's whole prompt at its first
+        # token (so a prompt of 9 and 10 tokens generated count 19), observed for steps with outputs.
+        iteration_tokens, any_output = 0, False
         for output in outputs:
             times = self._requests.get(output.request_id)
             if times is None:
                 continue
+            any_output = True
             if output.new_token_ids:
+                iteration_tokens += len(output.new_token_ids) + (times.num_prompt_tokens if times.first_token is None
+                                                                 else 0)
                 self._record_tokens(times, len(output.new_token_ids), now)
             if output.finish_reason is not None:
                 self._record_finished(output.request_id, output.finish_reason, now)
+        if any_output:
+            self.iteration_tokens.observe(iteration_tokens)
 
     def record_aborted(self, reasons: Mapping[str, str]) -> None:
         """request id -> why it was ended early: "abort", or "stop" (a stop string, seen by the
@@ -226,6 +246,16 @@ class _SchedulerCollector:
         stats = self._stats()
         names = ["model_name", "engine"]
         usage = stats.num_used_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
+        # Every waiting request waits for capacity: kvmesh defers none (no LoRA budget, no KV
+        # transfer to wait for), so vLLM's `deferred` is always 0.
+        by_reason = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; "
+            "'deferred' = deferred by transient constraints. Sum of all reasons equals vllm:num_requests_waiting.",
+            labels=[*names, "reason"])
+        by_reason.add_metric([*self._values, "capacity"], stats.num_waiting)
+        by_reason.add_metric([*self._values, "deferred"], 0)
+        yield by_reason
         for family, value in (
             (GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
                                labels=names), stats.num_running),

@@ -13,13 +13,14 @@ import re
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -27,6 +28,8 @@ from services.common.clients import GenerateRequest, ProcessorClient
 from services.common.prompt_size import PromptSize, prompt_size
 from services.common.sampling_params import SamplingParams
 from services.gateway.auth import APIKeyMiddleware
+from services.gateway.batch_chat import BatchChatCompletionRequest, batch_chat_response
+from services.gateway.batch_chat import generate_requests as batch_generate_requests
 from services.gateway.chat import chat_chunks, chat_response, generate_request
 from services.gateway.completion import completion_chunks, completion_response, generate_requests
 from services.gateway.errors import (ANSWERED_ERRORS, OPENAPI_ERRORS, APIError, api_error_of, bad_request,
@@ -45,6 +48,8 @@ from services.gateway.protocol import (
     ModelCard,
     ModelList,
     SamplingRequest,
+    ServerLoad,
+    StreamOptions,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -62,17 +67,19 @@ DEFAULT_SESSION_HEADER: str = GatewayConfig.session_header
 MAX_SESSION_ID_CHARS = 256
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away; nobody reads it
 T = TypeVar("T")
+S = TypeVar("S", bound=SamplingRequest)
 
 
 def create_app(processor: ProcessorClient, served_model_name: str, health_timeout: float = 5.0,
                limits: Limits = Limits(), api_keys: Sequence[str] = (),
                metrics: GatewayMetrics | None = None, *, session_header: str = DEFAULT_SESSION_HEADER,
-               return_tokens_as_token_ids: bool = False) -> FastAPI:
+               options: ApiOptions | None = None) -> FastAPI:
     """The gateway app. `health_timeout` bounds /health's question to the processor (seconds);
     with `api_keys`, every path but the public ones needs one of them (services/gateway/auth.py).
     /metrics serves `metrics` (default: a registry of this app's own). The `session_header`'s value
-    becomes the requests' session id (the processor's `session` routing). `return_tokens_as_token_ids`
-    is the default of the request field of that name (vLLM's server flag)."""
+    becomes the requests' session id (the processor's `session` routing). `options`: vLLM's server
+    flags the app honours (GatewayConfig)."""
+    options = options or ApiOptions()
     app = FastAPI(title="kvmesh", version=_version(), docs_url=None, redoc_url=None, responses=OPENAPI_ERRORS)
     # Outermost last: request id, then the key (no body of an unauthenticated client is read), then
     # the body's size, then any error of ours answered, then routing.
@@ -80,7 +87,7 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(RequestIdMiddleware, echo=options.request_id_headers)
     # Outermost of all: it counts what the ones inside refuse (401, the body-size 400) too.
     metrics = metrics or GatewayMetrics()
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics, routes=app.router.routes)
@@ -89,13 +96,15 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
     # goes to Starlette's last-resort handler too (a 500 in our shape, and a logged traceback).
     for kind in (*ANSWERED_ERRORS, Exception):
         app.add_exception_handler(kind, _error)
-    api = app.state.api = _API(processor, served_model_name, limits, session_header, return_tokens_as_token_ids)
+    api = app.state.api = _API(processor, served_model_name, limits, session_header, options)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics_page() -> Response:
         return Response(await metrics.page(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health", response_class=Response)  # 200 with no body
+    @app.get("/ping", response_class=Response)  # SageMaker's pair with /invocations (vLLM serves both)
+    @app.post("/ping", response_class=Response)
     async def health() -> Response:
         try:
             healthy = await asyncio.wait_for(processor.is_healthy(), health_timeout)
@@ -125,6 +134,23 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await api.chat_completions(body, request)
 
+    @app.post("/v1/chat/completions/batch")
+    async def batch_chat_completions(body: BatchChatCompletionRequest, request: Request) -> Response:
+        return await api.batch_chat_completions(body, request)
+
+    @app.post("/invocations", responses=STREAMED)
+    async def invocations(request: Request) -> Response:
+        return await api.invocations(request)
+
+    @app.get("/load")
+    async def load() -> ServerLoad:
+        return ServerLoad(server_load=len(api.generations))
+
+    if options.tokenizer_info:  # off by default, as in vLLM: it shows the chat template and more
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> JSONResponse:
+            return JSONResponse(await processor.tokenizer_info())
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
         return _json(await api.tokenize(body))
@@ -136,20 +162,76 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
     return app
 
 
+@dataclass(frozen=True)
+class ApiOptions:
+    """vLLM's server flags the app itself honours (GatewayConfig's fields of the same names)."""
+
+    request_id_headers: bool = False  # X-Request-Id on every response
+    force_include_usage: bool = False  # every stream ends with a usage chunk
+    tokenizer_info: bool = False  # GET /tokenizer_info
+    return_tokens_as_token_ids: bool = False  # the default of the request field of that name
+
+    @classmethod
+    def of(cls, gateway: GatewayConfig) -> ApiOptions:
+        return cls(gateway.enable_request_id_headers, gateway.enable_force_include_usage,
+                   gateway.enable_tokenizer_info_endpoint, gateway.return_tokens_as_token_ids)
+
+
 class _API:
     """The generating endpoints: request → processor requests → a response or an SSE stream."""
 
     def __init__(self, processor: ProcessorClient, served_model_name: str, limits: Limits,
-                 session_header: str = DEFAULT_SESSION_HEADER, return_tokens_as_token_ids: bool = False) -> None:
+                 session_header: str = DEFAULT_SESSION_HEADER, options: ApiOptions | None = None) -> None:
         self.processor = processor
-        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.served_model_name = served_model_name
         self.limits = limits
         self.session_header = session_header
+        self.options = options or ApiOptions()
         self.max_model_len: int | None = None  # the model's context length, once asked
-        self.generations: set[Generation] = set()  # in flight
+        # In flight, from their first delta to their last byte: /load's count (vLLM's server_load).
+        self.generations: set[Generation] = set()
+
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's one route: a chat completion's body (it has `messages`) or a completion's
+        (`prompt`), answered as its own route answers it."""
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise bad_request(f"the body is not valid JSON: {e}") from None
+        if isinstance(body, dict) and "messages" in body:
+            kind, route = ChatCompletionRequest, self.chat_completions
+        elif isinstance(body, dict) and "prompt" in body:
+            kind, route = CompletionRequest, self.completions
+        else:
+            raise bad_request("Cannot find suitable handler for request. Expected one of: "
+                              "['ChatCompletionRequest', 'CompletionRequest'] (a JSON object with `messages` or "
+                              "with `prompt`)")
+        try:
+            parsed = kind.model_validate(body)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        return await route(parsed, request)
+
+    async def batch_chat_completions(self, body: BatchChatCompletionRequest, request: Request) -> Response:
+        params = self._params(body)
+        await self._check_sizes(PromptSize(0, len(c)) for c in body.messages)  # before converting them
+        response_id, engine_id = _ids("chatcmpl", request, body.request_id)
+        requests = batch_generate_requests(body, engine_id, params)
+        self._set_session(requests, request)
+        await self._check_sizes(prompt_size(None, r.messages, r.chat_template_kwargs.values()) for r in requests)
+        return await self._respond(request, requests, False, _no_stream,
+                                   lambda g: batch_chat_response(g, body, response_id, self.served_model_name))
+
+    def _with_usage(self, body: S) -> S:
+        """With --enable-force-include-usage, a stream's body as if it asked for usage (vLLM's rule:
+        continuous usage still only when asked)."""
+        if not (self.options.force_include_usage and body.stream) or body.include_usage:
+            return body
+        options = body.stream_options or StreamOptions()
+        return body.model_copy(update={"stream_options": options.model_copy(update={"include_usage": True})})
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        body = self._with_usage(body)
         params = self._params(body)
         await self._check_sizes(prompt_size(p, None) for p in body.prompts() if isinstance(p, str))
         response_id, engine_id = _ids("cmpl", request, body.request_id)
@@ -160,6 +242,7 @@ class _API:
                                    lambda g: completion_response(g, body, response_id, self.served_model_name))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        body = self._with_usage(body)
         params = self._params(body)
         await self._check_sizes([PromptSize(0, len(body.messages))])  # before converting each of them
         response_id, engine_id = _ids("chatcmpl", request, body.request_id)
@@ -190,7 +273,7 @@ class _API:
         if asked:
             raise bad_request("; ".join(a.message for a in asked), asked[0].field)
         if body.return_tokens_as_token_ids is None:  # the request as this server reads it: its flag decides
-            body.return_tokens_as_token_ids = self.return_tokens_as_token_ids
+            body.return_tokens_as_token_ids = self.options.return_tokens_as_token_ids
         return check_limits(self.limits, body, to_sampling_params(body))
 
     def _check_model(self, model: str | None) -> None:
@@ -259,6 +342,10 @@ class _API:
         return len(self.generations)
 
 
+def _no_stream(generation: Generation) -> AsyncIterator:
+    raise AssertionError("a batched chat request never streams (its model refuses stream=true)")
+
+
 def end_requests(app: FastAPI, reason: str) -> int:
     """Ends the requests `app` has in flight (the server is stopping); returns how many."""
     return app.state.api.end_all(reason)
@@ -325,10 +412,12 @@ def answer_errors(app: ASGIApp) -> ASGIApp:
 
 
 class RequestIdMiddleware:
-    """Takes the request id from `X-Request-Id` (or makes one) and echoes it on every response."""
+    """Takes the request id from `X-Request-Id` (or makes one); with `echo` (vLLM's
+    --enable-request-id-headers) answers it on every response, else on none, as vLLM does."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, echo: bool = False) -> None:
         self.app = app
+        self.echo = echo
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -344,7 +433,7 @@ class RequestIdMiddleware:
                 MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        await self.app(scope, receive, send_with_id if self.echo else send)
 
 
 def _json(body: BaseModel, status: int = 200) -> Response:

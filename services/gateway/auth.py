@@ -19,7 +19,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.gateway.errors import APIError
 
-PUBLIC_PATHS = frozenset({b"/health", b"/metrics", b"/version"})  # probes and scrapers carry no key
+# Probes, scrapers and routers polling the load carry no key (vLLM asks one only under /v1).
+PUBLIC_PATHS = frozenset({b"/health", b"/ping", b"/load", b"/metrics", b"/version"})
 API_KEY_ENV = "KVMESH_API_KEY"  # one key, or several separated by commas
 
 

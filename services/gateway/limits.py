@@ -18,7 +18,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.config import Limits, flag_of
 from services.common.prompt_size import PromptSize, check_prompt_size
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import WHOLE_VOCABULARY, SamplingParams
+from services.gateway.batch_chat import BatchChatCompletionRequest
 from services.gateway.errors import APIError, bad_request
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -26,15 +27,23 @@ from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, 
 def check_limits(limits: Limits, body: SamplingRequest, params: SamplingParams) -> SamplingParams:
     """`params` (made from `body`) within the limits: APIError (400) for what is over one;
     max_tokens, when the request did not set it (or set it to null), capped at the limit."""
-    num_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
-    _at_most(num_prompts, limits.max_prompts, "prompts", "prompt", "max_prompts")
+    if isinstance(body, BatchChatCompletionRequest):
+        num_prompts, prompts_param = len(body.messages), "messages"  # its conversations
+    else:
+        num_prompts, prompts_param = len(body.prompts()) if isinstance(body, CompletionRequest) else 1, "prompt"
+    _at_most(num_prompts, limits.max_prompts, "prompts", prompts_param, "max_prompts")
     _at_most(params.n, limits.max_n, "n", "n", "max_n")
     _at_most(num_prompts * params.n, limits.max_sequences_per_request, "sequences (prompts x n)", "n",
              "max_sequences_per_request")
     logprobs_param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
     for name, value in ((logprobs_param, params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
-        if value is not None:
-            _at_most(value, limits.max_logprobs, name, name, "max_logprobs")
+        if value is None or limits.max_logprobs == WHOLE_VOCABULARY:  # no limit: the processor checks the vocabulary
+            continue
+        if value == WHOLE_VOCABULARY:
+            raise APIError(400, f"{name} -1 (the whole vocabulary) is over this server's limit of "
+                                f"{limits.max_logprobs} ({flag_of(Limits, 'max_logprobs')}; -1 there allows it)",
+                           "invalid_request_error", name, "limit_exceeded")
+        _at_most(value, limits.max_logprobs, name, name, "max_logprobs")
     _at_most(len(params.stop), limits.max_stop_strings, "stop strings", "stop", "max_stop_strings")
     for stop in params.stop:
         _at_most(len(stop), limits.max_stop_string_length, "characters in a stop string", "stop",

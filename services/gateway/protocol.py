@@ -372,6 +372,12 @@ class ModelList(OpenAIResponse):
     data: list[ModelCard]
 
 
+class ServerLoad(OpenAIResponse):
+    """GET /load (vLLM's): the requests the server has in flight, as routers poll it."""
+
+    server_load: int
+
+
 class ErrorInfo(OpenAIResponse):
     message: str
     type: str

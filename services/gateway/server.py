@@ -26,7 +26,7 @@ from services.common.config import GatewayConfig, Limits, ModelConfig, SecurityC
 from services.common.flags import add_flags, build
 from services.common.metrics import GrpcMetrics
 from services.common.rpc.security import RpcSecurity
-from services.gateway.app import create_app, end_requests
+from services.gateway.app import ApiOptions, create_app, end_requests
 from services.gateway.auth import api_keys_from
 from services.gateway.connection_guard import quiet_accept_errors, uvicorn_options
 from services.gateway.metrics import GatewayMetrics
@@ -74,9 +74,10 @@ async def serve(gateway: GatewayConfig, served_model_name: str, serving: Serving
     processor = GrpcProcessorClient(gateway.processor_address, timeout=gateway.timeout,
                                     metrics=GrpcMetrics(metrics.registry, "gateway"), security=security)
     app = create_app(processor, served_model_name, health_timeout=gateway.timeout, metrics=metrics, limits=limits,
-                     api_keys=api_keys, session_header=gateway.session_header,
-                     return_tokens_as_token_ids=gateway.return_tokens_as_token_ids)
+                     api_keys=api_keys, session_header=gateway.session_header, options=ApiOptions.of(gateway))
+    # root_path: a proxy serves the API under it and strips it (vLLM's --root-path, the same ASGI root_path).
     config = uvicorn.Config(app, host=serving.host, port=serving.port, timeout_graceful_shutdown=serving.grace,
+                            root_path=gateway.root_path,
                             access_log=gateway.access_log, log_level=gateway.log_level, **uvicorn_options(gateway))
     try:
         await GatewayServer(config, app, serving.grace).serve()

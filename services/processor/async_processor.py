@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from services.common.clients import (
     ChoiceDelta,
@@ -77,6 +77,9 @@ class AsyncProcessor:
         token_ids = await self._off_loop(self.processor.prompt_of, request)
         strs = await self._off_loop(self.processor.token_strs, token_ids) if request.return_token_strs else None
         return Tokenized(token_ids, self.processor.max_model_len, strs)
+
+    async def tokenizer_info(self) -> dict[str, Any]:
+        return self.processor.tokenizer_config()
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         return await self._off_loop(self.processor.detokenize, token_ids)

@@ -6,7 +6,9 @@ with the server's message: the exceptions the gateway maps to HTTP.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -58,6 +60,11 @@ class GrpcProcessorClient:
             reply = await self._stub.Detokenize(processor_pb2.DetokenizeRequest(token_ids=token_ids),
                                                 timeout=self.timeout)
         return reply.text
+
+    async def tokenizer_info(self) -> dict[str, Any]:
+        with raising_errors():
+            reply = await self._stub.GetTokenizerInfo(processor_pb2.GetTokenizerInfoRequest(), timeout=self.timeout)
+        return json.loads(reply.config_json)
 
     async def model_info(self) -> EngineInfo:
         with raising_errors():

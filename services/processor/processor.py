@@ -15,7 +15,7 @@ from services.common.clients import GenerateRequest, TokenizeRequest
 from services.common.engine_output import EngineCoreRequest
 from services.common.prompt_size import PromptSize, check_prompt_size, prompt_size
 from services.common.sampling_params import SamplingParams
-from services.common.validation import check_params_token_ids, check_prompt, check_token_ids
+from services.common.validation import check_params_token_ids, check_prompt, check_token_ids, resolved_logprobs
 from services.processor.output_processor import RequestOutputState
 from services.processor.tokenizer import TokenizerInfo, apply_chat_template, chat_template_variables, load_tokenizer
 
@@ -29,6 +29,17 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 # apply_chat_template's own inputs that reach the template as variables of the same name.
 TEMPLATE_INPUTS = frozenset({"tools", "documents"})
+
+
+def _json_ready(value: Any) -> Any:
+    """`value` as JSON can carry it: an added token (tokenizers' AddedToken) as its text."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, Mapping):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
 
 
 class Processor:
@@ -89,6 +100,14 @@ class Processor:
                              f"context length), got {truncate_prompt_tokens}")
         return prompt_token_ids[-k:]
 
+    def tokenizer_config(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: the tokenizer's configuration as loaded (tokenizer_config.json, chat
+        template included) less its vocabulary files' paths, added tokens as their text, and its class."""
+        kwargs = getattr(self.tokenizer, "init_kwargs", None) or {}
+        config = {k: _json_ready(v) for k, v in kwargs.items() if k not in ("vocab_file", "merges_file")}
+        config["tokenizer_class"] = type(self.tokenizer).__name__
+        return config
+
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of `token_ids`, special tokens included; ValueError for ids out of the vocabulary."""
         self.check_vocabulary(token_ids)
@@ -141,6 +160,7 @@ class Processor:
         `group_id` (default: `request_id`). ValueError for a prompt or parameters the engine would refuse."""
         check_prompt(prompt_token_ids, self.max_model_len, self.info.vocab_size)
         check_params_token_ids(params, self.info.vocab_size)
+        params = resolved_logprobs(params, self.info.vocab_size)
         group_id = group_id or request_id
         if params.n == 1:
             return [EngineCoreRequest(request_id, prompt_token_ids, params, self.info.eos_token_ids,

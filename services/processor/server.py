@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -93,6 +94,10 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
     @answers_with_status
     async def Detokenize(self, request: processor_pb2.DetokenizeRequest, context):
         return processor_pb2.DetokenizeResponse(text=await self.processor.detokenize(list(request.token_ids)))
+
+    @answers_with_status
+    async def GetTokenizerInfo(self, request: processor_pb2.GetTokenizerInfoRequest, context):
+        return processor_pb2.TokenizerInfo(config_json=json.dumps(await self.processor.tokenizer_info()))
 
     @answers_with_status
     async def GetModelInfo(self, request: processor_pb2.GetModelInfoRequest, context):

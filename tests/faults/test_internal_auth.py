@@ -188,7 +188,7 @@ POISONED = [
         ("top_k", -2), ("min_p", math.nan), ("min_p", 2.0),
         ("presence_penalty", math.nan), ("presence_penalty", 3.0), ("frequency_penalty", -math.inf),
         ("repetition_penalty", math.nan), ("repetition_penalty", 0.0), ("repetition_penalty", math.inf),
-        ("max_tokens", 0), ("max_tokens", -5), ("logprobs", 21), ("logprobs", -1), ("prompt_logprobs", 10**6),
+        ("max_tokens", 0), ("max_tokens", -5), ("logprobs", 10**6), ("logprobs", -1), ("prompt_logprobs", 10**6),
         ("n", 2), ("n", 2**31 - 1), ("n", 0))),
     poisoned("min_tokens>max_tokens", set_params(min_tokens=5, max_tokens=2)),
     poisoned("logit_bias out of vocabulary", lambda r: r.sampling_params.logit_bias.update({10**9: 5.0})),

@@ -17,7 +17,7 @@ from services.common.clients import EngineInfo, EngineStats
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.errors import EngineDeadError, EngineOverloadedError, InternalError
 from services.common.model_runner_output import TokenLogprobs
-from services.gateway.app import create_app, end_requests
+from services.gateway.app import ApiOptions, create_app, end_requests
 from services.gateway.errors import api_error_of
 from services.processor.async_processor import AsyncProcessor
 from services.processor.processor import Processor
@@ -293,14 +293,22 @@ async def test_unknown_model_is_404(client):
     assert_openai_error(r, 404)
 
 
-async def test_request_id_is_honoured_and_echoed(client, engine):
+async def test_request_id_is_honoured_and_echoed_only_when_asked(client, engine, tokenizer, model_path):
+    """X-Request-Id names the request always; it comes back on responses only with
+    --enable-request-id-headers (vLLM's flag, off by default as in vLLM)."""
     r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"X-Request-Id": "abc-123"})
-    assert r.headers["x-request-id"] == "abc-123" and r.json()["id"] == "cmpl-abc-123"
+    assert "x-request-id" not in r.headers and r.json()["id"] == "cmpl-abc-123"
     assert engine.requests[0].request_id.startswith("cmpl-abc-123-")  # two clients may reuse an id
-    r = await client.post("/v1/completions", json={"model": "nope", "prompt": "x"}, headers={"X-Request-Id": "e1"})
-    assert r.status_code == 404 and r.headers["x-request-id"] == "e1"
-    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
-    assert r.json()["id"] == f"cmpl-{r.headers['x-request-id']}"
+    processor = Processor.for_tokenizer(tokenizer, model_path, MAX_MODEL_LEN)
+    app = create_app(AsyncProcessor(processor, engine), MODEL, options=ApiOptions(request_id_headers=True))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as echoing:
+        r = await echoing.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                               headers={"X-Request-Id": "abc-123"})
+        assert r.headers["x-request-id"] == "abc-123" and r.json()["id"] == "cmpl-abc-123"
+        r = await echoing.post("/v1/completions", json={"model": "nope", "prompt": "x"}, headers={"X-Request-Id": "e1"})
+        assert r.status_code == 404 and r.headers["x-request-id"] == "e1"
+        r = await echoing.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.json()["id"] == f"cmpl-{r.headers['x-request-id']}"
 
 
 async def test_session_header_becomes_the_session_id(client, engine, tokenizer, model_path):
@@ -329,7 +337,7 @@ async def test_return_tokens_as_token_ids_flag_is_the_request_fields_default(tok
     """The gateway's --return-tokens-as-token-ids (vLLM's flag): logprob tokens as "token_id:N" unless a
     request's return_tokens_as_token_ids says otherwise."""
     processor = Processor.for_tokenizer(tokenizer, model_path, MAX_MODEL_LEN)
-    app = create_app(AsyncProcessor(processor, engine), MODEL, return_tokens_as_token_ids=True)
+    app = create_app(AsyncProcessor(processor, engine), MODEL, options=ApiOptions(return_tokens_as_token_ids=True))
     body = {"prompt": "x", "max_tokens": 2, "logprobs": 1}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         by_id = (await client.post("/v1/completions", json=body)).json()["choices"][0]["logprobs"]

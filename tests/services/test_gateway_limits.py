@@ -148,7 +148,7 @@ def test_limits_refuse_nonsense():
     with pytest.raises(ValueError, match="max_n"):
         Limits(max_n=0)
     with pytest.raises(ValueError, match="max_logprobs"):
-        Limits(max_logprobs=21)
+        Limits(max_logprobs=-2)  # -1 is "no limit", above 20 is allowed (vLLM)
     assert to_argv(Limits(max_n=3, max_tokens=5))[-4:] == ["--max-stop-string-length", "256",
                                                           "--max-tokens-limit", "5"]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.dashboards import dashboard_metric_names
-from tests.services.procs import Serve, client_for, free_port
+from tests.services.procs import SHARED_MAX_MODEL_LEN, Serve, client_for, free_port
 from tests.services.test_metrics import assert_valid_exposition, samples
 
 pytestmark = pytest.mark.services
@@ -124,6 +124,9 @@ def test_counters_and_histograms_agree_with_the_traffic(serve: Serve, traffic: d
         expect("vllm:inter_token_latency_seconds_count", 35 - 10),  # every token after the first
         expect("vllm:prompt_tokens_total", traffic["prompt_tokens"]),
         expect("vllm:request_prompt_tokens_sum", traffic["prompt_tokens"]),
+        # vLLM's count: each request's whole prompt at its first token, plus every token generated (a
+        # prompt of 9 and 10 tokens generated: 19), not the tokens computed (cache hits left out, 18).
+        expect("vllm:iteration_tokens_total_sum", traffic["prompt_tokens"] + 35),
         expect("vllm:request_params_n_count", 9),
         expect("vllm:request_params_n_sum", 10),
         expect("vllm:request_max_num_generation_tokens_sum", 7 * 4 + 3 + 2),
@@ -153,7 +156,6 @@ def test_counters_and_histograms_agree_with_the_traffic(serve: Serve, traffic: d
     assert increase("kvmesh_grpc_server_handled_total", component="worker", grpc_method="ExecuteModel") == steps
     assert increase("kvmesh_worker_execute_seconds_count") == steps
     assert 0 < increase("kvmesh_worker_forward_seconds_count") <= steps
-    assert increase("vllm:iteration_tokens_total_sum") >= 35
     # The same prompt seven times: all but the first hit the prefix cache.
     assert increase("vllm:prefix_cache_hits_total") >= 6 * 16
     assert total(after, "vllm:num_requests_running") == total(after, "vllm:num_requests_waiting") == 0
@@ -222,6 +224,23 @@ def test_a_real_prometheus_scrapes_every_service(serve: Serve, traffic: dict, tm
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         log.close()
+
+
+def test_cache_config_info_and_waiting_by_reason_carry_vllms_labels(serve: Serve, traffic: dict):
+    values = samples(fetch(serve.services["gateway"]["metrics"]))
+    [info] = [dict(labels) for name, labels in values if name == "vllm:cache_config_info"]
+    blocks, block_size = int(info["num_gpu_blocks"]), int(info["block_size"])
+    # vLLM's: blocks over the blocks one request of the whole context needs, and that many contexts in tokens.
+    concurrency = blocks / -(-SHARED_MAX_MODEL_LEN // block_size)
+    assert info["kv_cache_max_concurrency"] == str(concurrency) and concurrency > 1
+    assert info["kv_cache_size_tokens"] == str(int(concurrency * SHARED_MAX_MODEL_LEN))
+    assert info["engine"] == "0" and info["enable_prefix_caching"] == "True"
+    model = client_for(serve)[1]
+    waiting = {dict(labels)["reason"]: value for (name, labels), value in values.items()
+               if name == "vllm:num_requests_waiting_by_reason"}
+    assert waiting == {"capacity": 0.0, "deferred": 0.0}  # idle; every waiting request waits for capacity
+    assert {dict(labels)["model_name"] for name, labels in values if name == "vllm:num_requests_waiting_by_reason"} \
+        == {model}
 
 
 def test_a_stop_string_counts_as_stop_not_abort(serve: Serve, traffic: dict):

@@ -55,6 +55,11 @@ class ProcessorStub:
                 request_serializer=kvmesh_dot_v1_dot_processor__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_processor__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizerInfo = channel.unary_unary(
+                '/kvmesh.v1.Processor/GetTokenizerInfo',
+                request_serializer=kvmesh_dot_v1_dot_processor__pb2.GetTokenizerInfoRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_processor__pb2.TokenizerInfo.FromString,
+                _registered_method=True)
 
 
 class ProcessorServicer:
@@ -84,6 +89,12 @@ class ProcessorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizerInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ProcessorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +117,11 @@ def add_ProcessorServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=kvmesh_dot_v1_dot_processor__pb2.DetokenizeRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_processor__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'GetTokenizerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizerInfo,
+                    request_deserializer=kvmesh_dot_v1_dot_processor__pb2.GetTokenizerInfoRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_processor__pb2.TokenizerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +232,33 @@ class Processor:
             '/kvmesh.v1.Processor/Detokenize',
             kvmesh_dot_v1_dot_processor__pb2.DetokenizeRequest.SerializeToString,
             kvmesh_dot_v1_dot_processor__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Processor/GetTokenizerInfo',
+            kvmesh_dot_v1_dot_processor__pb2.GetTokenizerInfoRequest.SerializeToString,
+            kvmesh_dot_v1_dot_processor__pb2.TokenizerInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,136 @@
+"""vLLM's server flags (issue 15), through one `kvmesh serve` started with all of them:
+--root-path, --enable-request-id-headers, --enable-force-include-usage,
+--enable-tokenizer-info-endpoint and --max-logprobs -1 (logprobs of the whole vocabulary); and
+--dtype float16 on the CPU, refused at start-up. The defaults (no X-Request-Id, no
+/tokenizer_info, at most 20 logprobs) are checked on the session's shared stack.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from services.processor.tokenizer import load_tokenizer
+from tests.services.procs import PYTHON, REPO_ROOT, SHARED_MAX_MODEL_LEN, Serve, client_for, serving
+
+pytestmark = pytest.mark.services
+
+ROOT_PATH = "/kvmesh"
+CHAT = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def flagged(model_path: Path) -> Iterator[Serve]:
+    yield from serving(model_path, ["--max-model-len", str(SHARED_MAX_MODEL_LEN), "--root-path", ROOT_PATH,
+                                    "--enable-request-id-headers", "--enable-force-include-usage",
+                                    "--enable-tokenizer-info-endpoint", "--max-logprobs", "-1"])
+
+
+@pytest.fixture(scope="module")
+def http(flagged: Serve) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=flagged.api.removesuffix("/v1"), timeout=120) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def vocab_size(model_path: Path) -> int:
+    return len(load_tokenizer(model_path))
+
+
+def test_root_path_serves_the_api_as_a_stripping_proxy_forwards_it(flagged: Serve, http):
+    # The proxy takes /kvmesh/v1/models and forwards /v1/models; the API names its prefix in its
+    # OpenAPI document, so links and generated clients point through the proxy.
+    client, model = client_for(flagged)
+    assert client.completions.create(model=model, prompt="Hi", max_tokens=1).choices[0].finish_reason
+    assert http.get("/openapi.json").json()["servers"] == [{"url": ROOT_PATH}]
+    assert http.get("/health").status_code == 200
+
+
+def test_request_id_headers_on_every_response(http):
+    given = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers={"X-Request-Id": "r-42"})
+    assert given.headers["X-Request-Id"] == "r-42" and given.json()["id"] == "cmpl-r-42"
+    made = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    assert made.json()["id"] == f"cmpl-{made.headers['X-Request-Id']}"
+    assert http.get("/health", headers={"X-Request-Id": "probe"}).headers["X-Request-Id"] == "probe"
+    missing = http.post("/v1/completions", json={"model": "nope", "prompt": "Hi"}, headers={"X-Request-Id": "e-1"})
+    assert missing.status_code == 404 and missing.headers["X-Request-Id"] == "e-1"
+
+
+def test_no_request_id_header_by_default(serve: Serve):
+    with httpx.Client(base_url=serve.api.removesuffix("/v1"), timeout=120) as http:
+        response = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                             headers={"X-Request-Id": "r-1"})
+        assert response.json()["id"] == "cmpl-r-1" and "X-Request-Id" not in response.headers
+        assert "X-Request-Id" not in http.get("/health").headers
+
+
+def test_force_include_usage_ends_every_stream_with_usage(flagged: Serve):
+    client, model = client_for(flagged)
+    chunks = list(client.chat.completions.create(model=model, messages=CHAT, max_tokens=3, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    assert all(c.usage is None for c in chunks[:-1])  # continuous usage only when asked
+    chunks = list(client.completions.create(model=model, prompt="Hi", max_tokens=2, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+    assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 2
+    # Asked for as well: still one usage chunk.
+    chunks = list(client.completions.create(model=model, prompt="Hi", max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert [c.usage is not None for c in chunks].count(True) == 1
+
+
+def test_tokenizer_info_is_the_tokenizers_configuration(http, model_path: Path):
+    tokenizer = load_tokenizer(model_path)
+    info = http.get("/tokenizer_info").json()
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert info["chat_template"] == tokenizer.chat_template
+    assert info["model_max_length"] == tokenizer.model_max_length
+    assert info["eos_token"] == tokenizer.eos_token
+    assert "vocab_file" not in info and "merges_file" not in info
+    # Added tokens as their text (vLLM's rendering of AddedToken).
+    assert info["added_tokens_decoder"]["0"] == tokenizer.convert_ids_to_tokens(0)
+
+
+def test_no_tokenizer_info_by_default(serve: Serve):
+    with httpx.Client(base_url=serve.api.removesuffix("/v1"), timeout=120) as http:
+        assert http.get("/tokenizer_info").status_code == 404
+
+
+def test_logprobs_of_the_whole_vocabulary(flagged: Serve, vocab_size: int):
+    client, model = client_for(flagged)
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=1, temperature=0, logprobs=True,
+                                          top_logprobs=-1)
+    [token] = chat.choices[0].logprobs.content
+    assert len(token.top_logprobs) == vocab_size
+    assert token.top_logprobs[0].token == token.token and token.top_logprobs[0].logprob == token.logprob
+    more = client.completions.create(model=model, prompt="The sky is", max_tokens=2, temperature=0, logprobs=30)
+    assert all(len(top) >= 29 for top in more.choices[0].logprobs.top_logprobs)  # above vLLM's default 20
+    prompt = client.completions.create(model=model, prompt="The sky is", max_tokens=1,
+                                       extra_body={"prompt_logprobs": -1})
+    entries = prompt.choices[0].prompt_logprobs
+    assert entries[0] is None and all(len(e) == vocab_size for e in entries[1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model=model, prompt="Hi", max_tokens=1, extra_body={"prompt_logprobs": -2})
+    with pytest.raises(openai.BadRequestError, match="vocabulary"):
+        client.completions.create(model=model, prompt="Hi", max_tokens=1, logprobs=vocab_size + 1)
+
+
+def test_whole_vocabulary_needs_the_limit_lifted(serve: Serve):
+    client, model = client_for(serve)
+    with pytest.raises(openai.BadRequestError, match="--max-logprobs"):
+        client.completions.create(model=model, prompt="Hi", max_tokens=1, logprobs=-1)
+    with pytest.raises(openai.BadRequestError, match="--max-logprobs"):
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=1, logprobs=True, top_logprobs=-1)
+
+
+def test_float16_on_the_cpu_is_refused_at_start_up(model_path: Path):
+    done = subprocess.run([PYTHON, "-m", "services.cli", "serve", "--model", str(model_path), "--dtype", "float16",
+                           "--port", "0"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "float16 is not supported on the CPU" in done.stderr and "--dtype bfloat16" in done.stderr

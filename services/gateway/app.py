@@ -217,7 +217,7 @@ class _API:
         await self._check_sizes(PromptSize(0, len(c)) for c in body.messages)  # before converting them
         response_id, engine_id = _ids("chatcmpl", request, body.request_id)
         requests = batch_generate_requests(body, engine_id, params)
-        self._set_session(requests, request)
+        self._set_session(requests, request, body)
         await self._check_sizes(prompt_size(None, r.messages, r.chat_template_kwargs.values()) for r in requests)
         return await self._respond(request, requests, False, _no_stream,
                                    lambda g: batch_chat_response(g, body, response_id, self.served_model_name))

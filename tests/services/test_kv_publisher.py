@@ -70,16 +70,18 @@ class Fleet:
 
     async def indexed(self) -> set[BlockHash]:
         """The engine's reverse set in Redis: what the index says it holds."""
-        engine_id, epoch = self.engine.identity
+        engine_id, _ = self.engine.identity
         if (await self.reader.engines()).get(engine_id, None) is None:
             return set()
-        client = self.client
-        held = await client.smembers(f"{self.namespace}:e:{engine_id}:blocks")
-        # The forward keys must say the same (docs/prefix_index.md's invariant, as the router reads it).
+        return await self.client.smembers(f"{self.namespace}:e:{engine_id}:blocks")
+
+    async def check_forward_keys(self, held: set[BlockHash]) -> None:
+        """The forward keys say what the reverse set says (docs/prefix_index.md's invariant, as the
+        router reads it). Only once the publisher is quiet: it updates both between our reads."""
+        engine_id, epoch = self.engine.identity
         member = f"{engine_id}:{epoch}".encode()
         for block_hash in held:
-            assert member in await client.smembers(f"{self.namespace}:b:".encode() + block_hash)
-        return held
+            assert member in await self.client.smembers(f"{self.namespace}:b:".encode() + block_hash)
 
     async def wait_until_agreed(self, timeout: float = 10.0) -> set[BlockHash]:
         """Once idle, the index converges on the pool (the publisher polls every few ms)."""
@@ -91,7 +93,9 @@ class Fleet:
             raise AssertionError(f"index {len(await self.indexed())} blocks != pool {len(pool)} blocks: "
                                  f"{len(await self.indexed() ^ pool)} differ") from None
         self.engine.core.check_integrity()
-        return self.pool()
+        held = self.pool()
+        await self.check_forward_keys(held)
+        return held
 
     async def _agrees(self) -> bool:
         """The pool read afresh each time: the engine loop may still be finishing its last step."""

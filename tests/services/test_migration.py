@@ -124,6 +124,11 @@ async def collect(processor: AsyncProcessor, request: GenerateRequest, into: Col
     return out
 
 
+async def until_all_streaming(streams: list[Collected], num_tokens: int = 1) -> None:
+    while min(len(s.token_ids) for s in streams) < num_tokens:
+        await asyncio.sleep(0.01)
+
+
 async def kill_when_all_streaming(streams: list[Collected], kill) -> None:
     """Kills once every stream has a few tokens, none all of them: they die mid-stream."""
     while min(len(s.token_ids) for s in streams) < 3:
@@ -156,6 +161,7 @@ async def test_streams_go_on_after_their_engine_is_killed(pairs: Pairs, tokenize
 
         streams = [Collected() for _ in expected]
         running = [asyncio.create_task(collect(processor, r, s)) for r, s in zip(requests("killed"), streams)]
+        await until_all_streaming(streams)  # every stream on A before B can be chosen
         engines.update(frozenset({a.endpoint, b.endpoint}))
         await kill_when_all_streaming(streams, a.engine.kill)
         got = await asyncio.gather(*running)
@@ -186,6 +192,7 @@ async def test_a_killed_worker_migrates_or_fails_as_configured(pairs: Pairs, tok
         running = [asyncio.create_task(collect(p, GenerateRequest(f"{seeded.request_id}-{i}", seeded.params,
                                                                   prompt=seeded.prompt), s))
                    for i, (p, s) in enumerate(zip(processors, streams))]
+        await until_all_streaming(streams)  # every stream on A before B can be chosen
         for engines in (migrating, never):  # B is there for them, not for `alone`
             engines.update(frozenset({a.endpoint, b.endpoint}))
         await kill_when_all_streaming(streams, a.worker.kill)

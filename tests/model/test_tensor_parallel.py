@@ -15,7 +15,7 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -87,16 +87,20 @@ class FanOutExecutor:
             c.close()
 
 
-def start_group(model_path: Path, size: int, kv_bytes: int, timeout: float) -> list[ServiceProcess]:
+def start_group(model_path: Path, size: int, kv_bytes: int, timeout: float,
+                attention_backend: str = "auto") -> list[ServiceProcess]:
     """`size` worker processes of one group, started together (rank 0 waits for the others)."""
     address = free_loopback_address()
+    # Triton's kernels run on the CPU under its interpreter, chosen before they are imported.
+    env = {"TRITON_INTERPRET": "1"} if attention_backend == "triton" else None
 
     def start(rank: int) -> ServiceProcess:
         port = free_port()
         return start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path), "--port", str(port),
                               "--kv-cache-memory", str(kv_bytes), "--tensor-parallel-size", str(size),
                               "--rank", str(rank), "--distributed-address", address,
-                              "--distributed-timeout", str(timeout)], port)
+                              "--distributed-timeout", str(timeout), "--attention-backend", attention_backend],
+                             port, env=env)
 
     with ThreadPoolExecutor(size) as pool:
         futures = [pool.submit(start, r) for r in range(size)]
@@ -186,6 +190,24 @@ def test_tp2_matches_tp1_and_hugging_face(model_path: Path, prompts: list[list[i
           f"{engine.stats().num_preemptions} preemptions")
     assert partings <= 2
     assert sum(o.num_cached_tokens for o in outputs) > 0, "no prefix hit"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_every_attention_backend_takes_sharded_heads(model_path: Path, prompts: list[list[int]],
+                                                     tp1_outputs: list[Generated], backend: str):
+    """The run above uses the `cpu` backend; the others, on a few prompts (a long one chunked)."""
+    picked = [0, 5, len(prompts) - 1]
+    with ExitStack() as exits:
+        ranks = start_group(model_path, 2, 64 * RANK0_BLOCK_BYTES, 30.0, backend)
+        for rank in ranks:
+            exits.callback(rank.kill)
+        executor = FanOutExecutor([GrpcWorkerClient(r.address) for r in ranks])
+        exits.callback(executor.close)
+        outputs = generate(executor.engine(replace(SCHEDULER, max_num_batched_tokens=128)),
+                           [prompts[i] for i in picked])
+    for i, ours in zip(picked, outputs):
+        compare_to_reference(ours, tp1_outputs[i].token_ids, tp1_outputs[i].logprobs, f"{backend}: prompt {i}")
 
 
 # --- the shards each rank holds ---------------------------------------------------------------------

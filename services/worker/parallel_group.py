@@ -63,12 +63,17 @@ class TensorParallelGroup:
         if parallel.distributed_address is None:
             raise ValueError(f"a tensor-parallel group of {size} needs distributed_address (rank 0's host:port)")
         host, _, port = parallel.distributed_address.rpartition(":")
+        host = host.strip("[]")  # [::1]:29500
         timeout = timedelta(seconds=parallel.distributed_timeout)
         try:
-            store = dist.TCPStore(host, int(port), size, is_master=rank == DRIVER_RANK, timeout=timeout)
+            # torch's TCPStore would listen on every interface; on a socket of our own it listens
+            # where it is told to (the pod's address; loopback in tests). The store owns the fd.
+            listen_fd = socket.create_server((host, int(port))).detach() if rank == DRIVER_RANK else None
+            store = dist.TCPStore(host, int(port), size, is_master=rank == DRIVER_RANK, timeout=timeout,
+                                  master_listen_fd=listen_fd)
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
                                     world_size=size, timeout=timeout)
-        except (RuntimeError, dist.DistError) as exc:
+        except (OSError, RuntimeError, dist.DistError) as exc:
             raise GroupError(f"rank {rank} of {size} could not join its group at {parallel.distributed_address} "
                              f"within {parallel.distributed_timeout:g}s: {exc}") from exc
         return cls(rank, size, dist.group.WORLD, device)

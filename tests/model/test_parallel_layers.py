@@ -49,8 +49,22 @@ def _rank(rank: int, address: str, results: dict) -> None:
             "logits": embed.logits(w["x"]),
             "min": tp.min_over_group(10 + rank),
             "tokens": tp.broadcast_tokens([7, 8] if rank == 0 else None, 2),
+            "store_listens_on": _listening_addresses(int(address.rsplit(":", 1)[1])),
         }
     tp.close()
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses of the IPv4 and IPv6 sockets listening on `port` (from /proc/net)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, port_hex = local.rsplit(":", 1)
+                if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+                    found.add(address)
+    return found
 
 
 def test_sharded_layers_equal_the_whole_ones():
@@ -72,6 +86,7 @@ def test_sharded_layers_equal_the_whole_ones():
         torch.testing.assert_close(results[r]["row"], F.linear(w["x_cols"], w["row"], w["row_bias"]))
         torch.testing.assert_close(results[r]["embed"], w["embed"])
         assert results[r]["min"] == 10 and results[r]["tokens"] == [7, 8]
+    assert results[0]["store_listens_on"] == {"0100007F"}  # 127.0.0.1 only, not every interface
     torch.testing.assert_close(results[0]["logits"], F.linear(w["x"], w["embed"]))
     assert results[1]["logits"] is None and results[2]["logits"] is None
 

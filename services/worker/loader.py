@@ -18,7 +18,9 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 from services.common.model_files import cached_conversion, locate_model
+from services.worker.layers.linear import WeightSource
 from services.worker.models.registry import get_model_class
+from services.worker.parallel_group import TensorParallelGroup
 
 FULL_MODEL_SUFFIX = ""  # the whole model converted from a GGUF: `<stem>-<size>-<mtime>`, as before
 
@@ -31,26 +33,28 @@ def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
     return path
 
 
-def load_model(model_path: Path, dtype: torch.dtype,
-               device: torch.device) -> tuple[nn.Module, transformers.PretrainedConfig]:
-    """Build our model for `model_path`'s config.json in `dtype` on `device` and stream its weights in."""
+def load_model(model_path: Path, dtype: torch.dtype, device: torch.device,
+               tp: TensorParallelGroup | None = None) -> tuple[nn.Module, transformers.PretrainedConfig]:
+    """Build our model for `model_path`'s config.json in `dtype` on `device` and stream its weights
+    in; in a tensor-parallel group `tp`, only this rank's slices of them."""
     config = AutoConfig.from_pretrained(model_path)
     model_class = get_model_class(config)
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"model folder {model_path} has no *.safetensors files")
     with torch.device(device):
-        model = model_class(config, dtype)
+        model = model_class(config, dtype, tp)
     model.load_weights(_iter_safetensors(files, device))
     return model.eval(), config
 
 
-def _iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    # One tensor at a time, straight from the memory-mapped file: no full state dict in memory.
+def _iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, WeightSource]]:
+    # One tensor at a time, as a lazy slice of the memory-mapped file: each layer reads only the
+    # rows or columns its rank holds (the whole tensor at TP=1), never a full state dict.
     for file in files:
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:

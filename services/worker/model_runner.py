@@ -1,5 +1,9 @@
 """The model runner: applies the step's diff to the persistent batch, builds the flat inputs,
-runs the model with paged attention, samples, and returns the new tokens."""
+runs the model with paged attention, samples, and returns the new tokens.
+
+In a tensor-parallel group every rank runs the same steps on its own copy of the persistent batch;
+rank 0 (the driver) gets the whole logits, samples, and sends the sampled ids to the other ranks
+(one broadcast of a few int64 per step), which append them to their batch and return no tokens."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from services.common.scheduler_output import NewRequestData, SchedulerOutput
 from services.worker.attention import AttentionBackend, AttentionMetadata
 from services.worker.forward_context import ForwardContext, set_forward_context
 from services.worker.input_batch import CachedRequestState, InputBatch
+from services.worker.parallel_group import TensorParallelGroup
 from services.worker.sampler import Sampler, compute_prompt_logprobs, gather_logprobs
 from services.worker.sampling_metadata import SamplingMetadata
 
@@ -35,8 +40,10 @@ class ModelRunner:
         max_num_reqs: int,
         max_model_len: int,
         vocab_size: int,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         self.model = model
+        self.tp = tp or TensorParallelGroup()
         self.kv_caches = kv_caches
         self.backend = backend
         self.block_size = block_size
@@ -48,7 +55,10 @@ class ModelRunner:
     def _apply_diff(self, out: SchedulerOutput) -> dict[str, str]:
         """Returns the new requests refused (id -> why): they fail alone, the step goes on without them."""
         failed: dict[str, str] = {}
-        for req_id in out.finished_req_ids:
+        # Sorted: a removal moves the last row into the hole, so the order of removals decides the
+        # rows, and the ranks of a tensor-parallel group must lay out the batch alike (their
+        # all-reduces add up token by token). A set's order differs between processes.
+        for req_id in sorted(out.finished_req_ids):
             self.batch.remove(req_id)
         for new in out.scheduled_new_reqs:
             try:
@@ -124,8 +134,11 @@ class ModelRunner:
         sample_rows = rows[done]
         if not len(sample_rows):
             return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs, failed=failed)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(ends[done] - 1)])  # [B, vocab]
+        logits = self.model.compute_logits(hidden[torch.from_numpy(ends[done] - 1)])  # [B, vocab]; None off rank 0
         states = [batch.states[r] for r in sample_rows.tolist()]
+        if logits is None:
+            return self._follow_driver(sample_rows, states, prompt_logprobs, failed)
+        all_rows = sample_rows
         try:
             token_ids, logprobs = self._sample(logits, states)
         except (ValueError, RuntimeError):  # torch's own errors are RuntimeErrors
@@ -135,6 +148,9 @@ class ModelRunner:
             states = [s for s in states if s.req_id not in failed]
             token_ids, logprobs = sampled.token_ids, sampled.logprobs
         batch.append_sampled(sample_rows, token_ids)
+        if self.tp.size > 1:  # the other ranks append the same tokens; -1: a row that failed sampling
+            sampled = dict(zip(sample_rows.tolist(), token_ids))
+            self.tp.broadcast_tokens([sampled.get(r, -1) for r in all_rows.tolist()], len(all_rows))
         return ModelRunnerOutput(
             req_ids=[s.req_id for s in states],
             sampled_token_ids=token_ids,
@@ -142,6 +158,15 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             failed=failed,
         )
+
+    def _follow_driver(self, sample_rows: np.ndarray, states: list[CachedRequestState],
+                       prompt_logprobs: dict[str, list[TokenLogprobs]], failed: dict[str, str]) -> ModelRunnerOutput:
+        """A rank other than 0: take the driver's sampled tokens into this rank's batch. Its output
+        names the same requests in the same order, without tokens (the engine reads rank 0's)."""
+        token_ids = self.tp.broadcast_tokens(None, len(sample_rows))
+        kept = [i for i, t in enumerate(token_ids) if t >= 0]
+        self.batch.append_sampled(sample_rows[kept], [token_ids[i] for i in kept])
+        return ModelRunnerOutput([s.req_id for s in states], [], prompt_logprobs=prompt_logprobs, failed=failed)
 
     def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SampledTokens:
         """One batched sampler call over `logits` [len(states), vocab], row i being states[i]."""
@@ -194,6 +219,8 @@ class ModelRunner:
             if first >= last:
                 continue
             logits = self.model.compute_logits(hidden[starts[i] : starts[i] + last - first])
+            if logits is None:  # not the driver: it took part in the gather, rank 0 computes the logprobs
+                continue
             targets = self.batch.token_ids[row, first + 1 : last + 1].to(logits.device)
             result[state.req_id] = compute_prompt_logprobs(logits, targets, num).to_host([num] * (last - first))
         return result

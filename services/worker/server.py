@@ -4,7 +4,14 @@
 
 config -> Worker core -> WorkerServicer -> grpc.aio server (+ health, reflection) -> SIGTERM ->
 NOT_SERVING -> stop(grace). Flags come from services/common/config.py (ModelConfig, CacheConfig,
-WorkerConfig, ServingConfig); each falls back to KVMESH_WORKER_<FIELD> (KVMESH_WORKER_PORT, ...).
+WorkerConfig, ParallelConfig, ServingConfig); each falls back to KVMESH_WORKER_<FIELD>
+(KVMESH_WORKER_PORT, ...).
+
+A rank of a tensor-parallel group (`--tensor-parallel-size N --rank R --distributed-address
+host:port`) serves the same way, on its own port; the engine calls every rank. When a collective
+fails (a peer died or hung: GroupError, after at most --distributed-timeout) the call fails with
+UNAVAILABLE and the worker stops and exits with status 1: its group is broken for good, and its
+supervisor restarts it (with its peers) into a new one.
 """
 
 from __future__ import annotations
@@ -14,14 +21,15 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import grpc
 
 from services.common.clients import WorkerClient
-from services.common.config import CacheConfig, ModelConfig, SecurityConfig, ServingConfig, WorkerConfig
+from services.common.config import CacheConfig, ModelConfig, ParallelConfig, SecurityConfig, ServingConfig, WorkerConfig
 from services.common.errors import EngineDeadError, answers_with_status
 from services.common.flags import add_flags, build
 from services.common.rpc import convert
@@ -33,6 +41,7 @@ from services.common.rpc.server import RpcServer, service_name
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.client import SESSION_METADATA_KEY, InProcessWorkerClient
 from services.worker.metrics import WorkerMetrics
+from services.worker.parallel_group import GroupError
 from services.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -43,6 +52,7 @@ ENV_PREFIX = "KVMESH_WORKER"  # KVMESH_WORKER_PORT for --port, ...
 T = TypeVar("T")
 INLINE_STEP_TOKENS = 256  # see WorkerServicer
 SERVICE_NAME = service_name(worker_pb2.DESCRIPTOR, "Worker")
+GROUP_FAILED_EXIT_STATUS = 1  # the tensor-parallel group broke: restart this worker (and its peers)
 
 
 class WorkerClaimedError(EngineDeadError):
@@ -76,8 +86,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     renews the lease (an idle engine that checks on its worker keeps it)."""
 
     def __init__(self, worker: WorkerClient, metrics: WorkerMetrics | None = None,
-                 owner_lease: float = WorkerConfig.owner_lease) -> None:
+                 owner_lease: float = WorkerConfig.owner_lease,
+                 on_group_failure: Callable[[], None] | None = None) -> None:
         self.worker = worker
+        self.on_group_failure = on_group_failure  # called once a collective has failed (GroupError)
+        self.group_failed = False
         self.metrics = metrics
         self.owner_lease = owner_lease
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
@@ -117,14 +130,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def InitializeCache(self, request: worker_pb2.InitializeCacheRequest,
                               context) -> worker_pb2.InitializeCacheResponse:
         self._claim(session_of(context))  # before anything is touched
-        num_blocks = await self._call(self.worker.initialize_cache, request.max_num_reqs)
+        with self._group_guard():
+            num_blocks = await self._call(self.worker.initialize_cache, request.max_num_reqs)
         return worker_pb2.InitializeCacheResponse(num_blocks=num_blocks)
 
     @answers_with_status
     async def ExecuteModel(self, request: worker_pb2.SchedulerOutput, context) -> worker_pb2.ModelRunnerOutput:
-        # A failed step is logged with its traceback (status_of); the engine gets INTERNAL.
+        # A failed step is logged with its traceback (status_of); the engine gets INTERNAL (UNAVAILABLE
+        # when the tensor-parallel group failed: _group_guard).
         self._check_owner(session_of(context))
         scheduler_output = convert.scheduler_output_from_proto(request)
+        with self._group_guard():
+            runner_output = await self._step(scheduler_output)
+        return convert.model_runner_output_to_proto(runner_output)
+
+    async def _step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         num_tokens = scheduler_output.total_num_scheduled_tokens
         if num_tokens <= INLINE_STEP_TOKENS and num_tokens == len(scheduler_output.num_scheduled_tokens):
             runner_output = self._execute_model(scheduler_output)
@@ -135,7 +155,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             finally:
                 self._steps_in_flight -= 1
                 self._owner_seen = time.monotonic()
-        return convert.model_runner_output_to_proto(runner_output)
+        return runner_output
+
+    @contextmanager
+    def _group_guard(self) -> Iterator[None]:
+        """A failed collective breaks the group for good: the call fails (the exception travels on)
+        and the server is told to stop, so that the process exits and is restarted."""
+        try:
+            yield
+        except GroupError:
+            logger.error("the tensor-parallel group failed; this worker stops")
+            self.group_failed = True
+            if self.on_group_failure is not None:
+                self.on_group_failure()
+            raise
 
     def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """The step, timed where it runs (no hand-off between threads counted)."""
@@ -152,19 +185,22 @@ def session_of(context: grpc.aio.ServicerContext) -> str:
 
 
 async def serve(worker: WorkerClient, serving: ServingConfig, metrics: WorkerMetrics | None = None,
-                security: RpcSecurity = RpcSecurity(), owner_lease: float = WorkerConfig.owner_lease) -> None:
-    """Serve `worker` until SIGTERM/SIGINT, then NOT_SERVING and stop(grace)."""
+                security: RpcSecurity = RpcSecurity(), owner_lease: float = WorkerConfig.owner_lease) -> int:
+    """Serve `worker` until SIGTERM/SIGINT (exit status 0) or a failed tensor-parallel group
+    (GROUP_FAILED_EXIT_STATUS), then NOT_SERVING and stop(grace)."""
     interceptors = [metrics.service.grpc.server_interceptor()] if metrics is not None else []
     server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors, security)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, metrics, owner_lease), server.server)
+    servicer = WorkerServicer(worker, metrics, owner_lease, on_group_failure=server.request_termination)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server.server)
     await server.start()
     await server.wait_for_termination_signal()
     await server.shutdown(serving.grace, serving.drain)
+    return GROUP_FAILED_EXIT_STATUS if servicer.group_failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh worker", description="The kvmesh worker service.")
-    for config_class in (ModelConfig, CacheConfig, WorkerConfig, SecurityConfig):
+    for config_class in (ModelConfig, CacheConfig, WorkerConfig, ParallelConfig, SecurityConfig):
         add_flags(parser, config_class, ENV_PREFIX)
     add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})
     return parser
@@ -173,21 +209,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    model_config, cache_config, worker_config, serving, security_config = (
-        build(parser, c, args) for c in (ModelConfig, CacheConfig, WorkerConfig, ServingConfig, SecurityConfig))
+    model_config, cache_config, worker_config, parallel_config, serving, security_config = (
+        build(parser, c, args)
+        for c in (ModelConfig, CacheConfig, WorkerConfig, ParallelConfig, ServingConfig, SecurityConfig))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker: %(message)s")
     security = RpcSecurity.load(security_config)  # before the model loads: a bad file fails at once
-    worker = Worker(model_config, cache_config, worker_config)
+    worker = Worker(model_config, cache_config, worker_config, parallel_config)
     metrics = WorkerMetrics(ServiceMetrics.create("worker"), model_config.served_model_name or worker.info.model_id)
     metrics.watch_forward(worker.model, worker.device)
     endpoint = MetricsEndpoint.start(metrics.service.registry, serving.host, serving.metrics_port)
     try:
-        asyncio.run(serve(InProcessWorkerClient(worker, worker_config.max_num_seqs), serving, metrics, security,
-                          worker_config.owner_lease))
+        status = asyncio.run(serve(InProcessWorkerClient(worker, worker_config.max_num_seqs), serving, metrics,
+                                   security, worker_config.owner_lease))
     finally:
         if endpoint is not None:
             endpoint.close()
-    return 0
+    if status == 0:
+        worker.close()  # a broken group is not left politely: its peers are gone
+    return status
 
 
 if __name__ == "__main__":

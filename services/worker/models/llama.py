@@ -6,6 +6,11 @@
       -> RMSNorm -> hidden_states [num_tokens, hidden_size];  compute_logits -> [num_tokens, vocab]
 
 Checkpoint projections are fused: q|k|v into one `qkv_proj`, gate|up into one `gate_up_proj`.
+In a tensor-parallel group (issue 13) each rank holds a Megatron slice of every layer: its heads of
+q|k|v and its rows of gate|up (column-parallel), the matching columns of o_proj and down_proj
+(row-parallel, one all-reduce each), its part of the vocabulary (services/worker/layers/
+vocab_parallel_embedding.py); norms and RoPE are whole on every rank. Heads are split by KV head
+so that each rank keeps a whole GQA group per KV head (`HeadPartition`).
 Attention itself (paged KV cache, masks, sliding windows) is `services.worker.attention.Attention`.
 The three architectures differ only in a few config-driven details:
   - Qwen2 always has a bias on q, k, v (and none on o); Llama has one on all four iff `attention_bias`;
@@ -15,17 +20,19 @@ The three architectures differ only in a few config-driven details:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 import transformers
 
 from services.worker.attention import Attention
 from services.worker.layers.activation import SiluAndMul
-from services.worker.layers.linear import MergedLinear
+from services.worker.layers.linear import MergedLinear, RowParallelLinear, ShardRows, WeightSource, copy_checked
 from services.worker.layers.rmsnorm import RMSNorm
 from services.worker.layers.rotary_embedding import RotaryEmbedding, rope_parameters_of, split_and_rotate_qkv
+from services.worker.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from services.worker.parallel_group import TensorParallelGroup, split_evenly
 
 # (our fused module, the checkpoint's module, the shard it fills)
 _STACKED_PARAMS = (
@@ -52,16 +59,56 @@ def sliding_window_of(config: transformers.PretrainedConfig, layer_idx: int) -> 
     return window
 
 
+class HeadPartition(NamedTuple):
+    """The attention heads one rank computes: q heads [q_start, q_start + num_heads), KV heads
+    [kv_start, kv_start + num_kv_heads).
+
+    KV heads are cut into `size` runs as evenly as possible and each rank takes the q heads of its KV
+    heads (so a rank's GQA ratio is the model's: the attention backends need no change; with 9 q and
+    3 KV heads at TP=2, rank 0 has 6 q / 2 KV heads and rank 1 has 3 / 1). With fewer KV heads than
+    ranks, each KV head is replicated on `size // num_kv_heads` ranks that split its q heads (vLLM's
+    rule)."""
+
+    q_start: int
+    num_heads: int
+    kv_start: int
+    num_kv_heads: int
+
+    @classmethod
+    def of(cls, num_heads: int, num_kv_heads: int, rank: int, size: int) -> HeadPartition:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} attention heads do not make groups of {num_kv_heads} KV heads")
+        group = num_heads // num_kv_heads
+        if num_kv_heads >= size:
+            kv_start, kv_count = split_evenly(num_kv_heads, size, rank)
+            return cls(kv_start * group, kv_count * group, kv_start, kv_count)
+        replicas = size // num_kv_heads
+        if size % num_kv_heads or group < replicas:
+            raise ValueError(f"{num_heads} attention heads with {num_kv_heads} KV heads cannot be split across "
+                             f"{size} ranks (with fewer KV heads than ranks, the ranks must be a multiple of the KV "
+                             "heads and at most the attention heads)")
+        kv_start = rank // replicas
+        q_offset, q_count = split_evenly(group, replicas, rank % replicas)
+        return cls(kv_start * group + q_offset, q_count, kv_start, 1)
+
+
+def head_partition_of(config: transformers.PretrainedConfig, tp: TensorParallelGroup) -> HeadPartition:
+    num_heads = config.num_attention_heads
+    return HeadPartition.of(num_heads, getattr(config, "num_key_value_heads", None) or num_heads, tp.rank, tp.size)
+
+
 class LlamaMLP(nn.Module):
-    def __init__(self, config: transformers.PretrainedConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: transformers.PretrainedConfig, dtype: torch.dtype, tp: TensorParallelGroup) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; supported: silu")
         bias = getattr(config, "mlp_bias", False)
-        size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias, dtype)
+        total = config.intermediate_size
+        start, size = split_evenly(total, tp.size, tp.rank)
+        rows = ShardRows(start, size, total)
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": rows, "up": rows}, bias, dtype)
         self.act_fn = SiluAndMul()
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias, dtype, tp, start, total)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -69,17 +116,22 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: transformers.PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_size = head_size_of(config)
-        self.q_size = self.num_heads * self.head_size
-        self.kv_size = self.num_kv_heads * self.head_size
+        heads = head_partition_of(config, tp)
+        self.num_heads = heads.num_heads  # this rank's
+        self.num_kv_heads = heads.num_kv_heads
+        self.head_size = d = head_size_of(config)
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        q_total = config.num_attention_heads * d
+        kv_total = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * d
+        kv_rows = ShardRows(heads.kv_start * d, self.kv_size, kv_total)
         self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, qkv_bias, dtype
+            config.hidden_size, {"q": ShardRows(heads.q_start * d, self.q_size, q_total), "k": kv_rows, "v": kv_rows},
+            qkv_bias, dtype,
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, o_bias, dtype, tp, heads.q_start * d, q_total)
         self.attn = Attention(
             layer_idx, self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5,
             sliding_window=sliding_window_of(config, layer_idx),
@@ -95,12 +147,12 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: transformers.PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, o_bias, dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, o_bias, dtype, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = LlamaMLP(config, dtype, tp)
 
     def forward(self, hidden_states: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos_sin)
@@ -109,15 +161,15 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: transformers.PretrainedConfig, qkv_bias: bool, o_bias: bool,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         # One RoPE cache for all layers: gathered once per step, applied in each layer.
         self.rotary_emb = RotaryEmbedding(
             head_size_of(config), config.max_position_embeddings, rope_parameters_of(config), dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, o_bias, dtype) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, qkv_bias, o_bias, dtype, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -130,16 +182,19 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: transformers.PretrainedConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: transformers.PretrainedConfig, dtype: torch.dtype,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallelGroup()
         self.config = config
+        self.heads = head_partition_of(config, tp)  # this rank's; its KV cache holds these KV heads only
         qkv_bias, o_bias = self.attention_biases(config)
-        self.model = LlamaModel(config, qkv_bias, o_bias, dtype)
+        self.model = LlamaModel(config, qkv_bias, o_bias, dtype, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens  # shared: named_parameters() lists it once, as the embedding
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
 
     @staticmethod
     def attention_biases(config: transformers.PretrainedConfig) -> tuple[bool, bool]:
@@ -150,13 +205,16 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # [n, hidden_size] -> [n, vocab_size] float32; the matmul runs in the model dtype, as in transformers.
-        return F.linear(hidden_states, self.lm_head.weight).float()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[n, hidden_size] -> [n, vocab_size] float32 on rank 0 (the whole vocabulary gathered
+        there); None on the other ranks of a tensor-parallel group, which must call it all the same."""
+        return self.lm_head.logits(hidden_states)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into our parameters, one at a time, and
-        raise if any parameter (or any shard of a fused one) was left unloaded."""
+        raise if any parameter (or any shard of a fused one) was left unloaded. A sharded layer
+        reads only this rank's slice of its source (a safetensors slice reads only that from the
+        file)."""
         params = dict(self.named_parameters())
         loaded: set[tuple[str, str | None]] = set()
         for name, tensor in weights:
@@ -168,16 +226,16 @@ class LlamaForCausalLM(nn.Module):
                 if f".{original}." in name:
                     param_name = name.replace(f".{original}.", f".{fused}.")
                     module = self.get_submodule(param_name.rsplit(".", 1)[0])
-                    module.load_shard(self._param(params, param_name, name), shard, tensor)
+                    module.load_shard(self._param(params, param_name, name), shard, tensor, name)
                     loaded.add((param_name, shard))
                     break
             else:
                 param = self._param(params, name, name)
-                if param.shape != tensor.shape:
-                    raise ValueError(
-                        f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
-                    )
-                param.data.copy_(tensor)
+                module = self.get_submodule(name.rsplit(".", 1)[0])
+                if hasattr(module, "load_param"):  # a sharded layer reads its own slice
+                    module.load_param(param, tensor, name)
+                else:
+                    copy_checked(param.data, tensor, name, tuple(param.shape))
                 loaded.add((name, None))
         missing = sorted(
             f"{name}[{shard}]" if shard else name

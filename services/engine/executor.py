@@ -4,10 +4,10 @@ Every rank runs the same worker service; the engine sends each call to every ran
 the same message, and the ranks' collectives do the rest (services/worker/). Only rank 0 (the
 driver) returns sampled tokens; the others return an empty ModelRunnerOutput.
 
-    engine-loop thread: execute_model ─┬─ rank 0 (this thread)  ExecuteModel ──► the step's output
-                                       ├─ rank 1 (pool thread)  ExecuteModel ──► empty
-                                       └─ rank N-1 (pool thread) ...        ──► empty
-                                       wait for all: any failure fails the step
+    engine-loop thread: execute_model ─┬─ rank 0 (pool thread)   ExecuteModel ──► the step's output
+                                       ├─ rank 1 (pool thread)   ExecuteModel ──► empty
+                                       └─ rank N-1 (pool thread) ...          ──► empty
+                                       wait for all, or for the first failure: it fails the step
 
 Send-to-all rather than send-to-rank-0-which-broadcasts: the step message travels N times over
 the network instead of once, but no rank waits for another to relay it, and the engine sees each
@@ -17,7 +17,7 @@ rank's failure directly (docs/benchmarks.md, "Tensor parallel: the step's fan-ou
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from services.common.clients import WorkerClient, WorkerInfo
@@ -28,35 +28,33 @@ T = TypeVar("T")
 
 
 class GroupWorkerClient:
-    """A WorkerClient over `ranks` (rank order: ranks[0] drives). The calls of ranks 1..N-1 run on
-    a persistent pool of N-1 threads (a thread per step would cost its start-up every step); rank
-    0's on the caller's thread, so a group of one costs nothing over its client. A call fails as
-    soon as all ranks answered, with the first failure in rank order; the pool is never left with
-    a call in flight past it (a step that fails on one rank still waits for the others, whose
-    clients fail fast when their worker is gone or stuck)."""
+    """A WorkerClient over `ranks` (rank order: ranks[0] drives). With several ranks each call runs
+    on a persistent pool of one thread per rank (a thread per step would cost its start-up every
+    step); a group of one calls its client directly, at no cost over it. A call returns once every
+    rank answered, and fails as soon as one rank fails, with the first failure in rank order among
+    those failed by then: a dead rank fails the step at once, not when its peers' collectives time
+    out (they stay in flight until their own call ends; close() cancels them)."""
 
     def __init__(self, ranks: Sequence[WorkerClient]) -> None:
         if not ranks:
             raise ValueError("a worker group needs at least one worker")
         self.ranks = tuple(ranks)
-        self._pool = ThreadPoolExecutor(len(ranks) - 1, "worker-rank") if len(ranks) > 1 else None
+        self._pool = ThreadPoolExecutor(len(ranks), "worker-rank") if len(ranks) > 1 else None
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
 
     def _on_all(self, call: Callable[[WorkerClient], T]) -> list[T]:
-        """`call` on every rank at once; the results in rank order, or the first error in rank order."""
+        """`call` on every rank at once; the results in rank order, or the first failure."""
         if self._pool is None:
             return [call(self.ranks[0])]
-        futures = [self._pool.submit(call, rank) for rank in self.ranks[1:]]
-        first: Future[T] = Future()
-        try:
-            first.set_result(call(self.ranks[0]))
-        except BaseException as exc:  # reported below in rank order, after the others finished
-            first.set_exception(exc)
-        wait(futures)
-        return [f.result() for f in (first, *futures)]
+        futures = [self._pool.submit(call, rank) for rank in self.ranks]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:
+            if future in done and future.exception() is not None:
+                raise future.exception()
+        return [future.result() for future in futures]
 
     def get_info(self) -> WorkerInfo:
         """Rank 0's info, once every rank answered and all agree: the same model and block size,
@@ -81,7 +79,7 @@ class GroupWorkerClient:
         self._on_all(lambda rank: rank.check_alive())
 
     def close(self) -> None:
-        """Every rank's client closed (each close is local), then the pool."""
+        """Every rank's client closed (each close is local, and cancels its call in flight), then the pool."""
         for rank in self.ranks:
             rank.close()
         if self._pool is not None:

@@ -27,6 +27,8 @@ class WorkerInfo:
     vocab_size: int
     max_model_len: int
     block_size: int
+    rank: int = 0  # in the worker's tensor-parallel group; only rank 0's steps carry tokens
+    world_size: int = 1
 
 
 class WorkerClient(Protocol):

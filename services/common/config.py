@@ -156,19 +156,23 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """A worker's place in its engine's tensor-parallel group (one worker process per rank)."""
+    """A worker's place in its tensor-parallel group (issue 13). Size 1: no process group at all."""
 
-    tensor_parallel_size: int = option(1, "workers (ranks) in the engine's tensor-parallel group", minimum=1)
-    rank: int = option(0, "this worker's rank in its group (0 drives: it returns the sampled tokens)", minimum=0)
+    tensor_parallel_size: int = option(1, "workers (ranks) that share one model replica's layers", minimum=1)
+    rank: int = option(0, "this worker's rank in its tensor-parallel group (0 is the driver)", minimum=0)
     distributed_address: str | None = option(
         None, "host:port of rank 0's TCPStore; default 127.0.0.1:<free port> for a size-1 group")
-    distributed_timeout: float = option(10.0, "seconds the group's rendezvous and collectives may take",
-                                        minimum=0.0)
+    distributed_timeout: float = option(
+        10.0, "seconds a rendezvous or a collective may wait for the group's other ranks", minimum=0.1)
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.rank >= self.tensor_parallel_size:
-            raise ValueError(f"rank must be below tensor_parallel_size ({self.tensor_parallel_size}), got {self.rank}")
+            raise ValueError(f"rank {self.rank} is outside a tensor-parallel group of {self.tensor_parallel_size}")
+        if self.distributed_address is not None:
+            host, _, port = self.distributed_address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"distributed_address must be host:port, got {self.distributed_address!r}")
 
 
 @dataclass(frozen=True)

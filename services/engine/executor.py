@@ -89,8 +89,8 @@ class GroupWorkerClient:
 def check_group(infos: Sequence[WorkerInfo]) -> None:
     """ValueError unless the infos (rank order) describe one group of len(infos) ranks of one model."""
     size = len(infos)
-    ranks = [getattr(info, "rank", 0) for info in infos]
-    sizes = {getattr(info, "world_size", 1) for info in infos}
+    ranks = [info.rank for info in infos]
+    sizes = {info.world_size for info in infos}
     if sizes != {size}:
         raise ValueError(f"the engine was given {size} workers, but they report a tensor-parallel size of "
                          f"{sorted(sizes)}: start each with --tensor-parallel-size {size}")

@@ -223,7 +223,7 @@ def test_serve_with_tensor_parallel_groups_hands_each_rank_its_place():
 
 
 def test_parallel_config_is_checked():
-    with pytest.raises(ValueError, match="rank must be below tensor_parallel_size"):
+    with pytest.raises(ValueError, match="rank 2 is outside a tensor-parallel group of 2"):
         ParallelConfig(tensor_parallel_size=2, rank=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
         ParallelConfig(tensor_parallel_size=0)

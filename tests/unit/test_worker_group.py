@@ -3,20 +3,18 @@
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import replace
 
 import pytest
 
 from services.common.clients import WorkerInfo
 from services.engine.executor import check_group
 
-# WorkerInfo.rank and .world_size come with #13's worker side; until then every worker is rank 0 of 1.
-HAS_RANKS = {"rank", "world_size"} <= {f.name for f in fields(WorkerInfo)}
 BASE = WorkerInfo(model_id="m", model_path="/m", vocab_size=100, max_model_len=256, block_size=16)
 
 
 def rank(r: int, size: int) -> WorkerInfo:
-    return replace(BASE, rank=r, world_size=size) if HAS_RANKS else BASE
+    return replace(BASE, rank=r, world_size=size)
 
 
 def test_one_worker_alone_is_a_group():
@@ -28,7 +26,6 @@ def test_workers_that_each_run_alone_are_no_group():
         check_group([BASE, BASE])
 
 
-@pytest.mark.skipif(not HAS_RANKS, reason="WorkerInfo.rank comes with #13's worker side")
 def test_ranks_in_order_each_once():
     check_group([rank(0, 2), rank(1, 2)])
     with pytest.raises(ValueError, match=r"ranks are \[1, 0\] in the order given"):
@@ -39,7 +36,6 @@ def test_ranks_in_order_each_once():
         check_group([rank(0, 2)])  # half a group
 
 
-@pytest.mark.skipif(not HAS_RANKS, reason="WorkerInfo.rank comes with #13's worker side")
 @pytest.mark.parametrize("field, value", [("model_id", "other"), ("model_path", "/other"), ("vocab_size", 99),
                                           ("max_model_len", 128), ("block_size", 32)])
 def test_one_model_one_configuration(field: str, value: object):

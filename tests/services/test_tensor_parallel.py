@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from services import LLM, SamplingParams
@@ -29,13 +30,15 @@ from services.worker.client import GrpcWorkerClient
 from tests.services.procs import (
     PYTHON,
     SHARED_MAX_MODEL_LEN,
+    Serve,
     ServiceProcess,
     client_for,
     free_port,
     gone,
-    running_serve,
     running_service,
+    serving,
 )
+from tests.services.test_serve_fleet import LIVENESS, RECOVERY_SECONDS, argv_of, child_pid, flag_values
 
 pytestmark = pytest.mark.services
 
@@ -197,16 +200,53 @@ def test_llm_with_two_worker_processes_matches_one(model_path: Path, offline: LL
     assert all(gone(pid) for pid in pids)
 
 
+GROUP = ("worker-r0", "worker-r1", "engine")
+
+
+@pytest.fixture(scope="module")
+def tp2(model_path: Path) -> Iterator[Serve]:
+    yield from serving(model_path, ["--tensor-parallel-size", "2", "--max-model-len", str(SHARED_MAX_MODEL_LEN),
+                                    *LIVENESS])
+
+
+def assert_matches(serve: Serve, truth: list[list[int]]) -> None:
+    client, model = client_for(serve)
+    for prompt, tokens in zip(PROMPTS, truth):
+        completion = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert completion.choices[0].token_ids == tokens
+
+
 @pytest.mark.slow
-def test_serve_with_tensor_parallel_size_2_matches_one(model_path: Path, offline: LLM):
+def test_serve_with_tensor_parallel_size_2_matches_one(tp2: Serve, offline: LLM):
     """`kvmesh serve --tensor-parallel-size 2` with the openai client: the greedy tokens of the
     in-process TP=1 stack. Fails until the worker side of #13 lands."""
-    truth = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY)]
-    with running_serve(model_path, extra_args=["--tensor-parallel-size", "2",
-                                               "--max-model-len", str(SHARED_MAX_MODEL_LEN)]) as serve:
-        assert {"worker-r0", "worker-r1", "engine"} <= set(serve.services)
-        client, model = client_for(serve)
-        for prompt, tokens in zip(PROMPTS, truth):
-            completion = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
-                                                   extra_body={"ignore_eos": True, "return_token_ids": True})
-            assert completion.choices[0].token_ids == tokens
+    assert set(tp2.services) == {*GROUP, "processor", "gateway"}
+    engine_argv = argv_of(child_pid(tp2, "engine"))
+    assert flag_values(engine_argv, "--worker-address") == [tp2.services[w]["address"] for w in GROUP[:2]]
+    assert_matches(tp2, [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY)])
+
+
+@pytest.mark.slow
+def test_a_dead_rank_fails_its_stream_and_restarts_the_whole_group(tp2: Serve, offline: LLM):
+    """Rank 1 killed mid-stream: the stream ends with an error (there is no other engine to migrate
+    to) rather than hanging, the engine and both ranks are restarted on the same ports, the old
+    processes are gone, and the group serves the same tokens again."""
+    before = {name: child_pid(tp2, name) for name in GROUP}
+    client, model = client_for(tp2, timeout=60)  # far longer than the group's timeout (10 s)
+    stream = iter(client.completions.create(model=model, prompt="Once upon a time", max_tokens=200,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    next(stream)
+    os.kill(before["worker-r1"], signal.SIGKILL)
+    with pytest.raises(openai.APIError) as error:
+        for _ in stream:
+            pass
+    assert not isinstance(error.value, openai.APITimeoutError)
+    deadline = time.monotonic() + RECOVERY_SECONDS
+    while "worker-r0, worker-r1 and engine are serving again" not in tp2.log():
+        assert tp2.proc.poll() is None, tp2.log()
+        assert time.monotonic() < deadline, f"the group did not come back:\n{tp2.log()}"
+        time.sleep(0.5)
+    after = {name: child_pid(tp2, name) for name in GROUP}
+    assert all(after[name] != before[name] and gone(before[name]) for name in GROUP), (before, after)
+    assert_matches(tp2, [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY)])

@@ -13,6 +13,11 @@ the "codec only" rows are the conversions and (de)serialization of both ends, in
 
     .venv/bin/python -m loadtests.step_rpc_bench                 # 2000 round trips per case
     .venv/bin/python -m loadtests.step_rpc_bench --iters 5000 --decode-reqs 64
+    .venv/bin/python -m loadtests.step_rpc_bench --ranks 2        # a tensor-parallel group's fan-out
+
+With --ranks N (N > 1) there are N such servers, and the client is the engine's GroupWorkerClient
+over N GrpcWorkerClients (services/engine/executor.py): each step goes to every rank at once and
+waits for all; the rows "1 rank (plain client)" and "group of N" then differ only by the fan-out.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from services.common.rpc.kvmesh.v1 import worker_pb2
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from services.common.config import ServingConfig
+from services.engine.executor import GroupWorkerClient
 from services.worker.client import GrpcWorkerClient, InProcessWorkerClient
 from services.worker.server import serve
 
@@ -100,13 +106,15 @@ def percentiles(samples: list[float]) -> tuple[float, float, float]:
     return q[49] * 1e6, q[89] * 1e6, q[98] * 1e6
 
 
-def bench(address: str, args: argparse.Namespace) -> None:
+def bench(addresses: list[str], args: argparse.Namespace) -> None:
     """Runs on a plain thread with blocking calls, as the engine's engine-loop thread does."""
-    client = GrpcWorkerClient(address, timeout=30)
-    client.get_info()  # waits for the server
+    ranks = [GrpcWorkerClient(address, timeout=30) for address in addresses]
+    for rank in ranks:
+        rank.get_info()  # waits for the server (the stand-ins do not claim ranks: no group check)
+    client = ranks[0] if len(ranks) == 1 else GroupWorkerClient(ranks)
     client.initialize_cache(args.decode_reqs)
     # The transport's floor on this machine: the standard health Check, an empty unary call.
-    channel = grpc.insecure_channel(address)
+    channel = grpc.insecure_channel(addresses[0])
     health = health_pb2_grpc.HealthStub(channel)
     cases = [
         ("floor: grpc.health.v1 Check", lambda i: health_pb2.HealthCheckRequest()),
@@ -115,7 +123,8 @@ def bench(address: str, args: argparse.Namespace) -> None:
         (f"new requests, {args.prefill_reqs} x {args.prompt_len} tokens",
          lambda i: prefill_step(args.prefill_reqs, args.prompt_len)),
     ]
-    print(f"{'case':<44} {'p50 us':>8} {'p90 us':>8} {'p99 us':>8}   ({args.iters} round trips each)")
+    who = "1 rank (plain client)" if len(ranks) == 1 else f"group of {len(ranks)}"
+    print(f"{'case (' + who + ')':<44} {'p50 us':>8} {'p90 us':>8} {'p99 us':>8}   ({args.iters} round trips each)")
     for name, make_arg in cases:
         call = health.Check if name.startswith("floor") else client.execute_model
         p50, p90, p99 = percentiles(time_round_trips(call, make_arg, args.iters, args.warmup))
@@ -134,19 +143,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-reqs", type=int, default=32)
     parser.add_argument("--prefill-reqs", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--port", type=int, default=50099)
+    parser.add_argument("--port", type=int, default=50099, help="the first server's; rank r listens on --port + r")
+    parser.add_argument("--ranks", type=int, default=1, help="servers the step fans out to (a tensor-parallel group)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the subprocess side
     args = parser.parse_args(argv)
     if args.serve:
         asyncio.run(serve(InProcessWorkerClient(InstantCore()), ServingConfig(port=args.port, grace=0)))
         return 0
-    server = subprocess.Popen([sys.executable, "-m", "loadtests.step_rpc_bench", "--serve", "--port", str(args.port)],
-                              start_new_session=True)
+    ports = [args.port + r for r in range(args.ranks)]
+    servers = [subprocess.Popen([sys.executable, "-m", "loadtests.step_rpc_bench", "--serve", "--port", str(port)],
+                                start_new_session=True) for port in ports]
     try:
-        bench(f"127.0.0.1:{args.port}", args)
+        bench([f"127.0.0.1:{port}" for port in ports], args)
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(10)
+        for server in servers:
+            os.killpg(server.pid, signal.SIGTERM)
+        for server in servers:
+            server.wait(10)
     return 0
 
 

@@ -7,9 +7,13 @@
 ones on free loopback ports, each after the one before it is healthy; prints where the API is;
 then supervises them. With --num-engines N it starts N engine+worker pairs ("worker-0",
 "engine-0", ...; "worker" and "engine" when N is 1), each on ports of its own, behind the one
-processor and gateway. An engine exits non-zero when its worker fails (gone, stuck, a failed step);
-when the engine or the worker exits, both are restarted, on the same ports (the processor
-reconnects to the same address), the other pairs untouched, after a back-off (--restart-backoff, doubled per restart within
+processor and gateway. With --tensor-parallel-size R each engine drives a group of R worker
+processes ("worker-r0".."worker-r<R-1>", or "worker-<i>-r0".. with several engines), ranks 0..R-1
+of one torch.distributed group whose rendezvous is a free loopback port of the group's own; a
+group's workers start together (they wait for each other), then its engine. An engine exits
+non-zero when one of its workers fails (gone, stuck, a failed step); when the engine or any of its
+workers exits, all of them are restarted, on the same ports (the processor reconnects to the same
+address), the other groups untouched, after a back-off (--restart-backoff, doubled per restart within
 --restart-window, at most --restart-backoff-max; each pair counts its own); after --max-restarts of
 one pair within the window it gives up. The processor and the gateway hold no state worth restarting for: one of them dying is a bug,
 and stops everything (exit 1). On Ctrl-C or SIGTERM, or on giving up, it stops them all, the
@@ -53,6 +57,7 @@ from services.common.config import (
     Limits,
     PROCESSOR_MODEL_FIELDS,
     ModelConfig,
+    ParallelConfig,
     PrefixIndexConfig,
     ProcessorServiceConfig,
     RoutingConfig,
@@ -81,7 +86,7 @@ commands:
 """
 LOOPBACK = "127.0.0.1"
 KILL_AFTER = 1.5  # extra seconds past a grace before SIGKILL
-PARTNER_EXIT_WAIT = 3.0  # seconds the survivor of a pair gets to exit on its own (the engine, after its worker)
+PARTNER_EXIT_WAIT = 3.0  # seconds the survivors of a group get to exit on their own (the engine, after its worker)
 PR_SET_PDEATHSIG = 1
 SERVICE_ENV_PREFIXES = tuple(f"KVMESH_{name.upper()}_" for name in SERVICES)
 
@@ -121,6 +126,7 @@ SERVE_FLAGS: list[tuple[type, dict[str, object]]] = [
     (ServeConfig, {}),
     (PrefixIndexConfig, {}),
     (RoutingConfig, {}),
+    (ParallelConfig, {"only": ["tensor_parallel_size", "distributed_timeout"]}),
 ]
 
 
@@ -130,6 +136,15 @@ def build_serve_parser() -> argparse.ArgumentParser:
     for config_class, selection in SERVE_FLAGS:
         add_flags(parser, config_class, None, **selection)
     return parser
+
+
+class ChildSpec(NamedTuple):
+    """A child to start: its name, its service's flags, its address and its readiness check."""
+
+    name: str
+    argv: list[str]
+    address: str
+    ready: Callable[[], bool]
 
 
 @dataclass
@@ -145,7 +160,7 @@ SUPERVISOR_PID_ENV = "KVMESH_SUPERVISOR_PID"  # set by `kvmesh serve` for its ch
 
 
 def service_of(name: str) -> str:
-    """The service a child runs: children are named "<service>" or, one pair of several, "<service>-<i>"."""
+    """The service a child runs: children are named "<service>" or "<service>-<suffix>" (one of several)."""
     return name.partition("-")[0]
 
 
@@ -172,29 +187,33 @@ class Supervisor:
     def request_stop(self, signum: int, frame: object) -> None:
         self.stop_requested = True
 
-    def start(self, name: str, service_argv: list[str], address: str, ready: Callable[[], bool],
-              timeout: float) -> bool:
-        """Start `kvmesh <name> ...` and wait until `ready()`; False if it died, the wait timed out or
-        a stop was requested meanwhile (then the caller stops everything)."""
-        child = Child(name, self._spawn(name, service_argv), address, service_argv, ready)
-        self.children.append(child)
-        return self._wait_ready(child, timeout)
+    def start(self, stage: Sequence[ChildSpec], timeout: float) -> bool:
+        """Start `kvmesh <name> ...` for each child of `stage` at once (a tensor-parallel group's
+        workers wait for each other) and wait until each is `ready()`; False if one died, a wait
+        timed out or a stop was requested meanwhile (then the caller stops everything)."""
+        children = [Child(name, self._spawn(name, argv), address, argv, ready) for name, argv, address, ready in stage]
+        self.children.extend(children)
+        return all(self._wait_ready(child, timeout) for child in children)
 
-    def restart(self, names: Sequence[str], delay: float, timeout: float) -> bool:
-        """Stop the children named (the survivors get PARTNER_EXIT_WAIT to exit on their own first),
-        wait `delay`, start them again in their order with the same flags (same ports) and wait until
-        each is ready; False as start()."""
-        pair = [c for c in self.children if c.name in names]
+    def restart(self, stages: Sequence[Sequence[str]], delay: float, timeout: float) -> bool:
+        """Stop the children named in `stages` (the survivors get PARTNER_EXIT_WAIT to exit on their
+        own first), wait `delay`, start them again stage by stage, each stage's children together,
+        with the same flags (same ports) and wait until each is ready; False as start()."""
+        names = [name for stage in stages for name in stage]
+        members = [c for c in self.children if c.name in names]
         deadline = time.monotonic() + PARTNER_EXIT_WAIT
-        while any(c.proc.poll() is None for c in pair) and time.monotonic() < deadline and not self.stop_requested:
+        while any(c.proc.poll() is None for c in members) and time.monotonic() < deadline and not self.stop_requested:
             time.sleep(0.1)
-        self._stop(pair, KILL_AFTER)
+        self._stop(members, KILL_AFTER)
         if not self._sleep(delay):
             return False
-        for old in pair:
-            child = Child(old.name, self._spawn(old.name, old.argv), old.address, old.argv, old.ready)
-            self.children[self.children.index(old)] = child
-            if not self._wait_ready(child, timeout):
+        for stage in stages:
+            started = []
+            for old in (c for c in members if c.name in stage):
+                child = Child(old.name, self._spawn(old.name, old.argv), old.address, old.argv, old.ready)
+                self.children[self.children.index(old)] = child
+                started.append(child)
+            if not all(self._wait_ready(child, timeout) for child in started):
                 return False
         return True
 
@@ -278,6 +297,7 @@ class ServeSpec(NamedTuple):
     serve: ServeConfig
     prefix_index: PrefixIndexConfig
     routing: RoutingConfig
+    parallel: ParallelConfig
 
 
 class RestartBudget:
@@ -323,43 +343,65 @@ def write_token_file(directory: Path) -> SecurityConfig:
     return SecurityConfig(internal_token_file=path)
 
 
-class Pair(NamedTuple):
-    """An engine and its worker: restarted together (an engine's worker state dies with it)."""
+class Group(NamedTuple):
+    """An engine and its workers (ranks 0..N-1, in rank order): restarted together (an engine's
+    worker state dies with it, and a tensor-parallel group with any of its ranks)."""
 
-    worker: str
+    workers: tuple[str, ...]
     engine: str
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (*self.workers, self.engine)
+
+    @property
+    def stages(self) -> tuple[tuple[str, ...], ...]:
+        """The order they start in: the workers together (they wait for each other), then the engine."""
+        return self.workers, (self.engine,)
+
     def describe(self) -> str:
-        return "the worker and the engine" if self == SOLE_PAIR else f"{self.worker} and {self.engine}"
+        if self == SOLE_GROUP:
+            return "the worker and the engine"
+        return f"{', '.join(self.workers)} and {self.engine}"
 
 
-SOLE_PAIR = Pair("worker", "engine")  # the names with one pair, as before --num-engines
+SOLE_GROUP = Group(("worker",), "engine")  # the names with one engine of one worker, as before
 
 
-def pairs_of(num_engines: int) -> tuple[Pair, ...]:
-    """The children's names: "worker"/"engine" for one pair, "worker-<i>"/"engine-<i>" for more."""
+def groups_of(num_engines: int, tensor_parallel_size: int = 1) -> tuple[Group, ...]:
+    """The children's names: "worker"/"engine" for one engine, "worker-<i>"/"engine-<i>" for more;
+    an engine's ranks "<worker>-r<rank>" when it has several ("worker-r0", "worker-1-r0")."""
+    def group(worker: str, engine: str) -> Group:
+        if tensor_parallel_size == 1:
+            return Group((worker,), engine)
+        return Group(tuple(f"{worker}-r{rank}" for rank in range(tensor_parallel_size)), engine)
+
     if num_engines == 1:
-        return (SOLE_PAIR,)
-    return tuple(Pair(f"worker-{i}", f"engine-{i}") for i in range(num_engines))
+        return (group("worker", "engine"),)
+    return tuple(group(f"worker-{i}", f"engine-{i}") for i in range(num_engines))
 
 
 class Layout(NamedTuple):
-    """Where `kvmesh serve` puts each service: gRPC addresses on loopback and /metrics URLs."""
+    """Where `kvmesh serve` puts each service: gRPC addresses on loopback and /metrics URLs, and
+    each tensor-parallel group's rendezvous port."""
 
-    pairs: tuple[Pair, ...]
+    groups: tuple[Group, ...]
     ports: dict[str, int]  # by child name: every worker and engine, and the processor
     metrics_ports: dict[str, int]  # the same names
+    distributed_ports: dict[str, int] = {}  # by engine name, for groups of several workers (read only)
 
     @classmethod
-    def on_free_ports(cls, num_engines: int = 1) -> Layout:
-        pairs = pairs_of(num_engines)
-        names = internal_names(pairs)
-        ports = free_ports(2 * len(names))
-        return cls(pairs, dict(zip(names, ports[:len(names)])), dict(zip(names, ports[len(names):])))
+    def on_free_ports(cls, num_engines: int = 1, tensor_parallel_size: int = 1) -> Layout:
+        groups = groups_of(num_engines, tensor_parallel_size)
+        names = internal_names(groups)
+        parallel = [g.engine for g in groups] if tensor_parallel_size > 1 else []
+        ports = free_ports(2 * len(names) + len(parallel))
+        return cls(groups, dict(zip(names, ports[:len(names)])), dict(zip(names, ports[len(names):2 * len(names)])),
+                   dict(zip(parallel, ports[2 * len(names):])))
 
     @property
     def internal(self) -> tuple[str, ...]:
-        return internal_names(self.pairs)
+        return internal_names(self.groups)
 
     def address(self, name: str) -> str:
         return f"{LOOPBACK}:{self.ports[name]}"
@@ -368,9 +410,9 @@ class Layout(NamedTuple):
         return f"http://{LOOPBACK}:{self.metrics_ports[name]}/metrics"
 
 
-def internal_names(pairs: Sequence[Pair]) -> tuple[str, ...]:
-    """The internal services in the order they start: each worker before its engine, then the processor."""
-    return (*(name for pair in pairs for name in pair), "processor")
+def internal_names(groups: Sequence[Group]) -> tuple[str, ...]:
+    """The internal services in the order they start: each engine's workers before it, then the processor."""
+    return (*(name for group in groups for name in group.names), "processor")
 
 
 def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = SecurityConfig()) -> dict[str, list[str]]:
@@ -383,16 +425,18 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
                                      metrics_port=layout.metrics_ports[name]))
 
     argvs: dict[str, list[str]] = {}
-    for pair in layout.pairs:
-        argvs[pair.worker] = [*to_argv(model), *to_argv(spec.cache),
-                              *to_argv(replace(spec.worker, max_num_seqs=spec.scheduler.max_num_seqs)),
-                              *serving(pair.worker)]
+    for group in layout.groups:
+        for rank, worker in enumerate(group.workers):
+            argvs[worker] = [*to_argv(model), *to_argv(spec.cache),
+                             *to_argv(replace(spec.worker, max_num_seqs=spec.scheduler.max_num_seqs)),
+                             *serving(worker), *parallel_argv(spec.parallel, layout, group, rank)]
         # The engine's own address is its id in the prefix index.
-        engine = replace(spec.engine, worker_address=layout.address(pair.worker),
-                         advertise_address=layout.address(pair.engine))
-        argvs[pair.engine] = [*to_argv(engine), *to_argv(spec.prefix_index), *to_argv(spec.scheduler),
-                              *to_argv(model, only=["served_model_name"]), *serving(pair.engine)]
-    engines = tuple(layout.address(pair.engine) for pair in layout.pairs)
+        engine = replace(spec.engine, worker_address=tuple(layout.address(w) for w in group.workers),
+                         advertise_address=layout.address(group.engine))
+        argvs[group.engine] = [*to_argv(engine), *to_argv(spec.prefix_index), *to_argv(spec.scheduler),
+                               *to_argv(spec.parallel, only=["tensor_parallel_size"]),
+                               *to_argv(model, only=["served_model_name"]), *serving(group.engine)]
+    engines = tuple(layout.address(group.engine) for group in layout.groups)
     argvs["processor"] = [*to_argv(ProcessorServiceConfig(engine_address=engines)), *to_argv(spec.routing),
                           *to_argv(spec.prefix_index), *to_argv(model, only=PROCESSOR_MODEL_FIELDS),
                           *serving("processor")]
@@ -404,8 +448,17 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
     return {name: [*argv, *to_argv(security)] for name, argv in argvs.items()}
 
 
+def parallel_argv(parallel: ParallelConfig, layout: Layout, group: Group, rank: int) -> list[str]:
+    """A worker's place in its group: none for a group of one (a worker alone needs no flags), else
+    its rank, the size and the group's rendezvous on loopback."""
+    if len(group.workers) == 1:
+        return []
+    address = f"{LOOPBACK}:{layout.distributed_ports[group.engine]}"
+    return to_argv(replace(parallel, tensor_parallel_size=len(group.workers), rank=rank, distributed_address=address))
+
+
 def _serve(spec: ServeSpec, supervisor: Supervisor, security: SecurityConfig) -> int:
-    layout = Layout.on_free_ports(spec.serve.num_engines)
+    layout = Layout.on_free_ports(spec.serve.num_engines, spec.parallel.tensor_parallel_size)
     argvs = service_argvs(spec, layout, security)
     host, port = spec.serve.host, spec.serve.port
     api = f"http://{_url_host(host)}:{port}"
@@ -414,43 +467,47 @@ def _serve(spec: ServeSpec, supervisor: Supervisor, security: SecurityConfig) ->
     def grpc_ready(address: str) -> Callable[[], bool]:
         return lambda: grpc_serving(address)
 
-    steps = [(name, layout.address(name), grpc_ready(layout.address(name))) for name in layout.internal]
-    steps.append(("gateway", f"{host}:{port}", lambda: http_ok(f"{api}/health")))
-    for name, address, ready in steps:
-        if not supervisor.start(name, argvs[name], address, ready, spec.serve.startup_timeout):
+    def internal(names: Sequence[str]) -> list[ChildSpec]:
+        return [ChildSpec(name, argvs[name], layout.address(name), grpc_ready(layout.address(name))) for name in names]
+
+    stages = [internal(stage) for group in layout.groups for stage in group.stages]
+    stages.append(internal(["processor"]))
+    stages.append([ChildSpec("gateway", argvs["gateway"], f"{host}:{port}", lambda: http_ok(f"{api}/health"))])
+    for stage in stages:
+        if not supervisor.start(stage, spec.serve.startup_timeout):
             return 0 if supervisor.stop_requested else 1
     print(f"kvmesh: serving {spec.model.name} at {api}/v1 (Ctrl-C to stop)", flush=True)
     if spec.serve.print_addresses:
         services = {c.name: {"address": c.address, "pid": c.proc.pid, "metrics": metrics[c.name]}
                     for c in supervisor.children}
         print(json.dumps({"kvmesh": "ready", "api": f"{api}/v1", "services": services}), flush=True)
-    return supervise(supervisor, spec.serve, layout.pairs)
+    return supervise(supervisor, spec.serve, layout.groups)
 
 
-def supervise(supervisor: Supervisor, config: ServeConfig, pairs: Sequence[Pair] = (SOLE_PAIR,)) -> int:
-    """Until a stop is requested (0): restart a dead engine+worker pair with back-off, each pair on
-    its own budget; give up (1) when a pair's budget is spent or when the processor or the gateway
-    dies. One pair is restarted at a time; the others keep serving meanwhile."""
-    budgets = {pair: RestartBudget(config.restart_backoff, config.restart_backoff_max, config.max_restarts,
-                                   config.restart_window) for pair in pairs}
+def supervise(supervisor: Supervisor, config: ServeConfig, groups: Sequence[Group] = (SOLE_GROUP,)) -> int:
+    """Until a stop is requested (0): restart a dead engine with all its workers with back-off, each
+    group on its own budget; give up (1) when a group's budget is spent or when the processor or the
+    gateway dies. One group is restarted at a time; the others keep serving meanwhile."""
+    budgets = {group: RestartBudget(config.restart_backoff, config.restart_backoff_max, config.max_restarts,
+                                    config.restart_window) for group in groups}
     while (died := supervisor.wait()) is not None:
-        pair = next((p for p in pairs if died.name in p), None)
-        if pair is None:
+        group = next((p for p in groups if died.name in p.names), None)
+        if group is None:
             print(f"kvmesh: the {died.name} exited with code {died.proc.returncode}; stopping the others",
                   file=sys.stderr)
             return 1
         why = f"the {died.name} exited with code {died.proc.returncode}"
-        # A pair that fails to come back counts as one more restart, with its back-off.
-        while (delay := budgets[pair].next_delay(time.monotonic())) is not None:
-            print(f"kvmesh: {why}; restarting {pair.describe()} in {delay:g}s", file=sys.stderr, flush=True)
-            if supervisor.restart(pair, delay, config.startup_timeout):
-                print(f"kvmesh: {pair.describe()} are serving again", file=sys.stderr, flush=True)
+        # A group that fails to come back counts as one more restart, with its back-off.
+        while (delay := budgets[group].next_delay(time.monotonic())) is not None:
+            print(f"kvmesh: {why}; restarting {group.describe()} in {delay:g}s", file=sys.stderr, flush=True)
+            if supervisor.restart(group.stages, delay, config.startup_timeout):
+                print(f"kvmesh: {group.describe()} are serving again", file=sys.stderr, flush=True)
                 break
             if supervisor.stop_requested:
                 return 0
-            why = f"{pair.describe()} did not come back"
+            why = f"{group.describe()} did not come back"
         else:
-            print(f"kvmesh: {why}; {pair.describe()} were restarted {config.max_restarts} times in "
+            print(f"kvmesh: {why}; {group.describe()} were restarted {config.max_restarts} times in "
                   f"{config.restart_window:.0f}s: giving up", file=sys.stderr)
             return 1
     return 0

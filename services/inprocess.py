@@ -2,7 +2,9 @@
 processor over that, joined by direct calls where `kvmesh serve` joins the same cores by gRPC.
 
     OfflineStack.create(args)        worker -> EngineCore (stepped by its caller) -> Processor
-                                     the offline `LLM`, which drives it step by step
+                                     the offline `LLM`, which drives it step by step; with
+                                     tensor_parallel_size above 1 the workers are processes
+                                     (services/engine/worker_processes.py), the rest in-process
     await AsyncStack.create(args)    worker -> AsyncEngine (its engine-loop thread) -> AsyncProcessor
                                      a ProcessorClient: the gateway app in one process
                                      (loadtests/inprocess_server.py, the gateway stack tests)
@@ -15,6 +17,7 @@ from typing import NamedTuple
 from services.common.config import EngineArgs
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine_core import EngineCore
+from services.engine.worker_processes import WorkerProcesses
 from services.processor.async_processor import AsyncProcessor
 from services.processor.processor import Processor
 from services.worker.client import InProcessWorkerClient
@@ -27,15 +30,25 @@ def start_worker(args: EngineArgs) -> InProcessWorkerClient:
 
 
 class OfflineStack(NamedTuple):
-    worker: Worker
+    worker: Worker | None  # None with worker processes
     engine: EngineCore
     processor: Processor
+    worker_processes: WorkerProcesses | None = None  # close() them when done
 
     @classmethod
     def create(cls, args: EngineArgs) -> OfflineStack:
-        worker = start_worker(args)
-        engine = EngineCore.create(worker, args.scheduler, executor=worker)
-        return cls(worker.worker, engine, Processor.load(worker.worker.model_path, engine.max_model_len))
+        if args.parallel.tensor_parallel_size == 1:
+            worker = start_worker(args)
+            engine = EngineCore.create(worker, args.scheduler, executor=worker)
+            return cls(worker.worker, engine, Processor.load(worker.worker.model_path, engine.max_model_len))
+        processes = WorkerProcesses.start(args.model, args.cache, args.worker, args.parallel)
+        try:
+            engine = EngineCore.create(processes.client, args.scheduler, executor=processes.client)
+            processor = Processor.load(engine.worker_info.model_path, engine.max_model_len)
+        except BaseException:
+            processes.close()
+            raise
+        return cls(None, engine, processor, processes)
 
 
 class AsyncStack(NamedTuple):

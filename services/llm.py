@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -68,13 +69,32 @@ class LLM:
     Keyword arguments are the flags' names (`LLM(model="smollm2", max_num_seqs=8,
     kv_cache_memory=2**28, scheduling_policy="priority")`; services/common/config.py). The waiting
     queue is unbounded here: a batch is queued whole.
+
+    `tensor_parallel_size=N` above 1 runs the model on N worker processes (ranks of one
+    torch.distributed group, services/engine/worker_processes.py), stopped by close(), by leaving
+    a `with LLM(...)` block, or at interpreter exit; with 1 (the default) all is in this process.
     """
 
     def __init__(self, model: str = "smollm2", **kwargs: Any) -> None:
         args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.args = replace(args, scheduler=replace(args.scheduler, max_num_waiting=None))
-        self.worker, self.engine, self.processor = OfflineStack.create(self.args)
+        self.worker, self.engine, self.processor, self._worker_processes = OfflineStack.create(self.args)
+        if self._worker_processes is not None:
+            atexit.register(self.close)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the worker processes, if any (idempotent). An in-process worker needs nothing."""
+        if self._worker_processes is not None:
+            atexit.unregister(self.close)
+            self._worker_processes.close()
+            self._worker_processes = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.processor.tokenizer

@@ -183,6 +183,7 @@ class EngineArgs:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     worker: WorkerConfig = WorkerConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -261,14 +262,19 @@ class SecurityConfig:
 
 @dataclass(frozen=True)
 class EngineServiceConfig:
-    """How the engine service finds its worker: an address, or a Kubernetes Service's endpoint."""
+    """How the engine service finds its workers (one, or a tensor-parallel group): addresses, or a
+    Kubernetes Service's endpoints."""
 
-    worker_address: str | None = option(None, "the worker, off Kubernetes (default 127.0.0.1:50053)")
+    worker_address: tuple[str, ...] = option(
+        (), "a worker's host:port, off Kubernetes (repeatable, or comma-separated in the environment, in rank "
+            "order: several are one tensor-parallel group, as many as --tensor-parallel-size; default "
+            "127.0.0.1:50053)")
     worker_service: str | None = option(
-        None, "the workers' Kubernetes Service: connect to its ready endpoint (port named grpc) whose hostname "
-              "is --worker-hostname; excludes --worker-address")
-    worker_hostname: str | None = option(
-        None, "with --worker-service (default: this host's name with -engine- replaced by -worker-)")
+        None, "the workers' Kubernetes Service: connect to its ready endpoints (port named grpc) whose hostnames "
+              "are --worker-hostname; excludes --worker-address")
+    worker_hostname: tuple[str, ...] = option(
+        (), "with --worker-service, a worker's hostname (repeatable, in rank order; default: this host's name "
+            "with -engine- replaced by -worker-, and -<rank> appended with --tensor-parallel-size above 1)")
     namespace: str | None = option(
         None, "the Service's namespace (default: this pod's, else $KVMESH_NAMESPACE, else default)")
     worker_timeout: float = option(60.0, "deadline (s) of the worker's set-up calls, and for it to come up "
@@ -288,9 +294,9 @@ class EngineServiceConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.worker_service is None and self.worker_hostname is not None:
+        if self.worker_service is None and self.worker_hostname:
             raise ValueError("--worker-hostname needs --worker-service")
-        if self.worker_service is not None and self.worker_address is not None:
+        if self.worker_service is not None and self.worker_address:
             raise ValueError("--worker-address and --worker-service exclude each other")
 
 

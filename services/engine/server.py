@@ -1,14 +1,19 @@
-"""The engine service: scheduler, KV-cache manager and prefix cache driving a worker over gRPC.
+"""The engine service: scheduler, KV-cache manager and prefix cache driving a worker, or a
+tensor-parallel group of workers, over gRPC.
 
     python -m services.engine.server --worker-address 127.0.0.1:50053 --port 50052
+    python -m services.engine.server --tensor-parallel-size 2 \
+        --worker-address 127.0.0.1:50053 --worker-address 127.0.0.1:50054   # ranks 0 and 1
     python -m services.engine.server --worker-service kvmesh-worker    # in Kubernetes: pod kvmesh-engine-N
-                                                                       # pairs with kvmesh-worker-N
+                                                                       # pairs with kvmesh-worker-N (TP 1)
+                                                                       # or kvmesh-worker-N-0..R (TP R+1)
 
-config -> GrpcWorkerClient (blocking; the engine-loop thread calls it) -> AsyncEngine ->
+config -> GrpcWorkerClient per rank -> GroupWorkerClient (blocking; the engine-loop thread calls
+it; services/engine/executor.py) -> AsyncEngine ->
 EngineServicer -> grpc.aio server (+ health, reflection) -> SIGTERM -> NOT_SERVING -> drain ->
-stop(grace) -> engine shutdown. Health follows the engine: NOT_SERVING as soon as its worker fails
-(gone, stuck, or a failed step), and the process exits 1 after --exit-grace, so that its supervisor
-restarts it with its worker.
+stop(grace) -> engine shutdown. Health follows the engine: NOT_SERVING as soon as one of its workers
+fails (gone, stuck, or a failed step), and the process exits 1 after --exit-grace, so that its
+supervisor restarts it with all its workers.
 The block size is the worker's (WorkerInfo). Flags come from services/common/config.py
 (EngineServiceConfig, SchedulerConfig, ServingConfig, PrefixIndexConfig); each falls back to
 KVMESH_ENGINE_<FIELD> (KVMESH_ENGINE_PORT, KVMESH_ENGINE_WORKER_ADDRESS, ...).
@@ -27,6 +32,7 @@ import logging
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import replace
 from typing import NamedTuple
@@ -36,6 +42,7 @@ from services.common.clients import EngineClient
 from services.common.config import (
     EngineServiceConfig,
     ModelConfig,
+    ParallelConfig,
     PrefixIndexConfig,
     SchedulerConfig,
     SecurityConfig,
@@ -52,6 +59,7 @@ from services.common.rpc.server import RpcServer, service_name
 from services.engine.async_engine import AsyncEngine, EngineIdentity
 from services.engine.kv_events import KVEventQueue
 from services.engine.kv_publisher import KVPublisher
+from services.engine.executor import GroupWorkerClient
 from services.engine.metrics import EngineLabels, EngineMetrics, PublisherMetrics
 from services.prefix_index import RedisPrefixIndex
 from services.worker.client import GrpcWorkerClient
@@ -118,7 +126,7 @@ def engine_identity(advertise_address: str | None, host: str, port: int) -> Engi
     return EngineIdentity(advertise_address, time.time_ns())
 
 
-async def start_engine(worker: GrpcWorkerClient, args: EngineServiceArgs, metrics: ServiceMetrics,
+async def start_engine(worker: GroupWorkerClient, args: EngineServiceArgs, metrics: ServiceMetrics,
                        identity: EngineIdentity) -> tuple[AsyncEngine, KVPublisher | None]:
     """The engine, and with --prefix-index its publisher (started); without, no KV event queue at
     all. vLLM's metrics are labelled `model_name` (default: the worker's model id)."""
@@ -130,7 +138,7 @@ async def start_engine(worker: GrpcWorkerClient, args: EngineServiceArgs, metric
 
     engine = await AsyncEngine.create(
         worker, args.scheduler, lambda core: EngineMetrics.for_core(metrics.registry, labels(core), core),
-        worker.liveness_interval, kv_events=kv_events, identity=identity)
+        args.service.worker_liveness_interval, kv_events=kv_events, identity=identity)
     if kv_events is None:
         return engine, None
     index = RedisPrefixIndex.connect(index_config.prefix_index, timeout_s=index_config.prefix_index_timeout,
@@ -144,10 +152,10 @@ async def start_engine(worker: GrpcWorkerClient, args: EngineServiceArgs, metric
     return engine, publisher
 
 
-async def serve(worker: GrpcWorkerClient, args: EngineServiceArgs, metrics: ServiceMetrics,
+async def serve(worker: GroupWorkerClient, args: EngineServiceArgs, metrics: ServiceMetrics,
                 security: RpcSecurity = RpcSecurity()) -> bool:
-    """Serve until SIGTERM/SIGINT (True) or until the engine dies (False). The worker's client
-    deadlines bound the wait for it to come up."""
+    """Serve until SIGTERM/SIGINT (True) or until the engine dies (False). The workers' client
+    deadlines bound the wait for them to come up."""
     serving = args.serving
     # Bound first: the engine's id names the port it got.
     server = RpcServer(serving.host, serving.port, [SERVICE_NAME], [metrics.grpc.server_interceptor()], security)
@@ -166,28 +174,40 @@ async def serve(worker: GrpcWorkerClient, args: EngineServiceArgs, metrics: Serv
     return healthy
 
 
-async def discover_worker(service: str, hostname: str, namespace: str | None) -> str:
-    """The address of `service`'s ready endpoint named `hostname`, once there is one. The watch ends
-    there: a worker that fails later fails the engine's steps and turns it unhealthy (no re-attachment)."""
+async def discover_workers(service: str, hostnames: Sequence[str], namespace: str | None) -> tuple[str, ...]:
+    """The addresses of `service`'s ready endpoints named `hostnames` (in that order), once all are
+    ready. The watch ends there: a worker that fails later fails the engine's steps and turns it
+    unhealthy (no re-attachment)."""
     watcher = EndpointWatcher(service, kube_configuration(), namespace)
     watcher.start()
-    logger.info("waiting for worker %s in service %s/%s", hostname, watcher.namespace, service)
+    logger.info("waiting for worker(s) %s in service %s/%s", ", ".join(hostnames), watcher.namespace, service)
+
+    def all_ready(ready) -> tuple[str, ...] | None:
+        by_name = {e.hostname: e.address for e in ready}
+        return tuple(by_name[h] for h in hostnames) if all(h in by_name for h in hostnames) else None
+
     try:
-        endpoint = await watcher.wait_for(lambda ready: next((e for e in ready if e.hostname == hostname), None))
+        addresses = await watcher.wait_for(all_ready)
     finally:
         await watcher.close()
-    logger.info("worker %s is at %s", hostname, endpoint.address)
-    return endpoint.address
+    logger.info("worker(s) at %s", ", ".join(addresses))
+    return addresses
 
 
-def paired_worker_hostname(engine_hostname: str) -> str | None:
-    """StatefulSet pods `<release>-engine-N` pair with `<release>-worker-N`; None for other names."""
-    return engine_hostname.replace("-engine-", "-worker-") if "-engine-" in engine_hostname else None
+def paired_worker_hostnames(engine_hostname: str, tensor_parallel_size: int = 1) -> tuple[str, ...] | None:
+    """StatefulSet pods `<release>-engine-N` pair with `<release>-worker-N`, or with a group
+    `<release>-worker-N-0` .. `<release>-worker-N-<size-1>` (rank order) when the size is above 1
+    (deploy/helm/kvmesh/templates/worker-statefulset.yaml); None for other names."""
+    if "-engine-" not in engine_hostname:
+        return None
+    worker = engine_hostname.replace("-engine-", "-worker-")
+    return (worker,) if tensor_parallel_size == 1 else tuple(f"{worker}-{r}" for r in range(tensor_parallel_size))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh engine", description="The kvmesh engine service.")
     add_flags(parser, EngineServiceConfig, ENV_PREFIX)
+    add_flags(parser, ParallelConfig, ENV_PREFIX, only=["tensor_parallel_size"])
     add_flags(parser, PrefixIndexConfig, ENV_PREFIX)
     add_flags(parser, SchedulerConfig, ENV_PREFIX)
     add_flags(parser, ModelConfig, ENV_PREFIX, only=["served_model_name"])
@@ -203,24 +223,33 @@ class EngineServiceArgs(NamedTuple):
     serving: ServingConfig
     security: SecurityConfig = SecurityConfig()
     prefix_index: PrefixIndexConfig = PrefixIndexConfig()
+    parallel: ParallelConfig = ParallelConfig()  # only tensor_parallel_size: the group's size
 
 
 def parse_args(argv: list[str] | None = None) -> EngineServiceArgs:
     """The engine's configs; the worker's address defaulted or, with --worker-service, the paired
-    worker's hostname found."""
+    workers' hostnames found. As many workers as --tensor-parallel-size, or an error."""
     parser = build_parser()
     args = parser.parse_args(argv)
     service = build(parser, EngineServiceConfig, args)
-    if service.worker_service is None and service.worker_address is None:
-        service = replace(service, worker_address=DEFAULT_WORKER_ADDRESS)
-    elif service.worker_service is not None and service.worker_hostname is None:
-        hostname = paired_worker_hostname(socket.gethostname())
-        if hostname is None:
+    parallel = build(parser, ParallelConfig, args)
+    size = parallel.tensor_parallel_size
+    if service.worker_service is None and not service.worker_address:
+        if size != 1:
+            parser.error(f"--tensor-parallel-size {size} needs {size} --worker-address (one per rank, in rank order)")
+        service = replace(service, worker_address=(DEFAULT_WORKER_ADDRESS,))
+    elif service.worker_service is not None and not service.worker_hostname:
+        hostnames = paired_worker_hostnames(socket.gethostname(), size)
+        if hostnames is None:
             parser.error(f"--worker-hostname is needed: this host's name ({socket.gethostname()}) has no -engine-")
-        service = replace(service, worker_hostname=hostname)
+        service = replace(service, worker_hostname=hostnames)
+    workers = service.worker_address or service.worker_hostname
+    if len(workers) != size:
+        parser.error(f"{len(workers)} worker(s) given ({', '.join(workers)}) for --tensor-parallel-size {size}: "
+                     f"give one per rank, in rank order")
     return EngineServiceArgs(service, build(parser, SchedulerConfig, args), build(parser, ModelConfig, args),
                              build(parser, ServingConfig, args), build(parser, SecurityConfig, args),
-                             build(parser, PrefixIndexConfig, args))
+                             build(parser, PrefixIndexConfig, args), parallel)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,15 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     security = RpcSecurity.load(security_config)  # the engine's own port and its calls to the worker
 
     async def run() -> None:
-        address = service.worker_address or await discover_worker(service.worker_service, service.worker_hostname,
-                                                                  service.namespace)
+        addresses = service.worker_address or await discover_workers(
+            service.worker_service, service.worker_hostname, service.namespace)
         metrics = ServiceMetrics.create("engine")
         endpoint = MetricsEndpoint.start(metrics.registry, serving.host, serving.metrics_port)
-        # No client interceptor on the step channel: it is the hottest call there is, timed by
-        # kvmesh_engine_step_rpc_seconds, and the worker's server side counts its calls by code.
-        worker = GrpcWorkerClient(address, timeout=service.worker_timeout,
-                                  liveness_interval=service.worker_liveness_interval,
-                                  liveness_timeout=service.worker_liveness_timeout, security=security)
+        # No client interceptor on the step channels: the hottest call there is, timed by
+        # kvmesh_engine_step_rpc_seconds, and the workers' server side counts their calls by code.
+        worker = GroupWorkerClient([
+            GrpcWorkerClient(address, timeout=service.worker_timeout,
+                             liveness_interval=service.worker_liveness_interval,
+                             liveness_timeout=service.worker_liveness_timeout, security=security)
+            for address in addresses])
         try:
             return await serve(worker, args, metrics, security)
         finally:
@@ -247,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             worker.close()
 
     if not asyncio.run(run()):
-        logger.error("exiting: the engine's worker failed (restart the engine with its worker)")
+        logger.error("exiting: a worker of the engine failed (restart the engine with all its workers)")
         return 1
     return 0
 

@@ -19,6 +19,7 @@ import referencing
 from kubernetes_validate.utils import schema_contents
 
 from services.cli import SERVICES
+from services.engine import server as engine_server
 from services.common.config import EngineServiceConfig, PrefixIndexConfig, RoutingConfig
 from services.common.flags import build
 from tests.deploy.chart import CHART_DIR, EXAMPLES, GOLDEN_DIR, NAMESPACE, example_values, find, golden_manifest, manifest, objects, render
@@ -126,18 +127,30 @@ def args_of(objs: list[dict[str, Any]], component: str) -> dict[str, str]:
     return dict(a.removeprefix("--").partition("=")[::2] for a in args[1:])
 
 
+def worker_pod_names(objs: list[dict[str, Any]]) -> set[str]:
+    """The pods the worker StatefulSets create: <name>-<ordinal>."""
+    return {f"{o['metadata']['name']}-{i}" for o in objs if o["kind"] == "StatefulSet"
+            and o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"
+            for i in range(o["spec"].get("replicas", 1))}
+
+
 def test_engine_finds_its_worker(example: tuple[str, dict[str, str]]) -> None:
-    """engine-<i> looks for the worker whose hostname is its own with -engine- -> -worker-, in the
-    worker Service's EndpointSlices: the names, the headless Service and the replica counts must
-    line up for that."""
+    """engine-<i> looks for the workers whose hostnames are its own with -engine- -> -worker- (and
+    -<rank> appended for a tensor-parallel group), in the worker Service's EndpointSlices: the
+    names, the headless Service and the replica counts must line up for that."""
     _, rendered = example
     objs = objects(rendered)
-    engine, worker = (next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"].endswith(f"-{c}"))
-                      for c in ("engine", "worker"))
-    assert engine["metadata"]["name"].replace("-engine", "-worker") == worker["metadata"]["name"]
-    assert args_of(objs, "engine")["worker-service"] == worker["spec"]["serviceName"]
-    assert find(objs, "Service", worker["spec"]["serviceName"])["spec"]["clusterIP"] == "None"
-    assert engine["spec"].get("replicas") == worker["spec"].get("replicas")
+    engine = find(objs, "StatefulSet", "kvmesh-engine")
+    workers = [o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"].startswith("kvmesh-worker")]
+    engine_args = args_of(objs, "engine")
+    size = int(engine_args.get("tensor-parallel-size", "1"))
+    hostnames = [h for i in range(engine["spec"].get("replicas", 1))
+                 for h in engine_server.paired_worker_hostnames(f"kvmesh-engine-{i}", size)]
+    if engine["spec"].get("replicas") is not None:  # KEDA leaves both counts to the scaler
+        assert sorted(hostnames) == sorted(worker_pod_names(objs))
+    for worker in workers:
+        assert engine_args["worker-service"] == worker["spec"]["serviceName"]
+    assert find(objs, "Service", engine_args["worker-service"])["spec"]["clusterIP"] == "None"
     assert args_of(objs, "processor")["engine-service"] == engine["spec"]["serviceName"]
     engine_ports = find(objs, "Service", engine["spec"]["serviceName"])["spec"]["ports"]
     assert "grpc" in [p["name"] for p in engine_ports]
@@ -251,6 +264,9 @@ def test_the_services_accept_the_chart_arguments(example: tuple[str, dict[str, s
         container = pod_spec(objs, component)["containers"][0]
         env = env_of(container)
         prefix = f"KVMESH_{component.upper()}_"
+        if component == "worker" and "--tensor-parallel-size" in " ".join(container["args"]) \
+                and "rank" not in {a.dest for a in importlib.import_module(SERVICES[component]).build_parser()._actions}:
+            pytest.skip("the worker's --rank and --tensor-parallel-size come with #13's worker side")
         with monkeypatch.context() as patch:
             for name, value in env.items():
                 patch.setenv(name, value)
@@ -268,6 +284,7 @@ def test_the_services_accept_the_chart_arguments(example: tuple[str, dict[str, s
 
 
 POD_IP = "10.1.2.3"
+POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
 
 
 def env_of(container: dict[str, Any]) -> dict[str, str]:
@@ -279,6 +296,8 @@ def env_of(container: dict[str, Any]) -> dict[str, str]:
             env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), var["value"])
         elif var["valueFrom"].get("fieldRef", {}).get("fieldPath") == "status.podIP":
             env[var["name"]] = POD_IP
+        elif var["valueFrom"].get("fieldRef", {}).get("fieldPath") == POD_INDEX:
+            env[var["name"]] = "1"  # a StatefulSet's second pod
         else:
             env[var["name"]] = "from-a-secret"
     return env
@@ -430,3 +449,49 @@ def test_mutual_tls_mounts_the_certificates_and_probes_with_them() -> None:
                 assert f"--port={args['port']}" in command
     with pytest.raises(helm.HelmValuesError):  # TLS needs its Secret
         render({"internalAuth": {"existingSecret": "", "key": "token", "tls": {**tls, "secretName": ""}}})
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+
+def test_a_tensor_parallel_group_is_a_statefulset_per_engine_with_rank_names() -> None:
+    """worker.tensorParallelSize 2, two engines: engine-<i>'s ranks are the pods worker-<i>-<r> of the
+    StatefulSet worker-<i> (its own selector), each taking its rank from its pod index, all
+    dialling rank 0's rendezvous Service, which resolves before rank 0 is ready."""
+    values = example_values("tp2")
+    values["engine"] = {**values["engine"], "replicas": 2}
+    objs = objects(render(values))
+    assert int(args_of(objs, "engine")["tensor-parallel-size"]) == 2
+    assert worker_pod_names(objs) == {"kvmesh-worker-0-0", "kvmesh-worker-0-1", "kvmesh-worker-1-0",
+                                      "kvmesh-worker-1-1"}
+    for group in (0, 1):
+        statefulset = find(objs, "StatefulSet", f"kvmesh-worker-{group}")
+        labels = statefulset["spec"]["template"]["metadata"]["labels"]
+        selector = statefulset["spec"]["selector"]["matchLabels"]
+        assert selector["kvmesh.io/worker-group"] == f"kvmesh-worker-{group}" and selector.items() <= labels.items()
+        container = statefulset["spec"]["template"]["spec"]["containers"][0]
+        args = dict(a.removeprefix("--").partition("=")[::2] for a in container["args"][1:])
+        assert args["tensor-parallel-size"] == "2"
+        host, port = args["distributed-address"].rsplit(":", 1)
+        rendezvous = find(objs, "Service", host)["spec"]
+        assert rendezvous["clusterIP"] == "None" and rendezvous["publishNotReadyAddresses"] is True
+        assert rendezvous["selector"]["statefulset.kubernetes.io/pod-name"] == f"kvmesh-worker-{group}-0"
+        assert rendezvous["ports"][0]["port"] == int(port)
+        assert {"name": "distributed", "containerPort": int(port)} in container["ports"]
+        [rank] = [v for v in container["env"] if v["name"] == "KVMESH_WORKER_RANK"]
+        assert rank["valueFrom"]["fieldRef"]["fieldPath"] == POD_INDEX
+    policy = policy_for(objs, "worker")
+    assert {"from": [{"podSelector": {"matchLabels": policy["podSelector"]["matchLabels"]}}]} \
+        in policy["ingress"]  # the ranks reach each other on any port (gloo, NCCL)
+
+
+def test_without_tensor_parallelism_the_workers_stay_one_statefulset() -> None:
+    objs = objects(render({}))
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "StatefulSet"] == ["kvmesh-engine", "kvmesh-worker"]
+    assert "tensor-parallel-size" not in args_of(objs, "engine") and "tensor-parallel-size" not in args_of(objs, "worker")
+    assert not any(o["metadata"]["name"].endswith("-rendezvous") for o in objs)
+
+
+def test_tensor_parallelism_refuses_keda() -> None:
+    with pytest.raises(helm.HelmRenderError, match="tensorParallelSize above 1 does not go with keda.enabled"):
+        render({"worker": {"tensorParallelSize": 2}, "keda": {"enabled": True}})

@@ -275,11 +275,28 @@ def test_discovery_flags():
         engine_server.parse_args(["--worker-service", "workers", "--worker-address", "127.0.0.1:1"])
     with pytest.raises(SystemExit):
         engine_server.parse_args(["--worker-hostname", "kvmesh-worker-0"])  # without --worker-service
-    assert engine_server.parse_args([]).service.worker_address == engine_server.DEFAULT_WORKER_ADDRESS
+    assert engine_server.parse_args([]).service.worker_address == (engine_server.DEFAULT_WORKER_ADDRESS,)
     args = engine_server.parse_args(["--worker-service", "workers", "--worker-hostname", "w-0"]).service
-    assert (args.worker_address, args.worker_hostname) == (None, "w-0")
-    assert engine_server.paired_worker_hostname("kvmesh-engine-3") == "kvmesh-worker-3"
-    assert engine_server.paired_worker_hostname("laptop") is None
+    assert (args.worker_address, args.worker_hostname) == ((), ("w-0",))
+    assert engine_server.paired_worker_hostnames("kvmesh-engine-3") == ("kvmesh-worker-3",)
+    assert engine_server.paired_worker_hostnames("kvmesh-engine-3", 2) == ("kvmesh-worker-3-0", "kvmesh-worker-3-1")
+    assert engine_server.paired_worker_hostnames("laptop") is None
+
+
+def test_an_engine_takes_one_worker_per_rank_in_rank_order():
+    args = engine_server.parse_args(["--tensor-parallel-size", "2", "--worker-address", "127.0.0.1:1",
+                                     "--worker-address", "127.0.0.1:2"])
+    assert (args.parallel.tensor_parallel_size, args.service.worker_address) == (2, ("127.0.0.1:1", "127.0.0.1:2"))
+    args = engine_server.parse_args(["--tensor-parallel-size", "2", "--worker-service", "workers",
+                                     "--worker-hostname", "w-0-0", "--worker-hostname", "w-0-1"])
+    assert args.service.worker_hostname == ("w-0-0", "w-0-1")
+    for wrong in (["--tensor-parallel-size", "2"],  # no addresses: the default is one worker
+                  ["--tensor-parallel-size", "2", "--worker-address", "127.0.0.1:1"],
+                  ["--worker-address", "127.0.0.1:1", "--worker-address", "127.0.0.1:2"],  # size 1
+                  ["--tensor-parallel-size", "0", "--worker-address", "127.0.0.1:1"],
+                  ["--tensor-parallel-size", "2", "--worker-service", "workers", "--worker-hostname", "w-0-0"]):
+        with pytest.raises(SystemExit):
+            engine_server.parse_args(wrong)
 
 
 # ----------------------------------------------------------------------------- end to end

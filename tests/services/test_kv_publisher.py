@@ -281,8 +281,8 @@ async def test_a_newer_incarnation_ends_publishing_and_keeps_its_entries(redis_s
 
 async def test_without_a_prefix_index_no_queue_is_attached_and_nothing_recorded():
     worker = ScriptedWorker()
-    worker.liveness_interval = None  # what start_engine reads of a GrpcWorkerClient
-    args = EngineServiceArgs(EngineServiceConfig(worker_address="127.0.0.1:1"), SchedulerConfig(), ModelConfig(),
+    # A scripted worker has no liveness to check: no idle check within the test.
+    args = EngineServiceArgs(EngineServiceConfig(worker_address=("127.0.0.1:1",), worker_liveness_interval=3600), SchedulerConfig(), ModelConfig(),
                              ServingConfig())
     engine, publisher = await start_engine(worker, args, ServiceMetrics.create("engine"),
                                            EngineIdentity(ENGINE_ID, 9))

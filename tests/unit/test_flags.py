@@ -18,6 +18,7 @@ from services.common.config import (
     GatewayConfig,
     Limits,
     ModelConfig,
+    ParallelConfig,
     PrefixIndexConfig,
     ProcessorServiceConfig,
     RoutingConfig,
@@ -112,7 +113,7 @@ def test_serve_hands_each_child_exactly_its_configs():
             "--port", "8123", "--block-size", "32", "--return-tokens-as-token-ids"]
     args = parser.parse_args(argv)
     spec = cli.ServeSpec(*(build(parser, c, args) for c, _ in cli.SERVE_FLAGS))
-    layout = cli.Layout(cli.pairs_of(1), {"worker": 1, "engine": 2, "processor": 3},
+    layout = cli.Layout(cli.groups_of(1), {"worker": 1, "engine": 2, "processor": 3},
                         {"worker": 4, "engine": 5, "processor": 6})
     argvs = cli.service_argvs(spec, layout)
     model = replace(spec.model, served_model_name="/m")
@@ -126,7 +127,8 @@ def test_serve_hands_each_child_exactly_its_configs():
 
     engine = engine_server.parse_args(argvs["engine"])
     assert engine.scheduler == SchedulerConfig(max_num_seqs=3, policy="priority", enable_prefix_caching=False)
-    assert (engine.service.worker_address, engine.service.advertise_address) == ("127.0.0.1:1", "127.0.0.1:2")
+    assert (engine.service.worker_address, engine.service.advertise_address) == (("127.0.0.1:1",), "127.0.0.1:2")
+    assert engine.parallel == ParallelConfig()
     assert (engine.model.served_model_name, engine.serving.port, engine.serving.metrics_port) == ("/m", 2, 5)
 
     processor = processor_server.parse_args(argvs["processor"])
@@ -153,7 +155,7 @@ def test_serve_with_two_engines_hands_each_pair_its_own_ports():
     spec = cli.ServeSpec(*(build(parser, c, args) for c, _ in cli.SERVE_FLAGS))
     assert spec.serve.num_engines == 2
     names = ["worker-0", "engine-0", "worker-1", "engine-1", "processor"]
-    layout = cli.Layout(cli.pairs_of(2), dict(zip(names, range(1, 6))), dict(zip(names, range(11, 16))))
+    layout = cli.Layout(cli.groups_of(2), dict(zip(names, range(1, 6))), dict(zip(names, range(11, 16))))
     assert layout.internal == tuple(names)
     argvs = cli.service_argvs(spec, layout)
     assert list(argvs) == [*names, "gateway"]
@@ -165,7 +167,7 @@ def test_serve_with_two_engines_hands_each_pair_its_own_ports():
         engine_parser = engine_server.build_parser()
         engine_args = engine_parser.parse_args(argvs[f"engine-{i}"])
         service = build(engine_parser, EngineServiceConfig, engine_args)
-        assert (service.worker_address, service.advertise_address) == (f"127.0.0.1:{worker_port}",
+        assert (service.worker_address, service.advertise_address) == ((f"127.0.0.1:{worker_port}",),
                                                                       f"127.0.0.1:{engine_port}")
         assert build(engine_parser, PrefixIndexConfig, engine_args) == index
         assert build(engine_parser, ServingConfig, engine_args).metrics_port == engine_port + 10
@@ -180,6 +182,51 @@ def test_serve_with_two_engines_hands_each_pair_its_own_ports():
     gateway_parser = gateway_server.build_parser()
     gateway = build(gateway_parser, GatewayConfig, gateway_parser.parse_args(argvs["gateway"]))
     assert gateway.aggregate_metrics == tuple(f"http://127.0.0.1:{p}/metrics" for p in range(11, 16))
+
+
+def test_serve_with_tensor_parallel_groups_hands_each_rank_its_place():
+    """--tensor-parallel-size 2 --num-engines 2: each engine drives its two workers (rank order),
+    each group rendezvouses on a port of its own, and a worker alone gets no parallel flags."""
+    parser = cli.build_serve_parser()
+    args = parser.parse_args(["--num-engines", "2", "--tensor-parallel-size", "2", "--distributed-timeout", "4"])
+    spec = cli.ServeSpec(*(build(parser, c, args) for c, _ in cli.SERVE_FLAGS))
+    groups = cli.groups_of(2, 2)
+    assert groups == (cli.Group(("worker-0-r0", "worker-0-r1"), "engine-0"),
+                      cli.Group(("worker-1-r0", "worker-1-r1"), "engine-1"))
+    assert groups[0].stages == (("worker-0-r0", "worker-0-r1"), ("engine-0",))
+    names = ["worker-0-r0", "worker-0-r1", "engine-0", "worker-1-r0", "worker-1-r1", "engine-1", "processor"]
+    layout = cli.Layout(groups, dict(zip(names, range(1, 8))), dict(zip(names, range(11, 18))),
+                        {"engine-0": 21, "engine-1": 22})
+    assert layout.internal == tuple(names)
+    argvs = cli.service_argvs(spec, layout)
+
+    for i, group in enumerate(groups):
+        engine = engine_server.parse_args(argvs[group.engine])
+        assert engine.parallel.tensor_parallel_size == 2
+        assert engine.service.worker_address == tuple(f"127.0.0.1:{layout.ports[w]}" for w in group.workers)
+        for rank, worker in enumerate(group.workers):
+            parallel_parser = argparse.ArgumentParser()  # the worker's parser has them once #13's worker side lands
+            add_flags(parallel_parser, ParallelConfig, None)
+            parallel = build(parallel_parser, ParallelConfig, parallel_parser.parse_known_args(argvs[worker])[0])
+            assert parallel == ParallelConfig(2, rank, f"127.0.0.1:{21 + i}", 4.0)
+            worker_dests = {a.dest for a in worker_server.build_parser()._actions}
+            if "rank" in worker_dests:
+                worker_parser = worker_server.build_parser()
+                assert build(worker_parser, ParallelConfig, worker_parser.parse_args(argvs[worker])) == parallel
+
+    one = cli.service_argvs(cli.ServeSpec(*(build(parser, c, parser.parse_args([])) for c, _ in cli.SERVE_FLAGS)),
+                            cli.Layout(cli.groups_of(1), {"worker": 1, "engine": 2, "processor": 3},
+                                       {"worker": 4, "engine": 5, "processor": 6}))
+    assert not any(flag.startswith(("--rank", "--tensor-parallel-size", "--distributed")) for flag in one["worker"])
+    assert cli.Layout.on_free_ports(2, 2).distributed_ports.keys() == {"engine-0", "engine-1"}
+    assert cli.Layout.on_free_ports(2, 1).distributed_ports == {}
+
+
+def test_parallel_config_is_checked():
+    with pytest.raises(ValueError, match="rank 2 is outside a tensor-parallel group of 2"):
+        ParallelConfig(tensor_parallel_size=2, rank=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
+        ParallelConfig(tensor_parallel_size=0)
 
 
 @pytest.mark.parametrize("value, message", [("0", "num_engines must be at least 1"),

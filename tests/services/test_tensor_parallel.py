@@ -1,0 +1,252 @@
+"""The engine's side of tensor parallelism (issue 13): the GroupWorkerClient over real worker
+processes, `kvmesh serve`'s supervisor restarting an engine with all its workers, the offline
+`LLM` with worker processes, and the end-to-end TP=2 checks.
+
+Until the worker side of #13 lands (process group, sharded layers), a worker only runs alone
+(tensor-parallel size 1): the group client is checked here over such workers, each a whole model
+(they compute the same steps, so rank 0's output is the truth), and the tests that need real TP=2
+workers are marked `slow` and fail until then.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from services import LLM, SamplingParams
+from services import cli
+from services.common.config import SchedulerConfig, ServeConfig
+from services.common.engine_output import EngineCoreRequest
+from services.engine.engine_core import EngineCore
+from services.engine.executor import GroupWorkerClient
+from services.worker.client import GrpcWorkerClient
+from tests.services.procs import (
+    PYTHON,
+    SHARED_MAX_MODEL_LEN,
+    Serve,
+    ServiceProcess,
+    client_for,
+    free_port,
+    gone,
+    running_service,
+    serving,
+)
+from tests.services.test_serve_fleet import LIVENESS, RECOVERY_SECONDS, argv_of, child_pid, flag_values
+
+pytestmark = pytest.mark.services
+
+PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):"]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def worker_flags(model_path: Path, kv_cache_memory: str) -> list[str]:
+    # --owner-lease 0: a new engine session may take a worker over as soon as the last one let go.
+    return ["--model", str(model_path), "--max-model-len", str(SHARED_MAX_MODEL_LEN),
+            "--kv-cache-memory", kv_cache_memory, "--owner-lease", "0"]
+
+
+def worker_cmd(model_path: Path, port: int, kv_cache_memory: str) -> list[str]:
+    return [PYTHON, "-m", "services.cli", "worker", *worker_flags(model_path, kv_cache_memory), "--port", str(port)]
+
+
+@pytest.fixture(scope="module")
+def two_workers(model_path: Path) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+    """Two workers of size 1 with KV caches of different sizes."""
+    a_port, b_port = free_port(), free_port()
+    with running_service(worker_cmd(model_path, a_port, "32MiB"), a_port) as a, \
+            running_service(worker_cmd(model_path, b_port, "16MiB"), b_port) as b:
+        yield a, b
+
+
+def greedy_tokens(engine: EngineCore, prompts: list[list[int]]) -> list[list[int]]:
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineCoreRequest(str(i), prompt, GREEDY))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    engine.check_integrity()
+    return [tokens[str(i)] for i in range(len(prompts))]
+
+
+def test_a_group_checks_its_workers_fans_each_step_out_and_fails_with_any_rank(two_workers, offline: LLM):
+    a, b = two_workers
+    prompts = [offline.get_tokenizer().encode(p) for p in PROMPTS]
+    truth = [o.outputs[0].token_ids for o in offline.generate([list(p) for p in prompts], GREEDY)]
+    group = GroupWorkerClient([GrpcWorkerClient(a.address, timeout=30), GrpcWorkerClient(b.address, timeout=30)])
+    try:
+        # Two workers that each run alone are no group: refused before anything is allocated.
+        with pytest.raises(ValueError, match="tensor-parallel size of \\[1\\]"):
+            group.get_info()
+        # Each rank sized its own cache; they disagree, and the group says so with the numbers.
+        with pytest.raises(RuntimeError, match="disagree on the KV cache's size") as error:
+            group.initialize_cache(4)
+        num_blocks = [int(n) for n in str(error.value).split("[")[1].split("]")[0].split(",")]
+        assert num_blocks[0] > num_blocks[1] > 0  # 32MiB, 16MiB (less what each holds back)
+
+        # Every step goes to both (each holds the same persistent batch, or its next step's diff
+        # would be refused); rank 0's output is the step's.
+        engine = EngineCore(group, group.ranks[0].get_info(), num_blocks[1], SchedulerConfig(max_num_seqs=4))
+        assert greedy_tokens(engine, prompts) == truth
+        group.check_alive()
+
+        b.kill()  # rank 1 dies: the next step fails, as a step does with one worker gone
+        engine.add_request(EngineCoreRequest("after", prompts[0], GREEDY))
+        with pytest.raises(ConnectionError):
+            engine.step()
+        with pytest.raises(ConnectionError):
+            group.check_alive()
+    finally:
+        group.close()
+
+    # A group of one is today's engine: the same tokens, through the same client.
+    one = GroupWorkerClient([GrpcWorkerClient(a.address, timeout=30)])
+    try:
+        engine = EngineCore.create(one, SchedulerConfig(max_num_seqs=4), executor=one)
+        assert len(engine.kv_cache_manager.block_pool.blocks) == num_blocks[0]
+        assert greedy_tokens(engine, prompts) == truth
+    finally:
+        one.close()
+
+
+def test_a_group_refuses_to_be_empty():
+    with pytest.raises(ValueError, match="at least one worker"):
+        GroupWorkerClient([])
+
+
+def test_the_supervisor_restarts_an_engine_with_all_its_workers(model_path: Path):
+    """A group of two workers and an engine, one rank killed: all three come back on the same
+    ports. The ranks are workers of size 1 until the worker side of #13 lands (the engine drives
+    rank 0 only), which is enough to check what the supervisor does."""
+    ports = {name: free_port() for name in ("worker-r0", "worker-r1", "engine")}
+    group = cli.Group(("worker-r0", "worker-r1"), "engine")
+    supervisor = cli.Supervisor(internal_grace=2.0)
+
+    def spec(name: str, argv: list[str]) -> cli.ChildSpec:
+        address = f"127.0.0.1:{ports[name]}"
+        return cli.ChildSpec(name, [*argv, "--port", str(ports[name])], address, lambda: cli.grpc_serving(address))
+
+    workers = [spec(name, worker_flags(model_path, "16MiB")) for name in group.workers]
+    engine = spec("engine", ["--worker-address", f"127.0.0.1:{ports['worker-r0']}", "--max-num-seqs", "4",
+                             "--worker-liveness-interval", "0.5", "--exit-grace", "0.5"])
+    config = ServeConfig(restart_backoff=0.2, startup_timeout=180)
+    thread = None
+    try:
+        assert supervisor.start(workers, 180) and supervisor.start([engine], 180)
+        before = {c.name: c.proc.pid for c in supervisor.children}
+        thread = threading.Thread(target=cli.supervise, args=(supervisor, config, (group,)), daemon=True)
+        thread.start()
+        os.kill(before["worker-r1"], signal.SIGKILL)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            now = {c.name: c.proc.pid for c in supervisor.children}
+            if all(now[n] != before[n] for n in group.names) and all(c.ready() for c in supervisor.children):
+                break
+            time.sleep(0.5)
+        now = {c.name: c.proc.pid for c in supervisor.children}
+        assert all(now[n] != before[n] for n in group.names), (before, now)
+        assert all(gone(pid) for pid in before.values())
+        assert all(c.ready() for c in supervisor.children)
+    finally:
+        supervisor.stop_requested = True
+        if thread is not None:
+            thread.join(30)
+        supervisor.stop()
+    assert all(c.proc.poll() is not None for c in supervisor.children)
+
+
+def worker_children() -> set[int]:
+    """This process's `kvmesh worker` children."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if ppid == os.getpid() and argv[2:4] == [b"services.cli", b"worker"]:
+            pids.add(int(entry.name))
+    return pids
+
+
+def test_an_llm_whose_workers_fail_to_start_raises_and_leaves_none_behind(tmp_path: Path):
+    before = worker_children()
+    with pytest.raises(RuntimeError, match="2 worker processes of the tensor-parallel group did not start"):
+        LLM(model=str(tmp_path / "no-such-model"), tensor_parallel_size=2)
+    assert worker_children() - before == set()
+
+
+# ----------------------------------------------------------------------------- TP=2, end to end
+
+
+@pytest.mark.slow
+def test_llm_with_two_worker_processes_matches_one(model_path: Path, offline: LLM):
+    """Fails until the worker side of #13 (`kvmesh worker --rank`) lands."""
+    truth = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY)]
+    with LLM(model=str(model_path), tensor_parallel_size=2, kv_cache_memory=offline.args.cache.kv_cache_memory,
+             max_model_len=SHARED_MAX_MODEL_LEN) as llm:
+        pids = llm._worker_processes.pids
+        assert len(pids) == 2
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == truth
+    assert all(gone(pid) for pid in pids)
+
+
+GROUP = ("worker-r0", "worker-r1", "engine")
+
+
+@pytest.fixture(scope="module")
+def tp2(model_path: Path) -> Iterator[Serve]:
+    yield from serving(model_path, ["--tensor-parallel-size", "2", "--max-model-len", str(SHARED_MAX_MODEL_LEN),
+                                    *LIVENESS])
+
+
+def assert_matches(serve: Serve, truth: list[list[int]]) -> None:
+    client, model = client_for(serve)
+    for prompt, tokens in zip(PROMPTS, truth):
+        completion = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert completion.choices[0].token_ids == tokens
+
+
+@pytest.mark.slow
+def test_serve_with_tensor_parallel_size_2_matches_one(tp2: Serve, offline: LLM):
+    """`kvmesh serve --tensor-parallel-size 2` with the openai client: the greedy tokens of the
+    in-process TP=1 stack. Fails until the worker side of #13 lands."""
+    assert set(tp2.services) == {*GROUP, "processor", "gateway"}
+    engine_argv = argv_of(child_pid(tp2, "engine"))
+    assert flag_values(engine_argv, "--worker-address") == [tp2.services[w]["address"] for w in GROUP[:2]]
+    assert_matches(tp2, [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY)])
+
+
+@pytest.mark.slow
+def test_a_dead_rank_fails_its_stream_and_restarts_the_whole_group(tp2: Serve, offline: LLM):
+    """Rank 1 killed mid-stream: the stream ends with an error (there is no other engine to migrate
+    to) rather than hanging, the engine and both ranks are restarted on the same ports, the old
+    processes are gone, and the group serves the same tokens again."""
+    before = {name: child_pid(tp2, name) for name in GROUP}
+    client, model = client_for(tp2, timeout=60)  # far longer than the group's timeout (10 s)
+    stream = iter(client.completions.create(model=model, prompt="Once upon a time", max_tokens=200,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    next(stream)
+    os.kill(before["worker-r1"], signal.SIGKILL)
+    with pytest.raises(openai.APIError) as error:
+        for _ in stream:
+            pass
+    assert not isinstance(error.value, openai.APITimeoutError)
+    deadline = time.monotonic() + RECOVERY_SECONDS
+    while "worker-r0, worker-r1 and engine are serving again" not in tp2.log():
+        assert tp2.proc.poll() is None, tp2.log()
+        assert time.monotonic() < deadline, f"the group did not come back:\n{tp2.log()}"
+        time.sleep(0.5)
+    after = {name: child_pid(tp2, name) for name in GROUP}
+    assert all(after[name] != before[name] and gone(before[name]) for name in GROUP), (before, after)
+    assert_matches(tp2, [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY)])

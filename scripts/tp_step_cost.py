@@ -1,6 +1,6 @@
 """What tensor parallelism costs on this machine (issue 13): the gloo collectives a TP=2 step makes,
 and the step time of TP=1 against TP=2 (real `kvmesh worker` processes over gRPC, every step sent
-to every rank at once by the tests' fan-out executor, tests/model/test_tensor_parallel.py).
+to every rank at once by the tests' fan-out executor, tests/model/test_tp_hf_equivalence.py).
 
     PYTHONPATH=. python scripts/tp_step_cost.py
 
@@ -24,7 +24,7 @@ from services.common.sampling_params import SamplingParams
 from services.worker.client import GrpcWorkerClient
 from services.worker.loader import resolve_model
 from services.worker.parallel_group import TensorParallelGroup, free_loopback_address
-from tests.model.test_tensor_parallel import FanOutExecutor, start_group
+from tests.model.test_tp_hf_equivalence import FanOutExecutor, start_group
 
 HIDDEN, VOCAB_PER_RANK = 576, 49152 // 2  # SmolLM2 at TP=2
 

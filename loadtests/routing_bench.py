@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -231,8 +232,27 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--threads", type=int, default=None,
                        help="OMP_NUM_THREADS of every service (default: torch's own); 1 steadies a shared machine")
     group.add_argument("--startup-timeout", type=float, default=600.0, help="seconds the fleet may take to start")
+    group.add_argument("--pin-processor", action="store_true",
+                       help="give the processor and the gateway CPU 0 and the engines and workers the other CPUs "
+                            "(Linux affinity of every thread), as pods of their own would have: routing latency "
+                            "without the wait for a core the workers hold")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     return parser
+
+
+def pin(ready: dict) -> str:
+    """Front services (processor, gateway) on CPU 0, engines and workers on the others; every thread
+    of each (threads started later inherit their creator's CPUs). Returns what was done, for the report."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("routing_bench: --pin-processor needs at least 2 CPUs")
+    front, back = {cpus[0]}, set(cpus[1:])
+    for name, service in ready["services"].items():
+        target = front if name in ("processor", "gateway") else back
+        for task in Path(f"/proc/{service['pid']}/task").iterdir():
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(task.name), target)
+    return f"processor and gateway on CPU {cpus[0]}, engines and workers on CPUs {sorted(back)}"
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -288,6 +308,8 @@ def bench_policies(args: argparse.Namespace, runs: Sequence[Run], index_url: str
         except RuntimeError as exc:
             unavailable[policy] = str(exc)
             continue
+        if args.pin_processor:
+            scrape_notes.append(f"- {policy}: {pin(ready)}")
         try:
             rows += asyncio.run(bench_policy(policy, ready, runs, args, scrape_notes))
         except TargetUnavailable as exc:

@@ -8,16 +8,12 @@ import subprocess
 import tempfile
 import time
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from services.cli import free_ports
 
 
 class RedisServer:
     def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
+        self.port = port or free_ports(1)[0]
         self._workdir = tempfile.TemporaryDirectory(prefix="kvmesh-redis-")
         self.proc: subprocess.Popen | None = None
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -76,10 +78,15 @@ async def make_engine(worker: ScriptedWorker) -> AsyncEngine:
     return await AsyncEngine.create(worker, SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8))
 
 
-async def until(predicate, timeout: float = 2.0) -> None:
+async def until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 2.0) -> None:
+    """Polls `predicate` (a plain or an async one) until it holds; TimeoutError after `timeout` s."""
     async with asyncio.timeout(timeout):
-        while not predicate():
+        while not await _value(predicate()):
             await asyncio.sleep(0.001)
+
+
+async def _value(result: bool | Awaitable[bool]) -> bool:
+    return await result if inspect.isawaitable(result) else result
 
 
 async def assert_idle(engine: AsyncEngine, worker: ScriptedWorker) -> None:

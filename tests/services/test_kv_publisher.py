@@ -11,7 +11,6 @@ cached). Each compares once the engine is idle, when its pool does not change.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
 import socket
 import time
@@ -39,7 +38,7 @@ from services.engine.server import EngineServiceArgs, engine_identity, start_eng
 from services.prefix_index import RedisPrefixIndex
 from tests.redis_server import RedisServer
 from tests.services.procs import PYTHON, free_port, start_service
-from tests.services.test_async_engine import ScriptedWorker
+from tests.services.test_async_engine import ScriptedWorker, until
 
 pytestmark = [pytest.mark.services, pytest.mark.anyio]
 
@@ -85,9 +84,9 @@ class Fleet:
 
     async def wait_until_agreed(self, timeout: float = 10.0) -> set[BlockHash]:
         """Once idle, the index converges on the pool (the publisher polls every few ms)."""
-        await until_async(lambda: self.idle(), timeout)
+        await until(lambda: self.idle(), timeout)
         try:
-            await until_async(self._agrees, timeout)
+            await until(self._agrees, timeout)
         except TimeoutError:
             pool = self.pool()
             raise AssertionError(f"index {len(await self.indexed())} blocks != pool {len(pool)} blocks: "
@@ -118,16 +117,6 @@ class Fleet:
         await self.engine.shutdown()
         await self.reader.close()
         await self.client.aclose()
-
-
-async def until_async(predicate: Callable[[], bool | Awaitable[bool]], timeout: float) -> None:
-    async with asyncio.timeout(timeout):
-        while not await _value(predicate()):
-            await asyncio.sleep(0.01)
-
-
-async def _value(result: bool | Awaitable[bool]) -> bool:
-    return await result if inspect.isawaitable(result) else result
 
 
 @pytest.fixture
@@ -241,7 +230,7 @@ async def test_steps_go_on_while_redis_is_down_and_the_pool_is_republished_when_
         server.stop()
         for i in range(4):  # every request completes: publishing never holds a step
             await run(fleet.engine, make_request(f"during-{i}", prompt(10 + i, 21)))
-        await until_async(lambda: fleet.counter("publish_failures") > 0, timeout=5)
+        await until(lambda: fleet.counter("publish_failures") > 0, timeout=5)
         server.start()  # empty: everything the engine published is gone
         held = await fleet.wait_until_agreed()
         assert set(hash_token_blocks(prompt(13, 21), BLOCK_SIZE, "scripted")) <= held
@@ -272,7 +261,7 @@ async def test_a_newer_incarnation_ends_publishing_and_keeps_its_entries(redis_s
     newer = [hash_token_blocks(prompt(2, 8), BLOCK_SIZE, "scripted")[0]]
     assert await fleet.reader.apply(ENGINE_ID, 6, [CacheSnapshot(newer)]) is False  # restarted elsewhere
     await run(fleet.engine, make_request("late", prompt(3, 21)))  # its events meet the newer epoch
-    await until_async(lambda: fleet.publisher.stale, timeout=5)
+    await until(lambda: fleet.publisher.stale, timeout=5)
     await fleet.publisher.close()
     assert (await fleet.reader.engines())[ENGINE_ID].epoch == 6
     assert await fleet.reader.longest_prefix(newer) == {ENGINE_ID: 1}  # the close left them alone
@@ -328,7 +317,7 @@ def test_the_engine_service_publishes_names_itself_and_clears_itself_at_sigterm(
                 info = await client.info()
                 await run_remote(client, make_request("r", tokens))
                 chain = hash_token_blocks(tokens, info.block_size, info.model_id)
-                await until_async(lambda: _equals(index.longest_prefix(chain), {info.engine_id: 5}), 15)
+                await until(lambda: _equals(index.longest_prefix(chain), {info.engine_id: 5}), 15)
                 engines = await index.engines()
                 return info, engines
             finally:

@@ -34,7 +34,7 @@ from services.prefix_index.engines_index import EnginesPrefixIndex, ask_engines
 from services.prefix_index.index import PrefixIndex
 from services.processor.metrics import RouterMetrics
 from services.processor.migration import MIGRATABLE_ERRORS, Migration
-from services.processor.router import Router
+from services.processor.router import Route, Router
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,6 @@ class EngineSet:
         index = prefix_index if prefix_index is not None else EnginesPrefixIndex(self._index_clients, index_timeout_s)
         self.router = Router(routing, index, index_timeout_s, metrics)
         self.metrics = metrics
-        # request id -> the cached tokens its route predicted, until its engine's first output tells.
-        self._predictions: dict[str, int] = {}
 
     def update(self, endpoints: frozenset[Endpoint]) -> None:
         """The Service's ready set changed: new endpoints get a client, gone ones drain."""
@@ -100,6 +98,10 @@ class EngineSet:
     async def choose(self, request: EngineCoreRequest, exclude: frozenset[str] = frozenset()) -> EngineMember:
         """The engine for `request` among the ready ones (healthy ones first) whose address is not in
         `exclude`, by the router's policy. ConnectionError when none is left."""
+        return (await self._route(request, exclude)).candidate
+
+    async def _route(self, request: EngineCoreRequest, exclude: frozenset[str]) -> Route:
+        """choose()'s route, with the cached tokens it predicts (checked against the engine's first output)."""
         ready = [m for m in self.members.values() if m.ready and m.address not in exclude]
         if not ready:
             raise ConnectionError(f"no ready engine in service {self.service}"
@@ -107,10 +109,7 @@ class EngineSet:
         candidates = [m for m in ready if m.healthy] or ready
         if self.router.config.routing == "kv-aware" and len(candidates) > 1:
             await self._fetch_infos(candidates)
-        route = await self.router.route(candidates, request)
-        if route.predicted_cached_tokens is not None:
-            self._predictions[request.request_id] = route.predicted_cached_tokens
-        return route.candidate
+        return await self.router.route(candidates, request)
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         """One stream for `request`, moved to another engine when its engine dies mid-stream."""
@@ -121,13 +120,14 @@ class EngineSet:
         try:
             while isinstance(next_request, EngineCoreRequest):
                 try:
-                    member = await self.choose(next_request, exclude=frozenset(failed))
+                    route = await self._route(next_request, frozenset(failed))
                 except ConnectionError as exc:
                     if died is None:
                         raise
                     raise died from exc  # no engine left: the caller gets the error it would have got
+                member = route.candidate
                 try:
-                    async with aclosing(self._stream(member, next_request)) as stream:
+                    async with aclosing(self._stream(member, next_request, route.predicted_cached_tokens)) as stream:
                         async for output in stream:
                             yield migration.forward(output)
                     return
@@ -144,11 +144,12 @@ class EngineSet:
         finally:
             self._owners.pop(request.request_id, None)
 
-    async def _stream(self, member: EngineMember, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
-        """`request`'s outputs from `member`, counted in its load and owned by it while they flow."""
+    async def _stream(self, member: EngineMember, request: EngineCoreRequest,
+                      predicted: int | None) -> AsyncIterator[EngineCoreOutput]:
+        """`request`'s outputs from `member`, counted in its load and owned by it while they flow;
+        `predicted` (the route's cached tokens, if it predicted) is checked against the first output."""
         member.in_flight += 1
         self._owners[request.request_id] = member
-        predicted = self._predictions.pop(request.request_id, None)
         try:
             async with aclosing(member.client.generate(request)) as stream:  # closing early aborts it there
                 async for output in stream:
@@ -158,7 +159,6 @@ class EngineSet:
                     yield output
         finally:
             member.in_flight -= 1
-            self._predictions.pop(request.request_id, None)  # a later choose() for it (a retry) left one
             self._retire_if_idle(member)
 
     async def match_prefix(self, block_hashes: Sequence[bytes]) -> PrefixMatch:

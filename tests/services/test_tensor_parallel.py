@@ -35,6 +35,7 @@ from tests.services.procs import (
     client_for,
     free_port,
     gone,
+    http_ok,
     running_service,
     serving,
 )
@@ -246,6 +247,10 @@ def test_a_dead_rank_fails_its_stream_and_restarts_the_whole_group(tp2: Serve, o
     while "worker-r0, worker-r1 and engine are serving again" not in tp2.log():
         assert tp2.proc.poll() is None, tp2.log()
         assert time.monotonic() < deadline, f"the group did not come back:\n{tp2.log()}"
+        time.sleep(0.5)
+    # As a client would: once /health says so (the processor has reached the restarted engine again).
+    while not http_ok(tp2.api.removesuffix("/v1") + "/health"):
+        assert time.monotonic() < deadline, f"/health did not come back:\n{tp2.log()}"
         time.sleep(0.5)
     after = {name: child_pid(tp2, name) for name in GROUP}
     assert all(after[name] != before[name] and gone(before[name]) for name in GROUP), (before, after)

@@ -3,12 +3,13 @@
 routing_bench.py measures routing inside a whole fleet on this 2-core machine, where the processor
 shares the cores with two workers busy computing: its percentiles there include the time the
 processor waits for a core. This measures the decision itself, as the processor makes it: the
-kv-aware `Router` (services/processor/router.py) over a `RedisPrefixIndex` on a redis-server of our
-own (free loopback port), the index filled as --engines engines with --blocks-per-engine cached
+kv-aware `Router` (services/processor/router.py) over a processor's `PrefixIndexReplica` of a
+`RedisPrefixIndex` on a redis-server of our own (free loopback port; `--index redis`: Redis itself,
+one round trip a lookup), the index filled as --engines engines with --blocks-per-engine cached
 blocks each would leave it (prompts of --prompt-tokens tokens sharing --prefixes system prompts),
 then --requests routing decisions, one at a time, each for a prompt that shares one of the prefixes
 (a hit) or not (a miss, every --miss-every-th). Each decision: hash the prompt's block chain, one
-index lookup (one Redis round trip), the cost per engine. Percentiles are exact (perf_counter per
+index lookup (in memory), the cost per engine. Percentiles are exact (perf_counter per
 decision), not bucketed.
 
     .venv/bin/python -m loadtests.router_latency                 # 2 engines x 10,000 blocks, 2,000 decisions
@@ -30,7 +31,7 @@ from services.common.engine_output import EngineCoreRequest
 from services.common.hashing import hash_token_blocks
 from services.common.sampling_params import SamplingParams
 from services.engine.kv_events import BlockStored
-from services.prefix_index import EngineLoad, RedisPrefixIndex
+from services.prefix_index import EngineLoad, PrefixIndexReplica, RedisPrefixIndex
 from services.processor.router import Router
 from tests.redis_server import RedisServer
 
@@ -74,7 +75,12 @@ async def run(args: argparse.Namespace) -> str:
         engines = [Engine(f"127.0.0.1:{5000 + i}", f"127.0.0.1:{5000 + i}", 0, info) for i in range(args.engines)]
         prefixes = [[rng.randrange(1000, 40000) for _ in range(args.prefix_tokens)] for _ in range(args.prefixes)]
         await fill(index, engines, prefixes, args.blocks_per_engine, args.prompt_tokens, rng)
-        router = Router(RoutingConfig(routing="kv-aware"), index, 0.5)
+        lookups: RedisPrefixIndex | PrefixIndexReplica = index
+        if args.index == "replica":  # what a processor routes by
+            lookups = PrefixIndexReplica.connect(server.url, timeout_s=0.5)
+            lookups.start()
+            await lookups.sync()
+        router = Router(RoutingConfig(routing="kv-aware"), lookups, 0.5)
         params = SamplingParams(max_tokens=1)
         seconds: list[float] = []
         reasons: dict[str, int] = {}
@@ -88,11 +94,14 @@ async def run(args: argparse.Namespace) -> str:
             if i >= args.warmup:
                 seconds.append(elapsed)
                 reasons[route.reason] = reasons.get(route.reason, 0) + 1
+        if lookups is not index:
+            await lookups.close()
         await index.close()
     finally:
         server.close()
     ms = [s * 1e3 for s in seconds]
-    return (f"router_latency: {args.requests} kv-aware decisions over a Redis index of {args.engines} engines x "
+    return (f"router_latency: {args.requests} kv-aware decisions over a Redis index ({args.index}) of "
+            f"{args.engines} engines x "
             f"{args.blocks_per_engine} blocks, {args.prompt_tokens}-token prompts: "
             f"p50 {percentile(ms, 50):.3f} ms, p90 {percentile(ms, 90):.3f} ms, p99 {percentile(ms, 99):.3f} ms, "
             f"max {max(ms):.3f} ms; reasons {dict(sorted(reasons.items()))}\nMachine: {machine()}")
@@ -102,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.router_latency", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--index", choices=("replica", "redis"), default="replica",
+                        help="look prompts up in a processor's replica (what it does) or in Redis itself")
     parser.add_argument("--blocks-per-engine", type=int, default=10_000)
     parser.add_argument("--prefixes", type=int, default=8, help="distinct system prompts")
     parser.add_argument("--prefix-tokens", type=int, default=512)

@@ -17,6 +17,7 @@ import struct
 from collections.abc import Sequence
 
 BlockHash = bytes  # 32 bytes of sha256
+BLOCK_HASH_BYTES = 32
 
 # A fixed root seed: every process must use the same one or cross-instance matching fails silently.
 ROOT_SEED: BlockHash = hashlib.sha256(b"kvmesh/block-hash/v1").digest()

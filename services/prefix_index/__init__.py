@@ -6,6 +6,7 @@ from services.prefix_index.engines_index import EnginesPrefixIndex
 from services.prefix_index.index import EngineLoad, EngineState, PrefixIndex, StaleEpochError
 from services.prefix_index.memory import MemoryPrefixIndex
 from services.prefix_index.redis_index import RedisPrefixIndex
+from services.prefix_index.replica import PrefixIndexReplica
 
 __all__ = [
     "EngineLoad",
@@ -13,6 +14,7 @@ __all__ = [
     "EnginesPrefixIndex",
     "MemoryPrefixIndex",
     "PrefixIndex",
+    "PrefixIndexReplica",
     "RedisPrefixIndex",
     "StaleEpochError",
 ]

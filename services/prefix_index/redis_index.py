@@ -7,6 +7,8 @@ Schema (docs/prefix_index.md has the costs): with `ns` the namespace and `id` an
     {ns}:e:<id>:epoch  STRING  the engine's current epoch (no TTL: refuses a dead incarnation's updates)
     {ns}:e:<id>:live   HASH    epoch + last load, with a TTL of heartbeat_ttl_s: the engine is alive
     {ns}:engines       SET     every engine id that has any key above (what `sweep` walks)
+    {ns}:events        STREAM  every change to the blocks above, in order (what replicas follow:
+                               services/prefix_index/replica.py), capped at about EVENTS_MAXLEN entries
 
 Every update is one Lua script (atomic); a lookup is one script too (one round trip) that walks the
 chain and stops at the first block no live engine still matching holds. The scripts name keys they
@@ -25,9 +27,14 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from services.common.hashing import BLOCK_HASH_BYTES as HASH_BYTES
 from services.common.hashing import BlockHash
 from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot, KVCacheEvent
 from services.prefix_index.index import EngineLoad, EngineState, StaleEpochError, validate_engine
+
+# The events stream keeps about this many entries (XADD MAXLEN ~): a replica that falls further
+# behind than that reloads a snapshot.
+EVENTS_MAXLEN = 10_000
 
 # Shared by the scripts: `newer` compares decimal epochs as strings (Lua numbers are doubles and lose
 # nanosecond timestamps); `purge` drops everything engine `id` published, O(its blocks).
@@ -44,13 +51,31 @@ local function purge(ns, id, epoch)
   end
   redis.call('DEL', rkey)
 end
+-- One stream entry: `prev` (the id of the entry before it: a replica that did not read that one
+-- missed some and reloads), the engine and epoch, then its ops as fields '<i><op>' = concatenated
+-- 32-byte hashes ('S' stored, 'R' removed, 'C' all cleared, 'F' engine forgotten).
+local function publish(ns, id, epoch, ops)
+  local skey = ns .. ':events'
+  local last = redis.call('XREVRANGE', skey, '+', '-', 'COUNT', 1)
+  local prev = ''
+  if #last > 0 then prev = last[1][1] end
+  local entry = {skey, 'MAXLEN', '~', ARGV_MAXLEN, '*', 'prev', prev, 'id', id, 'epoch', epoch}
+  for i, op in ipairs(ops) do
+    entry[#entry + 1] = i .. op[1]
+    entry[#entry + 1] = op[2]
+  end
+  redis.call('XADD', unpack(entry))
+end
+-- Forgetting the last engine deletes the stream too: nothing is left under ns.
 local function forget(ns, id)
+  publish(ns, id, '0', {{'F', ''}})
   local epoch = redis.call('GET', ns .. ':e:' .. id .. ':epoch')
   if epoch then purge(ns, id, epoch) end
   redis.call('DEL', ns .. ':e:' .. id .. ':epoch', ns .. ':e:' .. id .. ':live', ns .. ':e:' .. id .. ':blocks')
   redis.call('SREM', ns .. ':engines', id)
+  if redis.call('SCARD', ns .. ':engines') == 0 then redis.call('DEL', ns .. ':events') end
 end
-"""
+""".replace("ARGV_MAXLEN", str(EVENTS_MAXLEN))
 
 # ARGV: ns, id, epoch, ttl_ms, then ops: 'S' n h1..hn (stored), 'R' n h1..hn (removed), 'C' (all
 # cleared), 'L' running waiting free_blocks kv_usage (load). Returns 1 if this epoch of the engine was
@@ -72,11 +97,13 @@ end
 redis.call('SET', ekey, epoch)
 redis.call('SADD', ns .. ':engines', id)
 local member = id .. ':' .. epoch
+local published = {}  -- the block ops, for the events stream
 local i = 5
 while i <= #ARGV do
   local op = ARGV[i]
   if op == 'C' then
     purge(ns, id, epoch)
+    published[#published + 1] = {'C', ''}
     i = i + 1
   elseif op == 'L' then
     redis.call('HSET', lkey, 'running', ARGV[i + 1], 'waiting', ARGV[i + 2],
@@ -84,6 +111,7 @@ while i <= #ARGV do
     i = i + 5
   else
     local n = tonumber(ARGV[i + 1])
+    published[#published + 1] = {op, table.concat(ARGV, '', i + 2, i + 1 + n)}
     for j = i + 2, i + 1 + n do
       local h = ARGV[j]
       if op == 'S' then
@@ -98,8 +126,27 @@ while i <= #ARGV do
 end
 redis.call('HSET', lkey, 'epoch', epoch)
 redis.call('PEXPIRE', lkey, ttl)
+if #published > 0 or not known then publish(ns, id, epoch, published) end
 if known then return 1 end
 return 0
+"""
+
+# ARGV: ns. Returns {last event id, id1, epoch1, blocks1, id2, ...}: every engine's blocks with the id of
+# the last event they include (a replica follows the stream from there).
+_SNAPSHOT = """
+local ns = ARGV[1]
+local last = redis.call('XREVRANGE', ns .. ':events', '+', '-', 'COUNT', 1)
+local out = {''}
+if #last > 0 then out[1] = last[1][1] end
+for _, id in ipairs(redis.call('SMEMBERS', ns .. ':engines')) do
+  local epoch = redis.call('GET', ns .. ':e:' .. id .. ':epoch')
+  if epoch then
+    out[#out + 1] = id
+    out[#out + 1] = epoch
+    out[#out + 1] = table.concat(redis.call('SMEMBERS', ns .. ':e:' .. id .. ':blocks'))
+  end
+end
+return out
 """
 
 # ARGV: ns, h1..hn. Returns {id1, len1, id2, len2, ...}.
@@ -171,6 +218,7 @@ class RedisPrefixIndex:
         self._client = client
         self._apply = client.register_script(_APPLY)
         self._longest_prefix = client.register_script(_LONGEST_PREFIX)
+        self._snapshot = client.register_script(_SNAPSHOT)
         self._clear = client.register_script(_CLEAR)
         self._sweep = client.register_script(_SWEEP)
 
@@ -178,15 +226,8 @@ class RedisPrefixIndex:
     def connect(
         cls, url: str, timeout_s: float = 0.5, namespace: str = "kvmesh:pi", heartbeat_ttl_s: float = 10.0
     ) -> RedisPrefixIndex:
-        """A client for `url` (redis://host:port/db) whose every call fails within about `timeout_s`."""
-        client = aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            decode_responses=False,
-        )
-        return cls(client, namespace, heartbeat_ttl_s)
+        """An index over `url` (redis://host:port/db) whose every call fails within about `timeout_s`."""
+        return cls(redis_client(url, timeout_s), namespace, heartbeat_ttl_s)
 
     async def _run(self, script: AsyncScript, args: list[bytes | str | int]) -> list:
         try:
@@ -210,6 +251,8 @@ class RedisPrefixIndex:
             if isinstance(event, CacheSnapshot):
                 ops.append("C")  # then stored, in the same script: the swap is atomic
             if isinstance(event, (BlockStored, BlockRemoved, CacheSnapshot)):
+                if any(len(h) != HASH_BYTES for h in event.block_hashes):
+                    raise ValueError(f"block hashes must be {HASH_BYTES} bytes: {event!r}")
                 op = "R" if isinstance(event, BlockRemoved) else "S"
                 ops += [op, len(event.block_hashes), *event.block_hashes]
             elif isinstance(event, AllBlocksCleared):
@@ -221,6 +264,13 @@ class RedisPrefixIndex:
     async def heartbeat(self, engine_id: str, epoch: int, load: EngineLoad) -> bool:
         ops = ["L", load.num_running, load.num_waiting, load.num_free_blocks, repr(load.kv_cache_usage)]
         return await self._update(engine_id, epoch, ops)
+
+    async def snapshot(self) -> tuple[bytes, dict[str, tuple[int, list[BlockHash]]]]:
+        """Every engine's epoch and blocks, and the id of the last entry of the events stream they
+        include (b"" when the stream is empty), read atomically."""
+        flat = await self._run(self._snapshot, [self.namespace])
+        engines = {flat[i].decode(): (int(flat[i + 1]), split_hashes(flat[i + 2])) for i in range(1, len(flat), 3)}
+        return flat[0], engines
 
     async def longest_prefix(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         if not block_hashes:
@@ -248,6 +298,24 @@ class RedisPrefixIndex:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+def redis_client(url: str, timeout_s: float) -> aioredis.Redis:
+    """A client for `url` whose every call fails within about `timeout_s` (no retries)."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        decode_responses=False,
+    )
+
+
+def split_hashes(packed: bytes) -> list[BlockHash]:
+    """Concatenated block hashes (how the scripts pack them), split."""
+    if len(packed) % HASH_BYTES:
+        raise ValueError(f"{len(packed)} bytes is not a whole number of {HASH_BYTES}-byte block hashes")
+    return [packed[i:i + HASH_BYTES] for i in range(0, len(packed), HASH_BYTES)]
 
 
 def _engine_state(state: dict[bytes, bytes]) -> EngineState:

@@ -13,8 +13,9 @@ KVMESH_PROCESSOR_<FIELD> (KVMESH_PROCESSOR_PORT, KVMESH_PROCESSOR_ENGINE_ADDRESS
 The engines: one GrpcEngineClient at a single --engine-address; an EngineSet over several
 --engine-address, over the ready endpoints of --engine-service (followed through the Kubernetes API,
 EndpointWatcher) or over the live engines of --prefix-index (--engines-from-index, polled). An
-EngineSet routes each request by --routing (services/processor/router.py), reading the Redis index of
---prefix-index (and sweeping its expired engines every --heartbeat-ttl), else asking the engines; the
+EngineSet routes each request by --routing (services/processor/router.py), reading its replica of the
+Redis index of --prefix-index (and sweeping its expired engines every --heartbeat-ttl), else asking
+the engines; the
 processor is SERVING while at least one engine is ready and healthy.
 """
 
@@ -54,7 +55,7 @@ from services.engine.client import GrpcEngineClient
 from services.processor.async_processor import DEFAULT_TOKENIZER_THREADS, AsyncProcessor
 from services.processor.engine_set import EngineSet
 from services.prefix_index.index import PrefixIndex
-from services.prefix_index.redis_index import RedisPrefixIndex
+from services.prefix_index.replica import PrefixIndexReplica
 from services.processor.metrics import ProcessorMetrics, RouterMetrics
 from services.common.rpc.convert import generate_delta_to_proto, generate_request_from_proto
 from services.processor.processor import Processor
@@ -142,6 +143,7 @@ async def open_engines(config: ProcessorServiceConfig, metrics: GrpcMetrics | No
         raise ValueError("--engines-from-index needs --prefix-index")
     async with AsyncExitStack() as stack:
         if index is not None:
+            index.start()
             stack.push_async_callback(index.close)
             await stack.enter_async_context(background(sweep_index(index, routing.index.heartbeat_ttl)))
         if len(addresses) == 1:
@@ -175,12 +177,13 @@ async def background(work: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
         await asyncio.gather(task, return_exceptions=True)
 
 
-def open_index(config: PrefixIndexConfig) -> PrefixIndex | None:
-    """The Redis index of --prefix-index (connections are made on first use), or None."""
+def open_index(config: PrefixIndexConfig) -> PrefixIndexReplica | None:
+    """This processor's replica of the Redis index of --prefix-index (lookups from memory, following
+    the index's events stream), or None. Start it inside the event loop."""
     if config.prefix_index is None:
         return None
-    return RedisPrefixIndex.connect(config.prefix_index, config.prefix_index_timeout, config.prefix_index_namespace,
-                                    config.heartbeat_ttl)
+    return PrefixIndexReplica.connect(config.prefix_index, config.prefix_index_timeout,
+                                      config.prefix_index_namespace, config.heartbeat_ttl)
 
 
 async def sweep_index(index: PrefixIndex, interval: float) -> None:

@@ -88,6 +88,7 @@ async def run(args: argparse.Namespace) -> str:
             prefix = [] if i % args.miss_every == 0 else prefixes[i % len(prefixes)]
             prompt = prefix + [rng.randrange(1000, 40000) for _ in range(args.prompt_tokens - len(prefix))]
             request = EngineCoreRequest(f"r{i}", prompt, params, eos_token_ids=(2,))
+            await asyncio.sleep(0)  # between requests a processor's loop runs its other tasks (the replica's reader)
             start = time.perf_counter()
             route = await router.route(engines, request)
             elapsed = time.perf_counter() - start

@@ -12,7 +12,8 @@ reloads. Which engines are alive, and their loads, it reads with `engines()` eve
 lookup counts only engines alive in the epoch it holds their blocks for.
 
 While Redis cannot be read, lookups raise ConnectionError as the Redis index's own do, and the router
-routes by load; once the reader gets through again it reloads and lookups answer again. Updates
+routes by load; once the reader gets through again lookups answer again (the copy reads on from the
+last entry it applied, or reloads if Redis lost the stream meanwhile). Updates
 (apply, heartbeat, clear, sweep) go to Redis itself.
 """
 
@@ -60,8 +61,9 @@ class PrefixIndexReplica:
         self._local = MemoryPrefixIndex(math.inf)  # liveness is Redis's (self._live), not a local TTL
         self._live: dict[str, EngineState] = {}
         self._live_read_at = -math.inf
-        self._last_id: bytes | None = None  # the last entry applied; None: nothing loaded (down)
+        self._last_id: bytes | None = None  # the last entry applied; None: nothing loaded
         self._loaded = asyncio.Event()
+        self._answering = False  # loaded, and the last read of Redis got through
         self._down_logged = False
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
@@ -120,13 +122,13 @@ class PrefixIndexReplica:
                     await self._loaded.wait()
             except TimeoutError:
                 pass
-        if self._last_id is None:
-            raise ConnectionError("prefix index replica: not loaded from Redis (unreachable or reloading)")
+        if not self._answering:
+            raise ConnectionError("prefix index replica: Redis unreachable (or the copy is reloading)")
 
     async def sync(self) -> None:
         """Waits until the copy holds everything Redis held when called (tests; a new processor)."""
         last = await self._index_last_id()
-        while self._last_id is None or (last and _stream_id(self._last_id) < _stream_id(last)):
+        while not self._answering or self._last_id is None or (last and _stream_id(self._last_id) < _stream_id(last)):
             await asyncio.sleep(0.005)
         await self._refresh_live()
 
@@ -157,9 +159,13 @@ class PrefixIndexReplica:
                     await self._read()
             except _Gap as e:
                 logger.info("prefix index replica: %s; reloading", e)
-                self._last_id = None
-            except Exception as e:  # noqa: BLE001 - Redis down, or a bug: never follow on from a stale copy
-                self._last_id = None
+                self._answering, self._last_id = False, None
+            except Exception as e:  # noqa: BLE001 - Redis down (or a bug): lookups fail meanwhile
+                # The copy is kept: if Redis comes back with the same stream, reading on from the last
+                # entry applied is enough; if it lost it, the next entry's `prev` says so (a reload).
+                self._answering = False
+                if not isinstance(e, _REDIS_ERRORS):
+                    self._last_id = None
                 if not self._down_logged:
                     logger.log(logging.WARNING if isinstance(e, _REDIS_ERRORS) else logging.ERROR,
                                "prefix index replica: lookups fail until it reloads: %s", e,
@@ -177,8 +183,12 @@ class PrefixIndexReplica:
         await self._refresh_live()
         self._last_id = last_id
         self._loaded.set()
+        self._now_answering()
+
+    def _now_answering(self) -> None:
+        self._answering = True
         if self._down_logged:
-            logger.info("prefix index replica: loaded from Redis again")
+            logger.info("prefix index replica: Redis answers again")
             self._down_logged = False
 
     async def _read(self) -> None:
@@ -189,6 +199,8 @@ class PrefixIndexReplica:
                 await self._apply_entry(entry_id, fields)
         if time.monotonic() - self._live_read_at >= self.refresh_s:
             await self._refresh_live()
+        if not self._answering:
+            self._now_answering()
 
     async def _apply_entry(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         if fields.get(b"prev") != self._last_id:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import random
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -205,3 +207,30 @@ async def test_nothing_is_left_in_redis_once_every_engine_is_gone(pair):
     await pair.writer.apply("c", 1, [stored(H[2])])  # a new stream: the replica notices and reloads
     await pair.agree([[H[0]], [H[1]], [H[2]]])
     assert await pair.replica.longest_prefix([H[2]]) == {"c": 1}
+
+
+async def test_a_redis_that_stops_answering_fails_lookups_and_the_copy_reads_on_after(server, caplog):
+    pair = Pair(server)
+    pair.replica.start()
+    try:
+        await pair.writer.apply("a", 1, [stored(H[0], H[1])])
+        await pair.agree([H[:2]])
+        with caplog.at_level(logging.INFO, logger="services.prefix_index.replica"):
+            os.kill(server.proc.pid, signal.SIGSTOP)  # our own redis-server: hung, its data kept
+            try:
+                deadline = time.monotonic() + 3.0
+                while True:
+                    try:
+                        await pair.replica.longest_prefix(H[:2])
+                    except ConnectionError:
+                        break
+                    assert time.monotonic() < deadline, "lookups still answer while Redis is hung"
+                    await asyncio.sleep(0.05)
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            await retry(lambda: pair.writer.apply("a", 1, [stored(H[2])]))
+            await retry(lambda: pair.agree([H[:3]]))
+        assert await pair.replica.longest_prefix(H[:3]) == {"a": 3}
+        assert "answers again" in caplog.text and "reloading" not in caplog.text  # read on, no reload
+    finally:
+        await pair.close()

@@ -48,7 +48,7 @@ import transformers
 
 from loadtests.serving_client import Endpoint, Load, LoadResult, run_load
 from loadtests.serving_scenarios import SCENARIOS, ScenarioLengths, Session, build_sessions
-from loadtests.serving_targets import TARGETS, ServerConfig, TargetUnavailable, started
+from loadtests.serving_targets import DEFAULT_ANCHOR_DIR, TARGETS, ServerConfig, TargetUnavailable, started
 from services.common.config import parse_bytes
 from services.processor.tokenizer import load_tokenizer
 from services.worker.loader import resolve_model
@@ -179,6 +179,39 @@ def ratios(summaries: Sequence[Summary]) -> list[str]:
     return lines
 
 
+# Issue 16's goals, kvmesh against llama-server in the same run: (scenario, mode) -> (measure, goal).
+# Output tokens/s: kvmesh / llama-server at least the goal; TTFT p50: kvmesh / llama-server at most it.
+ANCHOR_GOALS = {("short-chat", "c=1"): ("out tok/s", 0.8), ("short-chat", "c=8"): ("out tok/s", 1.2),
+                ("short-chat", "c=32"): ("out tok/s", 1.5), ("long-prompt", "c=8"): ("TTFT p50", 0.5),
+                ("shared-prefix", "c=8"): ("out tok/s", 3.0)}
+
+
+def anchor_ratios(summaries: Sequence[Summary]) -> list[str]:
+    """kvmesh over llama-server per run, the k-th run of one paired with the k-th of the other."""
+    def split(label: str) -> tuple[str, str]:
+        target, _, number = label.partition(" #")
+        return target, number or "1"
+
+    anchors = {(split(s.target)[1], s.scenario, s.mode): s for s in summaries if split(s.target)[0] == "llama-server"}
+    lines = []
+    for s in summaries:
+        target, number = split(s.target)
+        other = anchors.get((number, s.scenario, s.mode))
+        if target != "kvmesh" or other is None:
+            continue
+        throughput = s.output_rate / other.output_rate if other.output_rate else math.nan
+        ttft = s.ttft[0] / other.ttft[0] if other.ttft[0] else math.nan
+        measure, goal = ANCHOR_GOALS.get((s.scenario, s.mode), (None, None))
+        verdict = ""
+        if measure == "TTFT p50":
+            verdict = f" (goal TTFT p50 <= {goal}x: {'met' if ttft <= goal else 'NOT met'})"
+        elif measure is not None:
+            verdict = f" (goal >= {goal}x: {'met' if throughput >= goal else 'NOT met'})"
+        lines.append(f"- kvmesh / llama-server, run {number}, {s.scenario} {s.mode}: out tok/s {throughput:.2f}x, "
+                     f"TTFT p50 {ttft:.2f}x{verdict}")
+    return lines
+
+
 def notes(summaries: Sequence[Summary], max_tokens: int) -> list[str]:
     lines = []
     for s in summaries:
@@ -198,8 +231,21 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
-    return (f"{os.cpu_count()} × {cpu}{gpu}; Python {platform.python_version()}, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}")
+    return (f"{os.cpu_count()} × {cpu} ({' '.join(simd_flags()) or 'no AVX'}){gpu}; Python "
+            f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")
+
+
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+def simd_flags() -> list[str]:
+    """The CPU's vector extensions that decide which kernels and weight formats are fast on it."""
+    try:
+        flags = next(line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return [f for f in SIMD_FLAGS if f in flags]
 
 
 def command_line(argv: Sequence[str], module: str = "loadtests.serving_bench") -> str:
@@ -214,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m loadtests.serving_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", "--target", nargs="+", default=["kvmesh", "inprocess", "transformers"],
-                        choices=TARGETS, help="run one after another, on the same prompts")
+                        choices=TARGETS, help="run one after another, on the same prompts; a target named twice "
+                                              "runs twice (A B B A: alternate the servers), its runs numbered")
     parser.add_argument("--scenarios", "--scenario", nargs="+", default=["short-chat"],
                         choices=[*SCENARIOS, "all"])
     parser.add_argument("--concurrency", type=int, nargs="*", default=[], help="sessions in flight (one run each)")
@@ -245,8 +292,24 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--url-api", default="vllm", choices=["vllm", "transformers"],
                        help="how --url makes outputs max_tokens long: vLLM's ignore_eos, or transformers' "
                             "generation_config")
+    group = parser.add_argument_group("llama-server (the CPU anchor of issue 16)")
+    group.add_argument("--llama-server-dir", type=Path, default=DEFAULT_ANCHOR_DIR,
+                       help="what ../shared/anchors/build-llama-server.sh built")
+    group.add_argument("--llama-file-type", default="f16", choices=["f16", "f32", "bf16", "q8_0", "q4_1"])
+    group.add_argument("--llama-slots", type=int, default=32)
     parser.add_argument("--json", type=Path, default=None, help="also write the summaries here")
     return parser
+
+
+def run_labels(targets: Sequence[str]) -> list[tuple[str, str]]:
+    """(target, label) in the order given; a target named more than once is labelled `target #k`."""
+    counts = {t: targets.count(t) for t in targets}
+    seen: dict[str, int] = {}
+    out = []
+    for target in targets:
+        seen[target] = seen.get(target, 0) + 1
+        out.append((target, f"{target} #{seen[target]}" if counts[target] > 1 else target))
+    return out
 
 
 def plan_runs(args: argparse.Namespace) -> list[Run]:
@@ -270,7 +333,8 @@ def report(args: argparse.Namespace, summaries: Sequence[Summary], unavailable: 
              f"{args.num_requests} requests per run; model {args.model}, {args.dtype} on {args.device}, "
              f"KV cache {args.kv_cache_memory / 2**30:g} GiB; server threads: {threads}.",
              table(summaries, unavailable)]
-    parts += ["\n".join(block) for block in (ratios(summaries), notes(summaries, args.max_tokens)) if block]
+    parts += ["\n".join(block) for block in (ratios(summaries), anchor_ratios(summaries),
+                                              notes(summaries, args.max_tokens)) if block]
     parts += [f"{target} not run: {reason}" for target, reason in unavailable.items()]
     return "\n\n".join(parts)
 
@@ -284,16 +348,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="serving_bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     config = ServerConfig(args.model, args.dtype, args.device, args.kv_cache_memory, args.max_num_seqs,
-                          args.max_num_batched_tokens, args.startup_timeout, log_dir, args.threads)
+                          args.max_num_batched_tokens, args.startup_timeout, log_dir, args.threads,
+                          args.llama_server_dir, args.llama_file_type, args.llama_slots)
 
     load_before, started_at = os.getloadavg()[0], time.time()
     summaries: list[Summary] = []
     unavailable: dict[str, str] = {}
-    for target in dict.fromkeys(args.targets):
-        print(f"serving_bench: starting {target} (logs in {log_dir})", file=sys.stderr, flush=True)
+    for target, label in run_labels(args.targets):
+        if target in unavailable:
+            continue
+        print(f"serving_bench: starting {label} (logs in {log_dir})", file=sys.stderr, flush=True)
         try:
             with started(target, config, args.url, args.url_api) as endpoint:
-                summaries += asyncio.run(bench_target(target, endpoint, runs, args))
+                summaries += asyncio.run(bench_target(label, endpoint, runs, args))
         except TargetUnavailable as exc:
             print(f"serving_bench: {target} not run: {exc}", file=sys.stderr, flush=True)
             unavailable[target] = str(exc)

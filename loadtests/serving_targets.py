@@ -3,6 +3,10 @@
     kvmesh        `kvmesh serve`: gateway, processor, engine and worker as four processes over gRPC
     inprocess     the same components in one process (loadtests.inprocess_server)
     transformers  `transformers serve --continuous-batching` on the same model folder
+    llama-server  llama.cpp's `llama-server` (the CPU anchor, issue 16), built by
+                  ../shared/anchors/build-llama-server.sh into --llama-server-dir, serving the GGUF of
+                  --llama-file-type (SmolLM2 requantised from the wheel's Q4_1) with --llama-slots
+                  slots of 2,048 tokens, continuous batching, --threads threads (default: every core)
     url           a server already running at --url (not started, not stopped)
 
 Every started server gets the same model folder, dtype, device and KV cache size; kvmesh and
@@ -39,7 +43,9 @@ from transformers.utils.import_utils import is_serve_available
 from loadtests.serving_client import Endpoint
 from services.worker.loader import resolve_model
 
-TARGETS = ("kvmesh", "inprocess", "transformers", "url")
+TARGETS = ("kvmesh", "inprocess", "transformers", "llama-server", "url")
+DEFAULT_ANCHOR_DIR = Path.home() / ".cache" / "kvmesh-anchors"  # where build-llama-server.sh builds
+LLAMA_SLOT_TOKENS = 2048  # context per llama-server slot (its -c is slots x this)
 LOOPBACK = "127.0.0.1"
 URL_WAIT = 30.0  # seconds a --url server (already started) may take to answer /health
 STOP_TIMEOUT = 30.0  # seconds a server gets to stop after SIGTERM (kvmesh serve needs about 10)
@@ -65,6 +71,9 @@ class ServerConfig:
     startup_timeout: float  # seconds
     log_dir: Path
     threads: int | None = None  # OMP_NUM_THREADS of every server; None: torch's default
+    llama_server_dir: Path = DEFAULT_ANCHOR_DIR
+    llama_file_type: str = "f16"  # models/smollm2-<this>.gguf: f16, f32, bf16, q8_0, q4_1
+    llama_slots: int = 32
 
 
 @contextmanager
@@ -114,6 +123,17 @@ def server_command(target: str, config: ServerConfig, port: int) -> list[str]:
         return [exe, "serve", str(model_path), "--continuous-batching", *common,
                 "--cb-num-blocks", str(kv_blocks(model_path, config)),
                 "--cb-max-batch-tokens", str(config.max_num_batched_tokens), "--log-level", "warning"]
+    if target == "llama-server":
+        exe = config.llama_server_dir / "llama-build" / "bin" / "llama-server"
+        gguf = config.llama_server_dir / "models" / f"smollm2-{config.llama_file_type}.gguf"
+        for needed in (exe, gguf):
+            if not needed.exists():
+                raise TargetUnavailable(f"{needed} is missing: build it with ../shared/anchors/build-llama-server.sh "
+                                        f"{config.llama_server_dir}")
+        threads = str(config.threads or os.cpu_count() or 1)
+        return [str(exe), "-m", str(gguf), "--host", LOOPBACK, "--port", str(port), "-t", threads, "-tb", threads,
+                "-np", str(config.llama_slots), "-cb", "-c", str(config.llama_slots * LLAMA_SLOT_TOKENS),
+                "--no-webui"]
     raise ValueError(f"unknown target {target!r}; choose from {TARGETS}")
 
 

@@ -15,20 +15,39 @@ import torch
 from kernels import native
 from kernels.native import FAST_MATH, NativeKernelUnavailable
 
-__all__ = ["NativeKernelUnavailable", "build", "is_available", "paged_decode_attention"]
+__all__ = ["NativeKernelUnavailable", "build", "is_available", "paged_decode_attention", "variant",
+           "vector_width"]
 
-_FLAGS = ("-O3", "-march=native", *FAST_MATH, "-fopenmp")
+_BASE_FLAGS = ("-O3", *FAST_MATH, "-fopenmp")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _NAME = "paged_decode_attention"
 
 
 def build(cache_dir: Path) -> None:
-    """Compile (or find the cached build of) the kernel under `cache_dir`; raises NativeKernelUnavailable."""
-    fn = native.build(_NAME, _FLAGS, cache_dir).paged_decode_attention
+    """Compile (or find the cached build of) the kernel under `cache_dir` for this CPU, to serve;
+    raises NativeKernelUnavailable."""
+    _declare(native.build(_NAME, (*_BASE_FLAGS, *native.ISA_FLAGS["native"]), cache_dir))
+
+
+def variant(isa: str, cache_dir: Path) -> ctypes.CDLL:
+    """The kernel compiled for `isa` (a key of native.ISA_FLAGS), beside the served one: pass it as
+    `lib` to run that code path."""
+    return _declare(native.load(_NAME, (*_BASE_FLAGS, *native.ISA_FLAGS[isa]), cache_dir))
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.vector_width.restype, lib.vector_width.argtypes = ctypes.c_int, []
+    fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_float,
                                                                 ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                                                                 ctypes.c_int]
+    return lib
+
+
+def vector_width(lib: ctypes.CDLL | None = None) -> int:
+    """The float lanes of the build's vector path (16: AVX-512, 8: AVX2 + FMA), 1: the scalar code."""
+    return (lib or _library()).vector_width()
 
 
 def _library() -> ctypes.CDLL:
@@ -53,6 +72,7 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    lib: ctypes.CDLL | None = None,  # a `variant`; default: the served build
 ) -> torch.Tensor:
     num_seqs, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -70,7 +90,7 @@ def paged_decode_attention(
         raise ValueError("block_table must be [B, max_blocks] contiguous and seq_lens [B]")
     if num_heads % num_kv_heads or num_heads // num_kv_heads > 16 or head_size > 256:
         raise ValueError(f"unsupported heads: {num_heads} query / {num_kv_heads} kv, head size {head_size}")
-    rc = _library().paged_decode_attention(
+    rc = (lib or _library()).paged_decode_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_table.data_ptr(), seq_lens.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_size, block_size, block_table.shape[1],

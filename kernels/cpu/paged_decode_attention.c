@@ -101,64 +101,131 @@ static inline __attribute__((always_inline)) void attend_item(
     }
 }
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
 /*
- * The AVX-512 path. Each (sequence, kv head) item walks its context in chunks of up to 16
- * positions (never across a block): K and V rows of a chunk are made float32 once (bfloat16: a
- * 16-bit shift) into buffers that stay in L1, then every query head of the group takes, in
- * registers, its 16 scores (one horizontal sum per position), one vector exp for the chunk, and
+ * The vector path, one body for two instruction sets chosen when the library is built (the build
+ * is for the CPU it runs on, kernels/native.py): AVX-512 (W = 16 lanes) or AVX2 + FMA (W = 8), the
+ * latter being what most cloud x86 VMs offer. Each (sequence, kv head) item walks its context in
+ * chunks of up to W positions (never across a block): K and V rows of a chunk are made float32 once
+ * (bfloat16: a 16-bit shift) into buffers that stay in L1, then every query head of the group takes,
+ * in registers, its W scores (one horizontal sum per position), one vector exp for the chunk, and
  * its P·V accumulation. The scalar path above spends most of its time in one expf call per
  * (position, head) and in accumulators that live in memory.
  */
-#define CHUNK 16
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define VECTOR_PATH 1
+#include <immintrin.h>
 
-/* exp(x) for x <= 0 (scores minus their running max): Cephes' expf polynomial, range-reduced by
- * ln 2 and scaled back with scalef; relative error ~1e-7, exact 0 is not needed (masked). */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-static inline __m512 load16(const void *base, int64_t index, int dtype) {
+#if defined(__AVX512F__)
+#define W 16
+typedef __m512 vf;
+typedef __mmask16 vlive; /* the chunk's live lanes */
+#define v_load _mm512_load_ps
+#define v_loadu _mm512_loadu_ps
+#define v_store _mm512_store_ps
+#define v_storeu _mm512_storeu_ps
+#define v_set1 _mm512_set1_ps
+#define v_zero _mm512_setzero_ps
+#define v_mul _mm512_mul_ps
+#define v_sub _mm512_sub_ps
+#define v_add _mm512_add_ps
+#define v_max _mm512_max_ps
+#define v_fmadd _mm512_fmadd_ps
+#define v_fnmadd _mm512_fnmadd_ps
+#define v_sum _mm512_reduce_add_ps
+#define v_hmax _mm512_reduce_max_ps
+#define v_round(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define v_scale2(p, n) _mm512_scalef_ps(p, n) /* p * 2^n */
+static inline vlive v_live(int n) { return (vlive)((1u << n) - 1); }
+static inline vf v_select(vlive live, vf v, vf fill) { return _mm512_mask_blend_ps(live, fill, v); }
+static inline vf v_load_row(const void *base, int64_t index, int dtype) {
     if (dtype == 0) return _mm512_loadu_ps((const float *)base + index);
     const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+#else
+#define W 8
+typedef __m256 vf;
+typedef __m256 vlive; /* all-ones lanes where live */
+#define v_load _mm256_load_ps
+#define v_loadu _mm256_loadu_ps
+#define v_store _mm256_store_ps
+#define v_storeu _mm256_storeu_ps
+#define v_set1 _mm256_set1_ps
+#define v_zero _mm256_setzero_ps
+#define v_mul _mm256_mul_ps
+#define v_sub _mm256_sub_ps
+#define v_add _mm256_add_ps
+#define v_max _mm256_max_ps
+#define v_fmadd _mm256_fmadd_ps
+#define v_fnmadd _mm256_fnmadd_ps
+#define v_round(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+static inline float v_sum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float v_hmax(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+/* p * 2^n for integral n in [-127, 127] (exp's argument is clamped above -87.3): n goes into the
+ * exponent field of a float. */
+static inline vf v_scale2(vf p, vf n) {
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+static inline vlive v_live(int n) {
+    const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+    return _mm256_cmp_ps(lane, _mm256_set1_ps((float)n), _CMP_LT_OQ);
+}
+static inline vf v_select(vlive live, vf v, vf fill) { return _mm256_blendv_ps(fill, v, live); }
+static inline vf v_load_row(const void *base, int64_t index, int dtype) {
+    if (dtype == 0) return _mm256_loadu_ps((const float *)base + index);
+    const __m128i bits = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+#endif
 
-/* One (sequence, kv head) item; C = head_size / 16, a constant where inlined. */
-static inline __attribute__((always_inline)) void attend_item_avx512(
+/* exp(x) for x <= 0 (scores minus their running max): Cephes' expf polynomial, range-reduced by
+ * ln 2 and scaled back by 2^n; relative error ~1e-7, exact 0 is not needed (masked). */
+static inline vf v_exp(vf x) {
+    x = v_max(x, v_set1(-87.3f));
+    const vf n = v_round(v_mul(x, v_set1(1.44269504088896341f)));
+    vf r = v_fnmadd(n, v_set1(0.693359375f), x);
+    r = v_fnmadd(n, v_set1(-2.12194440e-4f), r);
+    vf p = v_set1(1.9875691500e-4f);
+    p = v_fmadd(p, r, v_set1(1.3981999507e-3f));
+    p = v_fmadd(p, r, v_set1(8.3334519073e-3f));
+    p = v_fmadd(p, r, v_set1(4.1665795894e-2f));
+    p = v_fmadd(p, r, v_set1(1.6666665459e-1f));
+    p = v_fmadd(p, r, v_set1(5.0000001201e-1f));
+    p = v_fmadd(v_mul(p, r), r, v_add(r, v_set1(1.f)));
+    return v_scale2(p, n);
+}
+
+/* One (sequence, kv head) item; C = head_size / W, a constant where inlined. */
+static inline __attribute__((always_inline)) void attend_item_vector(
     void *out, const void *q, const void *k_cache, const void *v_cache,
     const int32_t *block_table, const int32_t *seq_lens, int b, int kvh, int group, const int C,
     int block_size, int max_blocks_per_seq, float scale, int sliding_window, float soft_cap, int dtype,
     int64_t q_stride, int64_t out_stride, int64_t row_stride)
 {
-    const int head_size = C * 16;
+    const int head_size = C * W;
     float qf[MAX_GROUP][MAX_HEAD] __attribute__((aligned(64)));
     float acc[MAX_GROUP][MAX_HEAD] __attribute__((aligned(64)));
-    /* Rows packed at head_size apart: a chunk's K and V take 8 KB at head size 64. */
-    float kb[CHUNK * MAX_HEAD] __attribute__((aligned(64)));
-    float vb[CHUNK * MAX_HEAD] __attribute__((aligned(64)));
-    float s[CHUNK] __attribute__((aligned(64)));
+    /* Rows packed at head_size apart: a chunk's K and V take 8 KB at head size 64 (W = 16). */
+    float kb[W * MAX_HEAD] __attribute__((aligned(64)));
+    float vb[W * MAX_HEAD] __attribute__((aligned(64)));
+    float s[W] __attribute__((aligned(64)));
     float m[MAX_GROUP], l[MAX_GROUP];
     const int seq_len = seq_lens[b];
     const int start = sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
     for (int g = 0; g < group; g++) {
         const int64_t qi = b * q_stride + (int64_t)(kvh * group + g) * head_size;
         for (int c = 0; c < C; c++) {
-            _mm512_store_ps(qf[g] + 16 * c, _mm512_mul_ps(load16(q, qi + 16 * c, dtype), _mm512_set1_ps(scale)));
-            _mm512_store_ps(acc[g] + 16 * c, _mm512_setzero_ps());
+            v_store(qf[g] + W * c, v_mul(v_load_row(q, qi + W * c, dtype), v_set1(scale)));
+            v_store(acc[g] + W * c, v_zero());
         }
         m[g] = -INFINITY;
         l[g] = 0.f;
@@ -167,45 +234,46 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
     for (int t0 = start; t0 < seq_len;) {
         const int block_end = (t0 / block_size + 1) * block_size;
         int n = (block_end < seq_len ? block_end : seq_len) - t0;
-        if (n > CHUNK) n = CHUNK;
+        if (n > W) n = W;
         const int64_t row0 = ((int64_t)blocks[t0 / block_size] * block_size + t0 % block_size) * row_stride
                              + (int64_t)kvh * head_size;
         for (int t = 0; t < n; t++)
             for (int c = 0; c < C; c++) {
-                _mm512_store_ps(kb + t * head_size + 16 * c, load16(k_cache, row0 + t * row_stride + 16 * c, dtype));
-                _mm512_store_ps(vb + t * head_size + 16 * c, load16(v_cache, row0 + t * row_stride + 16 * c, dtype));
+                v_store(kb + t * head_size + W * c, v_load_row(k_cache, row0 + t * row_stride + W * c, dtype));
+                v_store(vb + t * head_size + W * c, v_load_row(v_cache, row0 + t * row_stride + W * c, dtype));
             }
-        const __mmask16 live = (__mmask16)((1u << n) - 1);
+        const vlive live = v_live(n);
         for (int g = 0; g < group; g++) {
-            __m512 qr[MAX_HEAD / 16];
-            for (int c = 0; c < C; c++) qr[c] = _mm512_load_ps(qf[g] + 16 * c);
+            vf qr[MAX_HEAD / W];
+            for (int c = 0; c < C; c++) qr[c] = v_load(qf[g] + W * c);
             for (int t = 0; t < n; t++) {
                 const float *k = kb + t * head_size;
-                __m512 d = _mm512_mul_ps(qr[0], _mm512_load_ps(k));
-                for (int c = 1; c < C; c++) d = _mm512_fmadd_ps(qr[c], _mm512_load_ps(k + 16 * c), d);
-                s[t] = _mm512_reduce_add_ps(d);
+                vf d = v_mul(qr[0], v_load(k));
+                for (int c = 1; c < C; c++) d = v_fmadd(qr[c], v_load(k + W * c), d);
+                s[t] = v_sum(d);
             }
             if (soft_cap > 0.f)
                 for (int t = 0; t < n; t++) s[t] = soft_cap * tanhf(s[t] / soft_cap);
-            const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, s);
-            const float chunk_max = _mm512_reduce_max_ps(sv);
-            __m512 ar[MAX_HEAD / 16];
-            for (int c = 0; c < C; c++) ar[c] = _mm512_load_ps(acc[g] + 16 * c);
+            for (int t = n; t < W; t++) s[t] = 0.f; /* defined lanes; masked below */
+            const vf sv = v_select(live, v_load(s), v_set1(-INFINITY));
+            const float chunk_max = v_hmax(sv);
+            vf ar[MAX_HEAD / W];
+            for (int c = 0; c < C; c++) ar[c] = v_load(acc[g] + W * c);
             if (chunk_max > m[g]) {
                 const float correction = expf(m[g] - chunk_max);
                 l[g] *= correction;
-                for (int c = 0; c < C; c++) ar[c] = _mm512_mul_ps(ar[c], _mm512_set1_ps(correction));
+                for (int c = 0; c < C; c++) ar[c] = v_mul(ar[c], v_set1(correction));
                 m[g] = chunk_max;
             }
-            const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m[g]))));
-            l[g] += _mm512_reduce_add_ps(p);
-            _mm512_store_ps(s, p);
+            const vf p = v_select(live, v_exp(v_sub(sv, v_set1(m[g]))), v_zero());
+            l[g] += v_sum(p);
+            v_store(s, p);
             for (int t = 0; t < n; t++) {
-                const __m512 pt = _mm512_set1_ps(s[t]);
+                const vf pt = v_set1(s[t]);
                 const float *v = vb + t * head_size;
-                for (int c = 0; c < C; c++) ar[c] = _mm512_fmadd_ps(pt, _mm512_load_ps(v + 16 * c), ar[c]);
+                for (int c = 0; c < C; c++) ar[c] = v_fmadd(pt, v_load(v + W * c), ar[c]);
             }
-            for (int c = 0; c < C; c++) _mm512_store_ps(acc[g] + 16 * c, ar[c]);
+            for (int c = 0; c < C; c++) v_store(acc[g] + W * c, ar[c]);
         }
         t0 += n;
     }
@@ -214,7 +282,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
         const int64_t o = b * out_stride + (int64_t)(kvh * group + g) * head_size;
         if (dtype == 0) {
             for (int c = 0; c < C; c++)
-                _mm512_storeu_ps((float *)out + o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[g] + 16 * c), _mm512_set1_ps(inv)));
+                v_storeu((float *)out + o + W * c, v_mul(v_load(acc[g] + W * c), v_set1(inv)));
         } else {
             uint16_t *dst = (uint16_t *)out + o;
             for (int i = 0; i < head_size; i++) dst[i] = f32_to_bf16(acc[g][i] * inv);
@@ -222,6 +290,16 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
     }
 }
 #endif
+
+/* The lanes of the vector path this build runs (16: AVX-512, 8: AVX2), 1 for the scalar code. */
+int vector_width(void)
+{
+#if defined(VECTOR_PATH)
+    return W;
+#else
+    return 1;
+#endif
+}
 
 int paged_decode_attention(
     void *out, const void *q, const void *k_cache, const void *v_cache,
@@ -237,19 +315,19 @@ int paged_decode_attention(
     #pragma omp parallel for collapse(2) schedule(dynamic, 4) num_threads(num_threads)
     for (int b = 0; b < num_seqs; b++) {
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {
-#if defined(__AVX512F__)
-#define ITEM512(C) attend_item_avx512(out, q, k_cache, v_cache, block_table, seq_lens, b, kvh, group, C, \
+#if defined(VECTOR_PATH)
+#define VITEM(C) attend_item_vector(out, q, k_cache, v_cache, block_table, seq_lens, b, kvh, group, C, \
                             block_size, max_blocks_per_seq, scale, sliding_window, soft_cap, dtype, q_stride, \
                             out_stride, row_stride)
-            if (head_size % 16 == 0) {
+            if (head_size % W == 0) {
                 switch (head_size) {
-                    case 64: ITEM512(4); break;
-                    case 128: ITEM512(8); break;
-                    default: ITEM512(head_size / 16); break;
+                    case 64: VITEM(64 / W); break;
+                    case 128: VITEM(128 / W); break;
+                    default: VITEM(head_size / W); break;
                 }
                 continue;
             }
-#undef ITEM512
+#undef VITEM
 #endif
 #define ITEM(D) attend_item(out, q, k_cache, v_cache, block_table, seq_lens, b, kvh, group, D, block_size, \
                             max_blocks_per_seq, scale, sliding_window, soft_cap, dtype, q_stride, out_stride, row_stride)

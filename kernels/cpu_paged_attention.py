@@ -1,8 +1,10 @@
-"""Paged decode attention for the CPU: a small C kernel (kernels/cpu/paged_decode_attention.c)
-compiled once with the system's C compiler (kernels/native.py) and called through ctypes.
+"""Paged attention for the CPU: a small C kernel (kernels/cpu/paged_decode_attention.c) compiled
+once with the system's C compiler (kernels/native.py) and called through ctypes.
 
 Gathering each sequence's blocks into a dense tensor and calling SDPA costs more than the whole
-MLP at decode batch sizes on a CPU; reading the paged cache in place removes that copy.
+MLP at decode batch sizes on a CPU; reading the paged cache in place removes that copy. Each row of
+q is one query token with its own context length: decodes, and (with `seq_of_row`) the tokens of
+prefill chunks, each attending causally up to its own position, all in one call.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vector_width.restype, lib.vector_width.argtypes = ctypes.c_int, []
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_float,
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_float,
                                                                 ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                                                                 ctypes.c_int]
     return lib
@@ -67,12 +69,13 @@ def paged_decode_attention(
     q: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [B, max_blocks] int32
-    seq_lens: torch.Tensor,  # [B] int32
+    block_table: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32: row b attends its request's first seq_lens[b] tokens
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     lib: ctypes.CDLL | None = None,  # a `variant`; default: the served build
+    seq_of_row: torch.Tensor | None = None,  # [B] int32 row -> its request's row of block_table; None: b -> b
 ) -> torch.Tensor:
     num_seqs, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -86,13 +89,18 @@ def paged_decode_attention(
         raise ValueError("the KV caches must be contiguous")
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise TypeError("block_table and seq_lens must be int32")
-    if block_table.shape[0] != num_seqs or seq_lens.shape != (num_seqs,) or not block_table.is_contiguous():
-        raise ValueError("block_table must be [B, max_blocks] contiguous and seq_lens [B]")
+    if seq_lens.shape != (num_seqs,) or not block_table.is_contiguous() or (
+            seq_of_row is None and block_table.shape[0] != num_seqs):
+        raise ValueError("block_table must be [B, max_blocks] contiguous (or seq_of_row given) and seq_lens [B]")
+    # seq_of_row's values are not read back here (a sync per layer): the plan builds them in range.
+    if seq_of_row is not None and (seq_of_row.dtype != torch.int32 or seq_of_row.shape != (num_seqs,)
+                                   or not seq_of_row.is_contiguous()):
+        raise ValueError("seq_of_row must be [B] int32, contiguous")
     if num_heads % num_kv_heads or num_heads // num_kv_heads > 16 or head_size > 256:
         raise ValueError(f"unsupported heads: {num_heads} query / {num_kv_heads} kv, head size {head_size}")
     rc = (lib or _library()).paged_decode_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        block_table.data_ptr(), seq_lens.data_ptr(),
+        block_table.data_ptr(), seq_lens.data_ptr(), None if seq_of_row is None else seq_of_row.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_size, block_size, block_table.shape[1],
         scale, sliding_window or 0, soft_cap or 0.0, _DTYPES[q.dtype], q.stride(0), out.stride(0),
         torch.get_num_threads(),

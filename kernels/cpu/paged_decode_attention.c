@@ -1,19 +1,26 @@
 /*
- * Paged decode attention for the CPU: one query token per sequence against its paged KV cache.
+ * Paged attention for the CPU, one query token per row against its context in the paged KV cache:
+ * a decode, or one token of a prefill chunk (its context ends at its own position: causal), so that
+ * a step's decodes and prefill chunks are attended in one call, with no per-request loop.
  *
  * Cache layout (services/worker/kv_cache.py): K and V are each [num_blocks, block_size, Hkv, D].
- * Token t of sequence b lives in block block_table[b][t / block_size], row t % block_size.
- * Work is split over (sequence, kv head); each item reads its context once and serves the
- * H / Hkv query heads that share that kv head (GQA), with an online softmax in float32.
+ * Row b attends the first seq_lens[b] tokens of request r = seq_of_row ? seq_of_row[b] : b, whose
+ * token t lives in block block_table[r][t / block_size], row t % block_size.
+ * Work is split over (tile, kv head), a tile being one row or, in the vector path, a run of one
+ * request's consecutive prefill rows; each item reads its context once and serves the H / Hkv query
+ * heads that share that kv head (GQA) in each of its rows, with an online softmax in float32.
  * dtype: 0 = float32, 1 = bfloat16 (q, cache and out share it).
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_GROUP 16
 #define MAX_HEAD 256
 #define MAX_BLOCK 128
+/* (row, query head) pairs of one vector-path tile: a prefill tile takes MAX_ROWS / group rows. */
+#define MAX_ROWS 32
 
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
@@ -36,13 +43,12 @@ static inline void load_row(const void *base, int64_t index, int dtype, int d, f
 /* One (sequence, kv head) item. Inlined with a constant head_size so the loops over it vectorize. */
 static inline __attribute__((always_inline)) void attend_item(
     void *out, const void *q, const void *k_cache, const void *v_cache,
-    const int32_t *block_table, const int32_t *seq_lens, int b, int kvh, int group, const int head_size,
-    int block_size, int max_blocks_per_seq, float scale, int sliding_window, float soft_cap, int dtype,
+    const int32_t *blocks, int seq_len, int b, int kvh, int group, const int head_size,
+    int block_size, float scale, int sliding_window, float soft_cap, int dtype,
     int64_t q_stride, int64_t out_stride, int64_t row_stride)
 {
     float qv[MAX_GROUP][MAX_HEAD], acc[MAX_GROUP][MAX_HEAD], kv[MAX_HEAD];
     float m[MAX_GROUP], l[MAX_GROUP];
-    const int seq_len = seq_lens[b];
     const int start = sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
     for (int g = 0; g < group; g++) {
         load_row(q, b * q_stride + (int64_t)(kvh * group + g) * head_size, dtype, head_size, qv[g]);
@@ -50,7 +56,6 @@ static inline __attribute__((always_inline)) void attend_item(
         l[g] = 0.f;
         for (int i = 0; i < head_size; i++) acc[g][i] = 0.f;
     }
-    const int32_t *blocks = block_table + (int64_t)b * max_blocks_per_seq;
     /* A block's positions at a time: scores first, then one rescale of the running sums. */
     for (int t0 = start; t0 < seq_len; t0 = (t0 / block_size + 1) * block_size) {
         const int t1 = (t0 / block_size + 1) * block_size < seq_len ? (t0 / block_size + 1) * block_size : seq_len;
@@ -204,36 +209,55 @@ static inline vf v_exp(vf x) {
     return v_scale2(p, n);
 }
 
-/* One (sequence, kv head) item; C = head_size / W, a constant where inlined. */
-static inline __attribute__((always_inline)) void attend_item_vector(
+/* Lanes a <= lane < b of a chunk (0 <= a < b <= W). */
+#if W == 16
+static inline vlive v_live_range(int a, int b) { return (vlive)(((1u << b) - 1) & ~((1u << a) - 1)); }
+#else
+static inline vlive v_live_range(int a, int b) {
+    const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+    return _mm256_and_ps(_mm256_cmp_ps(lane, _mm256_set1_ps((float)a), _CMP_GE_OQ),
+                         _mm256_cmp_ps(lane, _mm256_set1_ps((float)b), _CMP_LT_OQ));
+}
+#endif
+
+/*
+ * One tile: rows b0 .. b0 + nt - 1 (one request's consecutive tokens: a decode is a tile of one)
+ * against one kv head; C = head_size / W, a constant where inlined. The chunks of K and V are made
+ * float32 once per tile and serve every (row, query head of the group) whose context they overlap:
+ * row i attends positions [lo[i], hi[i]), hi[i] = row_lens[b0 + i].
+ */
+static inline __attribute__((always_inline)) void attend_tile_vector(
     void *out, const void *q, const void *k_cache, const void *v_cache,
-    const int32_t *block_table, const int32_t *seq_lens, int b, int kvh, int group, const int C,
-    int block_size, int max_blocks_per_seq, float scale, int sliding_window, float soft_cap, int dtype,
+    const int32_t *blocks, const int32_t *row_lens, int b0, int nt, int kvh, int group, const int C,
+    int block_size, float scale, int sliding_window, float soft_cap, int dtype,
     int64_t q_stride, int64_t out_stride, int64_t row_stride)
 {
     const int head_size = C * W;
-    float qf[MAX_GROUP][MAX_HEAD] __attribute__((aligned(64)));
-    float acc[MAX_GROUP][MAX_HEAD] __attribute__((aligned(64)));
+    float qf[MAX_ROWS][MAX_HEAD] __attribute__((aligned(64)));
+    float acc[MAX_ROWS][MAX_HEAD] __attribute__((aligned(64)));
     /* Rows packed at head_size apart: a chunk's K and V take 8 KB at head size 64 (W = 16). */
     float kb[W * MAX_HEAD] __attribute__((aligned(64)));
     float vb[W * MAX_HEAD] __attribute__((aligned(64)));
     float s[W] __attribute__((aligned(64)));
-    float m[MAX_GROUP], l[MAX_GROUP];
-    const int seq_len = seq_lens[b];
-    const int start = sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
-    for (int g = 0; g < group; g++) {
-        const int64_t qi = b * q_stride + (int64_t)(kvh * group + g) * head_size;
-        for (int c = 0; c < C; c++) {
-            v_store(qf[g] + W * c, v_mul(v_load_row(q, qi + W * c, dtype), v_set1(scale)));
-            v_store(acc[g] + W * c, v_zero());
-        }
-        m[g] = -INFINITY;
-        l[g] = 0.f;
+    float m[MAX_ROWS], l[MAX_ROWS];
+    int lo[MAX_ROWS], hi[MAX_ROWS];
+    for (int i = 0; i < nt; i++) {
+        hi[i] = row_lens[b0 + i];
+        lo[i] = sliding_window > 0 && hi[i] > sliding_window ? hi[i] - sliding_window : 0;
     }
-    const int32_t *blocks = block_table + (int64_t)b * max_blocks_per_seq;
-    for (int t0 = start; t0 < seq_len;) {
+    for (int r = 0; r < nt * group; r++) {
+        const int64_t qi = (int64_t)(b0 + r / group) * q_stride + (int64_t)(kvh * group + r % group) * head_size;
+        for (int c = 0; c < C; c++) {
+            v_store(qf[r] + W * c, v_mul(v_load_row(q, qi + W * c, dtype), v_set1(scale)));
+            v_store(acc[r] + W * c, v_zero());
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    /* Rows are consecutive positions: lo and hi grow with i, so the tile spans [lo[0], hi[nt - 1]). */
+    for (int t0 = lo[0]; t0 < hi[nt - 1];) {
         const int block_end = (t0 / block_size + 1) * block_size;
-        int n = (block_end < seq_len ? block_end : seq_len) - t0;
+        int n = (block_end < hi[nt - 1] ? block_end : hi[nt - 1]) - t0;
         if (n > W) n = W;
         const int64_t row0 = ((int64_t)blocks[t0 / block_size] * block_size + t0 % block_size) * row_stride
                              + (int64_t)kvh * head_size;
@@ -242,50 +266,54 @@ static inline __attribute__((always_inline)) void attend_item_vector(
                 v_store(kb + t * head_size + W * c, v_load_row(k_cache, row0 + t * row_stride + W * c, dtype));
                 v_store(vb + t * head_size + W * c, v_load_row(v_cache, row0 + t * row_stride + W * c, dtype));
             }
-        const vlive live = v_live(n);
-        for (int g = 0; g < group; g++) {
-            vf qr[MAX_HEAD / W];
-            for (int c = 0; c < C; c++) qr[c] = v_load(qf[g] + W * c);
-            for (int t = 0; t < n; t++) {
-                const float *k = kb + t * head_size;
-                vf d = v_mul(qr[0], v_load(k));
-                for (int c = 1; c < C; c++) d = v_fmadd(qr[c], v_load(k + W * c), d);
-                s[t] = v_sum(d);
+        for (int i = 0; i < nt; i++) {
+            if (hi[i] <= t0 || lo[i] >= t0 + n) continue; /* this chunk is outside the row's context */
+            const int a = lo[i] > t0 ? lo[i] - t0 : 0, e = hi[i] - t0 < n ? hi[i] - t0 : n;
+            const vlive live = v_live_range(a, e);
+            for (int r = i * group; r < (i + 1) * group; r++) {
+                vf qr[MAX_HEAD / W];
+                for (int c = 0; c < C; c++) qr[c] = v_load(qf[r] + W * c);
+                for (int t = 0; t < W; t++) s[t] = 0.f; /* defined lanes; masked below */
+                for (int t = a; t < e; t++) {
+                    const float *k = kb + t * head_size;
+                    vf d = v_mul(qr[0], v_load(k));
+                    for (int c = 1; c < C; c++) d = v_fmadd(qr[c], v_load(k + W * c), d);
+                    s[t] = v_sum(d);
+                }
+                if (soft_cap > 0.f)
+                    for (int t = a; t < e; t++) s[t] = soft_cap * tanhf(s[t] / soft_cap);
+                const vf sv = v_select(live, v_load(s), v_set1(-INFINITY));
+                const float chunk_max = v_hmax(sv);
+                vf ar[MAX_HEAD / W];
+                for (int c = 0; c < C; c++) ar[c] = v_load(acc[r] + W * c);
+                if (chunk_max > m[r]) {
+                    const float correction = expf(m[r] - chunk_max);
+                    l[r] *= correction;
+                    for (int c = 0; c < C; c++) ar[c] = v_mul(ar[c], v_set1(correction));
+                    m[r] = chunk_max;
+                }
+                const vf p = v_select(live, v_exp(v_sub(sv, v_set1(m[r]))), v_zero());
+                l[r] += v_sum(p);
+                v_store(s, p);
+                for (int t = a; t < e; t++) {
+                    const vf pt = v_set1(s[t]);
+                    const float *v = vb + t * head_size;
+                    for (int c = 0; c < C; c++) ar[c] = v_fmadd(pt, v_load(v + W * c), ar[c]);
+                }
+                for (int c = 0; c < C; c++) v_store(acc[r] + W * c, ar[c]);
             }
-            if (soft_cap > 0.f)
-                for (int t = 0; t < n; t++) s[t] = soft_cap * tanhf(s[t] / soft_cap);
-            for (int t = n; t < W; t++) s[t] = 0.f; /* defined lanes; masked below */
-            const vf sv = v_select(live, v_load(s), v_set1(-INFINITY));
-            const float chunk_max = v_hmax(sv);
-            vf ar[MAX_HEAD / W];
-            for (int c = 0; c < C; c++) ar[c] = v_load(acc[g] + W * c);
-            if (chunk_max > m[g]) {
-                const float correction = expf(m[g] - chunk_max);
-                l[g] *= correction;
-                for (int c = 0; c < C; c++) ar[c] = v_mul(ar[c], v_set1(correction));
-                m[g] = chunk_max;
-            }
-            const vf p = v_select(live, v_exp(v_sub(sv, v_set1(m[g]))), v_zero());
-            l[g] += v_sum(p);
-            v_store(s, p);
-            for (int t = 0; t < n; t++) {
-                const vf pt = v_set1(s[t]);
-                const float *v = vb + t * head_size;
-                for (int c = 0; c < C; c++) ar[c] = v_fmadd(pt, v_load(v + W * c), ar[c]);
-            }
-            for (int c = 0; c < C; c++) v_store(acc[g] + W * c, ar[c]);
         }
         t0 += n;
     }
-    for (int g = 0; g < group; g++) {
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        const int64_t o = b * out_stride + (int64_t)(kvh * group + g) * head_size;
+    for (int r = 0; r < nt * group; r++) {
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        const int64_t o = (int64_t)(b0 + r / group) * out_stride + (int64_t)(kvh * group + r % group) * head_size;
         if (dtype == 0) {
             for (int c = 0; c < C; c++)
-                v_storeu((float *)out + o + W * c, v_mul(v_load(acc[g] + W * c), v_set1(inv)));
+                v_storeu((float *)out + o + W * c, v_mul(v_load(acc[r] + W * c), v_set1(inv)));
         } else {
             uint16_t *dst = (uint16_t *)out + o;
-            for (int i = 0; i < head_size; i++) dst[i] = f32_to_bf16(acc[g][i] * inv);
+            for (int i = 0; i < head_size; i++) dst[i] = f32_to_bf16(acc[r][i] * inv);
         }
     }
 }
@@ -303,7 +331,7 @@ int vector_width(void)
 
 int paged_decode_attention(
     void *out, const void *q, const void *k_cache, const void *v_cache,
-    const int32_t *block_table, const int32_t *seq_lens,
+    const int32_t *block_table, const int32_t *seq_lens, const int32_t *seq_of_row,
     int num_seqs, int num_heads, int num_kv_heads, int head_size, int block_size,
     int max_blocks_per_seq, float scale, int sliding_window, float soft_cap, int dtype,
     int64_t q_stride, int64_t out_stride, int num_threads)
@@ -311,33 +339,49 @@ int paged_decode_attention(
     const int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_size > MAX_HEAD || block_size > MAX_BLOCK || num_heads % num_kv_heads) return -1;
     const int64_t row_stride = (int64_t)num_kv_heads * head_size; /* one token's K (or V) */
-
-    #pragma omp parallel for collapse(2) schedule(dynamic, 4) num_threads(num_threads)
+    /* Tiles: runs of up to MAX_ROWS / group rows of one request at consecutive positions. */
+    const int tile_rows = MAX_ROWS / group > 0 ? MAX_ROWS / group : 1;
+    int32_t *tiles = malloc(sizeof(int32_t) * ((size_t)num_seqs + 1));
+    if (tiles == NULL) return -2;
+    int num_tiles = 0;
     for (int b = 0; b < num_seqs; b++) {
+        const int joins = b > 0 && seq_of_row != NULL && seq_of_row[b] == seq_of_row[b - 1]
+                          && seq_lens[b] == seq_lens[b - 1] + 1 && b - tiles[num_tiles - 1] < tile_rows;
+        if (!joins) tiles[num_tiles++] = b;
+    }
+    tiles[num_tiles] = num_seqs;
+
+    #pragma omp parallel for collapse(2) schedule(dynamic, 2) num_threads(num_threads)
+    for (int tile = 0; tile < num_tiles; tile++) {
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {
+            const int b0 = tiles[tile], nt = tiles[tile + 1] - tiles[tile];
+            const int32_t *blocks = block_table + (int64_t)(seq_of_row ? seq_of_row[b0] : b0) * max_blocks_per_seq;
 #if defined(VECTOR_PATH)
-#define VITEM(C) attend_item_vector(out, q, k_cache, v_cache, block_table, seq_lens, b, kvh, group, C, \
-                            block_size, max_blocks_per_seq, scale, sliding_window, soft_cap, dtype, q_stride, \
-                            out_stride, row_stride)
+#define VTILE(C) attend_tile_vector(out, q, k_cache, v_cache, blocks, seq_lens, b0, nt, kvh, group, C, \
+                                    block_size, scale, sliding_window, soft_cap, dtype, q_stride, out_stride, \
+                                    row_stride)
             if (head_size % W == 0) {
                 switch (head_size) {
-                    case 64: VITEM(64 / W); break;
-                    case 128: VITEM(128 / W); break;
-                    default: VITEM(head_size / W); break;
+                    case 64: VTILE(64 / W); break;
+                    case 128: VTILE(128 / W); break;
+                    default: VTILE(head_size / W); break;
                 }
                 continue;
             }
-#undef VITEM
+#undef VTILE
 #endif
-#define ITEM(D) attend_item(out, q, k_cache, v_cache, block_table, seq_lens, b, kvh, group, D, block_size, \
-                            max_blocks_per_seq, scale, sliding_window, soft_cap, dtype, q_stride, out_stride, row_stride)
-            switch (head_size) {
-                case 64: ITEM(64); break;
-                case 128: ITEM(128); break;
-                default: ITEM(head_size); break;
+#define ITEM(D) attend_item(out, q, k_cache, v_cache, blocks, seq_lens[b], b, kvh, group, D, block_size, \
+                            scale, sliding_window, soft_cap, dtype, q_stride, out_stride, row_stride)
+            for (int b = b0; b < b0 + nt; b++) {
+                switch (head_size) {
+                    case 64: ITEM(64); break;
+                    case 128: ITEM(128); break;
+                    default: ITEM(head_size); break;
+                }
             }
 #undef ITEM
         }
     }
+    free(tiles);
     return 0;
 }

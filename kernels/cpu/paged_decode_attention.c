@@ -21,6 +21,8 @@
 #define MAX_BLOCK 128
 /* (row, query head) pairs of one vector-path tile: a prefill tile takes MAX_ROWS / group rows. */
 #define MAX_ROWS 32
+/* Below this many K/V rows to read (~0.2 ms of work for one core), a call runs on one thread. */
+#define PARALLEL_MIN_KV_ROWS 8192
 
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
@@ -344,14 +346,20 @@ int paged_decode_attention(
     int32_t *tiles = malloc(sizeof(int32_t) * ((size_t)num_seqs + 1));
     if (tiles == NULL) return -2;
     int num_tiles = 0;
+    int64_t kv_rows = 0; /* K and V rows the call reads, over all rows and kv heads */
     for (int b = 0; b < num_seqs; b++) {
+        kv_rows += (int64_t)seq_lens[b] * num_kv_heads;
         const int joins = b > 0 && seq_of_row != NULL && seq_of_row[b] == seq_of_row[b - 1]
                           && seq_lens[b] == seq_lens[b - 1] + 1 && b - tiles[num_tiles - 1] < tile_rows;
         if (!joins) tiles[num_tiles++] = b;
     }
     tiles[num_tiles] = num_seqs;
+    /* A parallel region wakes the other threads and waits for the last of them: tens of us on an
+     * idle machine, milliseconds when other processes hold the other cores (kvmesh serve's four on a
+     * 2-core VM: a single stream's attention took 15 ms of a 56 ms step). Small calls run serially. */
+    const int threads = num_tiles * num_kv_heads >= 2 && kv_rows >= PARALLEL_MIN_KV_ROWS ? num_threads : 1;
 
-    #pragma omp parallel for collapse(2) schedule(dynamic, 2) num_threads(num_threads)
+    #pragma omp parallel for collapse(2) schedule(dynamic, 2) num_threads(threads) if (threads > 1)
     for (int tile = 0; tile < num_tiles; tile++) {
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {
             const int b0 = tiles[tile], nt = tiles[tile + 1] - tiles[tile];

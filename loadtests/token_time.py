@@ -3,7 +3,7 @@
 Starts `kvmesh serve` (its four processes), sends --requests short chat completions one after
 another (concurrency 1, greedy, EOS ignored, --max-tokens each), and splits the time per output
 token from the services' own metrics (deltas over the run; a run is mostly decode steps, the one
-prefill step per request is included) and the client's clock:
+prefill step per request is included, which makes "between steps" slightly negative) and the client's clock:
 
   model forward      the worker's forward pass (kvmesh_worker_forward_seconds)
   logits + sampling  the rest of the worker's execute_model: inputs, LM head, sampler, outputs
@@ -16,7 +16,7 @@ prefill step per request is included) and the client's clock:
 With --variant NAME=ENV (e.g. --variant omp1=OMP_NUM_THREADS=1) the run is repeated with those
 environment variables, the runs alternating A B B A.
 
-    .venv/bin/python -m loadtests.token_time --requests 4 --max-tokens 64
+    .venv/bin/python -m loadtests.token_time --requests 4 --max-tokens 128
     .venv/bin/python -m loadtests.token_time --variant omp1=OMP_NUM_THREADS=1
 """
 
@@ -69,7 +69,7 @@ async def stream(url: str, requests: int, max_tokens: int) -> list[RequestResult
 
 
 def run(flags: list[str], env: dict[str, str], requests: int, max_tokens: int) -> dict[str, float]:
-    """ms per output token in each row of ROWS, plus the client's TPOT p50 ("tpot")."""
+    """ms per output token in each row of ROWS, plus the client's mean TPOT ("tpot")."""
     proc, ready, _ = start_serve(flags, env=env)
     try:
         api = ready["api"].removesuffix("/v1")
@@ -92,7 +92,7 @@ def run(flags: list[str], env: dict[str, str], requests: int, max_tokens: int) -
     # The engine's inter-token latency counts one fewer gap per request than tokens.
     itl = 1e3 * delta(e0, e1, "vllm:inter_token_latency_seconds_sum") / delta(
         e0, e1, "vllm:inter_token_latency_seconds_count")
-    tpot = 1e3 * statistics.median(r.tpot for r in results)
+    tpot = 1e3 * statistics.mean(r.tpot for r in results)
     return {
         "model forward": ms["forward"],
         "logits + sampling": ms["execute"] - ms["forward"],
@@ -108,7 +108,7 @@ def run(flags: list[str], env: dict[str, str], requests: int, max_tokens: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--variant", action="append", default=[], help="NAME=VAR=VALUE[,VAR=VALUE]")
     parser.add_argument("--flags", default="--kv-cache-memory 256MiB", help="kvmesh serve's flags")
     args = parser.parse_args()
@@ -120,13 +120,13 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = defaultdict(list)
     for name in order:
         runs[name].append(run(args.flags.split(), variants[name], args.requests, args.max_tokens))
-        print(f"token_time: {name}: TPOT p50 {runs[name][-1]['tpot']:.1f} ms", flush=True)
+        print(f"token_time: {name}: TPOT {runs[name][-1]['tpot']:.1f} ms", flush=True)
     print(f"\nms per output token, {args.requests} requests x {args.max_tokens} tokens at concurrency 1 "
           f"(each cell: the runs of that variant, in order); load average {os.getloadavg()[0]:.1f} after")
     print("| | " + " | ".join(variants) + " |\n| --- |" + " ---: |" * len(variants))
     for row in (*ROWS, "tpot"):
         cells = (" / ".join(f"{r[row]:.1f}" for r in runs[name]) for name in variants)
-        print(f"| {'client TPOT p50' if row == 'tpot' else row} | " + " | ".join(cells) + " |")
+        print(f"| {'client TPOT (mean)' if row == 'tpot' else row} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The fused CPU ops against the torch code they replace: RoPE and the KV write bit-exact in both
 dtypes (float32 outputs must stay token-identical to transformers), bfloat16 RMSNorm within one
-bfloat16 rounding step (only its sum's order differs); in every build this CPU can run (the `isa`
+bfloat16 rounding step and float32 RMSNorm within a few ulps (only their sums' order differs); in every build this CPU can run (the `isa`
 fixture: native, AVX2 + FMA, scalar)."""
 
 from __future__ import annotations
@@ -74,9 +74,18 @@ def test_bf16_rms_norm_matches_the_reference_rounding(isa):
     x = (torch.randn(N, 576, generator=gen) * 3).bfloat16()
     weight = (torch.randn(576, generator=gen) * 0.1 + 1).bfloat16()
     want = weight * F.rms_norm(x.float(), (576,), None, 1e-5).to(torch.bfloat16)
-    got = cpu_fused_ops.rms_norm_bf16(x, weight, 1e-5, lib=cpu_fused_ops.variant(isa, default_cache_dir()))
+    got = cpu_fused_ops.rms_norm(x, weight, 1e-5, lib=cpu_fused_ops.variant(isa, default_cache_dir()))
     torch.testing.assert_close(got, want, atol=0, rtol=2**-7)  # one bf16 ulp at most
     assert (got != want).float().mean() < 0.01
+
+
+def test_f32_rms_norm_matches_transformers_within_summation_order(isa):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(N, 576, generator=gen) * 3
+    weight = torch.randn(576, generator=gen) * 0.1 + 1
+    want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))  # LlamaRMSNorm
+    got = cpu_fused_ops.rms_norm(x, weight, 1e-5, lib=cpu_fused_ops.variant(isa, default_cache_dir()))
+    torch.testing.assert_close(got, want, atol=0, rtol=4e-7)  # a few float32 ulps
 
 
 def test_bad_arguments_are_refused():
@@ -84,8 +93,8 @@ def test_bad_arguments_are_refused():
         k = torch.zeros(4, HKV, D)
         cpu_fused_ops.kv_write(torch.zeros(2, 16, HKV, D), torch.zeros(2, 16, HKV, D), k, k,
                                torch.zeros(4, dtype=torch.int32))
-    with pytest.raises(ValueError, match="bfloat16"):
-        cpu_fused_ops.rms_norm_bf16(torch.zeros(2, 8), torch.zeros(8), 1e-5)
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu_fused_ops.rms_norm(torch.zeros(2, 8), torch.zeros(8).bfloat16(), 1e-5)
 
 
 def test_loading_the_native_kernels_leaves_subnormals_alone():

@@ -1,8 +1,10 @@
-"""Paged decode attention for the CPU: a small C kernel (kernels/cpu/paged_decode_attention.c)
-compiled once with the system's C compiler (kernels/native.py) and called through ctypes.
+"""Paged attention for the CPU: a small C kernel (kernels/cpu/paged_decode_attention.c) compiled
+once with the system's C compiler (kernels/native.py) and called through ctypes.
 
 Gathering each sequence's blocks into a dense tensor and calling SDPA costs more than the whole
-MLP at decode batch sizes on a CPU; reading the paged cache in place removes that copy.
+MLP at decode batch sizes on a CPU; reading the paged cache in place removes that copy. Each row of
+q is one query token with its own context length: decodes, and (with `seq_of_row`) the tokens of
+prefill chunks, each attending causally up to its own position, all in one call.
 """
 
 from __future__ import annotations
@@ -15,20 +17,39 @@ import torch
 from kernels import native
 from kernels.native import FAST_MATH, NativeKernelUnavailable
 
-__all__ = ["NativeKernelUnavailable", "build", "is_available", "paged_decode_attention"]
+__all__ = ["NativeKernelUnavailable", "build", "is_available", "paged_decode_attention", "variant",
+           "vector_width"]
 
-_FLAGS = ("-O3", "-march=native", *FAST_MATH, "-fopenmp")
+_BASE_FLAGS = ("-O3", *FAST_MATH, "-fopenmp")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _NAME = "paged_decode_attention"
 
 
 def build(cache_dir: Path) -> None:
-    """Compile (or find the cached build of) the kernel under `cache_dir`; raises NativeKernelUnavailable."""
-    fn = native.build(_NAME, _FLAGS, cache_dir).paged_decode_attention
+    """Compile (or find the cached build of) the kernel under `cache_dir` for this CPU, to serve;
+    raises NativeKernelUnavailable."""
+    _declare(native.build(_NAME, (*_BASE_FLAGS, *native.ISA_FLAGS["native"]), cache_dir))
+
+
+def variant(isa: str, cache_dir: Path) -> ctypes.CDLL:
+    """The kernel compiled for `isa` (a key of native.ISA_FLAGS), beside the served one: pass it as
+    `lib` to run that code path."""
+    return _declare(native.load(_NAME, (*_BASE_FLAGS, *native.ISA_FLAGS[isa]), cache_dir))
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.vector_width.restype, lib.vector_width.argtypes = ctypes.c_int, []
+    fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_float,
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_float,
                                                                 ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                                                                 ctypes.c_int]
+    return lib
+
+
+def vector_width(lib: ctypes.CDLL | None = None) -> int:
+    """The float lanes of the build's vector path (16: AVX-512, 8: AVX2 + FMA), 1: the scalar code."""
+    return (lib or _library()).vector_width()
 
 
 def _library() -> ctypes.CDLL:
@@ -48,11 +69,13 @@ def paged_decode_attention(
     q: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [B, max_blocks] int32
-    seq_lens: torch.Tensor,  # [B] int32
+    block_table: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32: row b attends its request's first seq_lens[b] tokens
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    lib: ctypes.CDLL | None = None,  # a `variant`; default: the served build
+    seq_of_row: torch.Tensor | None = None,  # [B] int32 row -> its request's row of block_table; None: b -> b
 ) -> torch.Tensor:
     num_seqs, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -66,13 +89,18 @@ def paged_decode_attention(
         raise ValueError("the KV caches must be contiguous")
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise TypeError("block_table and seq_lens must be int32")
-    if block_table.shape[0] != num_seqs or seq_lens.shape != (num_seqs,) or not block_table.is_contiguous():
-        raise ValueError("block_table must be [B, max_blocks] contiguous and seq_lens [B]")
+    if seq_lens.shape != (num_seqs,) or not block_table.is_contiguous() or (
+            seq_of_row is None and block_table.shape[0] != num_seqs):
+        raise ValueError("block_table must be [B, max_blocks] contiguous (or seq_of_row given) and seq_lens [B]")
+    # seq_of_row's values are not read back here (a sync per layer): the plan builds them in range.
+    if seq_of_row is not None and (seq_of_row.dtype != torch.int32 or seq_of_row.shape != (num_seqs,)
+                                   or not seq_of_row.is_contiguous()):
+        raise ValueError("seq_of_row must be [B] int32, contiguous")
     if num_heads % num_kv_heads or num_heads // num_kv_heads > 16 or head_size > 256:
         raise ValueError(f"unsupported heads: {num_heads} query / {num_kv_heads} kv, head size {head_size}")
-    rc = _library().paged_decode_attention(
+    rc = (lib or _library()).paged_decode_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        block_table.data_ptr(), seq_lens.data_ptr(),
+        block_table.data_ptr(), seq_lens.data_ptr(), None if seq_of_row is None else seq_of_row.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_size, block_size, block_table.shape[1],
         scale, sliding_window or 0, soft_cap or 0.0, _DTYPES[q.dtype], q.stride(0), out.stride(0),
         torch.get_num_threads(),

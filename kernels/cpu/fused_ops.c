@@ -74,6 +74,22 @@ void rope_inplace(void *x, int64_t x_stride, const void *cos_sin, int64_t cs_str
     }
 }
 
+/* float32 RMSNorm as transformers computes it: x * (1 / sqrt(mean(x^2) + eps)), then weight * that
+ * (two roundings, no FMA: this file is built with -ffp-contract=off). Only the sum's order differs. */
+void rms_norm_f32(float *out, const float *x, const float *weight, int64_t num_tokens, int hidden, float eps,
+                  int num_threads)
+{
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens >= 64)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *row = x + t * hidden;
+        float *dst = out + t * hidden;
+        float sum = 0.f;
+        for (int i = 0; i < hidden; i++) sum += row[i] * row[i];
+        const float inv = 1.f / sqrtf(sum / hidden + eps);
+        for (int i = 0; i < hidden; i++) dst[i] = weight[i] * (row[i] * inv);
+    }
+}
+
 /* bfloat16 RMSNorm as the model's reference computes it: normalise in float32, round to
  * bfloat16, then scale by the bfloat16 weight (rounded again). */
 void rms_norm_bf16(uint16_t *out, const uint16_t *x, const uint16_t *weight, int64_t num_tokens,

@@ -1,19 +1,28 @@
 /*
- * Paged decode attention for the CPU: one query token per sequence against its paged KV cache.
+ * Paged attention for the CPU, one query token per row against its context in the paged KV cache:
+ * a decode, or one token of a prefill chunk (its context ends at its own position: causal), so that
+ * a step's decodes and prefill chunks are attended in one call, with no per-request loop.
  *
  * Cache layout (services/worker/kv_cache.py): K and V are each [num_blocks, block_size, Hkv, D].
- * Token t of sequence b lives in block block_table[b][t / block_size], row t % block_size.
- * Work is split over (sequence, kv head); each item reads its context once and serves the
- * H / Hkv query heads that share that kv head (GQA), with an online softmax in float32.
+ * Row b attends the first seq_lens[b] tokens of request r = seq_of_row ? seq_of_row[b] : b, whose
+ * token t lives in block block_table[r][t / block_size], row t % block_size.
+ * Work is split over (tile, kv head), a tile being one row or, in the vector path, a run of one
+ * request's consecutive prefill rows; each item reads its context once and serves the H / Hkv query
+ * heads that share that kv head (GQA) in each of its rows, with an online softmax in float32.
  * dtype: 0 = float32, 1 = bfloat16 (q, cache and out share it).
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_GROUP 16
 #define MAX_HEAD 256
 #define MAX_BLOCK 128
+/* (row, query head) pairs of one vector-path tile: a prefill tile takes MAX_ROWS / group rows. */
+#define MAX_ROWS 32
+/* Below this many K/V rows to read (~0.2 ms of work for one core), a call runs on one thread. */
+#define PARALLEL_MIN_KV_ROWS 8192
 
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
@@ -36,13 +45,12 @@ static inline void load_row(const void *base, int64_t index, int dtype, int d, f
 /* One (sequence, kv head) item. Inlined with a constant head_size so the loops over it vectorize. */
 static inline __attribute__((always_inline)) void attend_item(
     void *out, const void *q, const void *k_cache, const void *v_cache,
-    const int32_t *block_table, const int32_t *seq_lens, int b, int kvh, int group, const int head_size,
-    int block_size, int max_blocks_per_seq, float scale, int sliding_window, float soft_cap, int dtype,
+    const int32_t *blocks, int seq_len, int b, int kvh, int group, const int head_size,
+    int block_size, float scale, int sliding_window, float soft_cap, int dtype,
     int64_t q_stride, int64_t out_stride, int64_t row_stride)
 {
     float qv[MAX_GROUP][MAX_HEAD], acc[MAX_GROUP][MAX_HEAD], kv[MAX_HEAD];
     float m[MAX_GROUP], l[MAX_GROUP];
-    const int seq_len = seq_lens[b];
     const int start = sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
     for (int g = 0; g < group; g++) {
         load_row(q, b * q_stride + (int64_t)(kvh * group + g) * head_size, dtype, head_size, qv[g]);
@@ -50,7 +58,6 @@ static inline __attribute__((always_inline)) void attend_item(
         l[g] = 0.f;
         for (int i = 0; i < head_size; i++) acc[g][i] = 0.f;
     }
-    const int32_t *blocks = block_table + (int64_t)b * max_blocks_per_seq;
     /* A block's positions at a time: scores first, then one rescale of the running sums. */
     for (int t0 = start; t0 < seq_len; t0 = (t0 / block_size + 1) * block_size) {
         const int t1 = (t0 / block_size + 1) * block_size < seq_len ? (t0 / block_size + 1) * block_size : seq_len;
@@ -101,131 +108,232 @@ static inline __attribute__((always_inline)) void attend_item(
     }
 }
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
 /*
- * The AVX-512 path. Each (sequence, kv head) item walks its context in chunks of up to 16
- * positions (never across a block): K and V rows of a chunk are made float32 once (bfloat16: a
- * 16-bit shift) into buffers that stay in L1, then every query head of the group takes, in
- * registers, its 16 scores (one horizontal sum per position), one vector exp for the chunk, and
+ * The vector path, one body for two instruction sets chosen when the library is built (the build
+ * is for the CPU it runs on, kernels/native.py): AVX-512 (W = 16 lanes) or AVX2 + FMA (W = 8), the
+ * latter being what most cloud x86 VMs offer. Each (sequence, kv head) item walks its context in
+ * chunks of up to W positions (never across a block): K and V rows of a chunk are made float32 once
+ * (bfloat16: a 16-bit shift) into buffers that stay in L1, then every query head of the group takes,
+ * in registers, its W scores (one horizontal sum per position), one vector exp for the chunk, and
  * its P·V accumulation. The scalar path above spends most of its time in one expf call per
  * (position, head) and in accumulators that live in memory.
  */
-#define CHUNK 16
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define VECTOR_PATH 1
+#include <immintrin.h>
 
-/* exp(x) for x <= 0 (scores minus their running max): Cephes' expf polynomial, range-reduced by
- * ln 2 and scaled back with scalef; relative error ~1e-7, exact 0 is not needed (masked). */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-static inline __m512 load16(const void *base, int64_t index, int dtype) {
+#if defined(__AVX512F__)
+#define W 16
+typedef __m512 vf;
+typedef __mmask16 vlive; /* the chunk's live lanes */
+#define v_load _mm512_load_ps
+#define v_loadu _mm512_loadu_ps
+#define v_store _mm512_store_ps
+#define v_storeu _mm512_storeu_ps
+#define v_set1 _mm512_set1_ps
+#define v_zero _mm512_setzero_ps
+#define v_mul _mm512_mul_ps
+#define v_sub _mm512_sub_ps
+#define v_add _mm512_add_ps
+#define v_max _mm512_max_ps
+#define v_fmadd _mm512_fmadd_ps
+#define v_fnmadd _mm512_fnmadd_ps
+#define v_sum _mm512_reduce_add_ps
+#define v_hmax _mm512_reduce_max_ps
+#define v_round(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define v_scale2(p, n) _mm512_scalef_ps(p, n) /* p * 2^n */
+static inline vlive v_live(int n) { return (vlive)((1u << n) - 1); }
+static inline vf v_select(vlive live, vf v, vf fill) { return _mm512_mask_blend_ps(live, fill, v); }
+static inline vf v_load_row(const void *base, int64_t index, int dtype) {
     if (dtype == 0) return _mm512_loadu_ps((const float *)base + index);
     const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+#else
+#define W 8
+typedef __m256 vf;
+typedef __m256 vlive; /* all-ones lanes where live */
+#define v_load _mm256_load_ps
+#define v_loadu _mm256_loadu_ps
+#define v_store _mm256_store_ps
+#define v_storeu _mm256_storeu_ps
+#define v_set1 _mm256_set1_ps
+#define v_zero _mm256_setzero_ps
+#define v_mul _mm256_mul_ps
+#define v_sub _mm256_sub_ps
+#define v_add _mm256_add_ps
+#define v_max _mm256_max_ps
+#define v_fmadd _mm256_fmadd_ps
+#define v_fnmadd _mm256_fnmadd_ps
+#define v_round(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+static inline float v_sum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float v_hmax(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+/* p * 2^n for integral n in [-127, 127] (exp's argument is clamped above -87.3): n goes into the
+ * exponent field of a float. */
+static inline vf v_scale2(vf p, vf n) {
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+static inline vlive v_live(int n) {
+    const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+    return _mm256_cmp_ps(lane, _mm256_set1_ps((float)n), _CMP_LT_OQ);
+}
+static inline vf v_select(vlive live, vf v, vf fill) { return _mm256_blendv_ps(fill, v, live); }
+static inline vf v_load_row(const void *base, int64_t index, int dtype) {
+    if (dtype == 0) return _mm256_loadu_ps((const float *)base + index);
+    const __m128i bits = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+#endif
 
-/* One (sequence, kv head) item; C = head_size / 16, a constant where inlined. */
-static inline __attribute__((always_inline)) void attend_item_avx512(
+/* exp(x) for x <= 0 (scores minus their running max): Cephes' expf polynomial, range-reduced by
+ * ln 2 and scaled back by 2^n; relative error ~1e-7, exact 0 is not needed (masked). */
+static inline vf v_exp(vf x) {
+    x = v_max(x, v_set1(-87.3f));
+    const vf n = v_round(v_mul(x, v_set1(1.44269504088896341f)));
+    vf r = v_fnmadd(n, v_set1(0.693359375f), x);
+    r = v_fnmadd(n, v_set1(-2.12194440e-4f), r);
+    vf p = v_set1(1.9875691500e-4f);
+    p = v_fmadd(p, r, v_set1(1.3981999507e-3f));
+    p = v_fmadd(p, r, v_set1(8.3334519073e-3f));
+    p = v_fmadd(p, r, v_set1(4.1665795894e-2f));
+    p = v_fmadd(p, r, v_set1(1.6666665459e-1f));
+    p = v_fmadd(p, r, v_set1(5.0000001201e-1f));
+    p = v_fmadd(v_mul(p, r), r, v_add(r, v_set1(1.f)));
+    return v_scale2(p, n);
+}
+
+/* Lanes a <= lane < b of a chunk (0 <= a < b <= W). */
+#if W == 16
+static inline vlive v_live_range(int a, int b) { return (vlive)(((1u << b) - 1) & ~((1u << a) - 1)); }
+#else
+static inline vlive v_live_range(int a, int b) {
+    const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+    return _mm256_and_ps(_mm256_cmp_ps(lane, _mm256_set1_ps((float)a), _CMP_GE_OQ),
+                         _mm256_cmp_ps(lane, _mm256_set1_ps((float)b), _CMP_LT_OQ));
+}
+#endif
+
+/*
+ * One tile: rows b0 .. b0 + nt - 1 (one request's consecutive tokens: a decode is a tile of one)
+ * against one kv head; C = head_size / W, a constant where inlined. The chunks of K and V are made
+ * float32 once per tile and serve every (row, query head of the group) whose context they overlap:
+ * row i attends positions [lo[i], hi[i]), hi[i] = row_lens[b0 + i].
+ */
+static inline __attribute__((always_inline)) void attend_tile_vector(
     void *out, const void *q, const void *k_cache, const void *v_cache,
-    const int32_t *block_table, const int32_t *seq_lens, int b, int kvh, int group, const int C,
-    int block_size, int max_blocks_per_seq, float scale, int sliding_window, float soft_cap, int dtype,
+    const int32_t *blocks, const int32_t *row_lens, int b0, int nt, int kvh, int group, const int C,
+    int block_size, float scale, int sliding_window, float soft_cap, int dtype,
     int64_t q_stride, int64_t out_stride, int64_t row_stride)
 {
-    const int head_size = C * 16;
-    float qf[MAX_GROUP][MAX_HEAD] __attribute__((aligned(64)));
-    float acc[MAX_GROUP][MAX_HEAD] __attribute__((aligned(64)));
-    /* Rows packed at head_size apart: a chunk's K and V take 8 KB at head size 64. */
-    float kb[CHUNK * MAX_HEAD] __attribute__((aligned(64)));
-    float vb[CHUNK * MAX_HEAD] __attribute__((aligned(64)));
-    float s[CHUNK] __attribute__((aligned(64)));
-    float m[MAX_GROUP], l[MAX_GROUP];
-    const int seq_len = seq_lens[b];
-    const int start = sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
-    for (int g = 0; g < group; g++) {
-        const int64_t qi = b * q_stride + (int64_t)(kvh * group + g) * head_size;
-        for (int c = 0; c < C; c++) {
-            _mm512_store_ps(qf[g] + 16 * c, _mm512_mul_ps(load16(q, qi + 16 * c, dtype), _mm512_set1_ps(scale)));
-            _mm512_store_ps(acc[g] + 16 * c, _mm512_setzero_ps());
-        }
-        m[g] = -INFINITY;
-        l[g] = 0.f;
+    const int head_size = C * W;
+    float qf[MAX_ROWS][MAX_HEAD] __attribute__((aligned(64)));
+    float acc[MAX_ROWS][MAX_HEAD] __attribute__((aligned(64)));
+    /* Rows packed at head_size apart: a chunk's K and V take 8 KB at head size 64 (W = 16). */
+    float kb[W * MAX_HEAD] __attribute__((aligned(64)));
+    float vb[W * MAX_HEAD] __attribute__((aligned(64)));
+    float s[W] __attribute__((aligned(64)));
+    float m[MAX_ROWS], l[MAX_ROWS];
+    int lo[MAX_ROWS], hi[MAX_ROWS];
+    for (int i = 0; i < nt; i++) {
+        hi[i] = row_lens[b0 + i];
+        lo[i] = sliding_window > 0 && hi[i] > sliding_window ? hi[i] - sliding_window : 0;
     }
-    const int32_t *blocks = block_table + (int64_t)b * max_blocks_per_seq;
-    for (int t0 = start; t0 < seq_len;) {
+    for (int r = 0; r < nt * group; r++) {
+        const int64_t qi = (int64_t)(b0 + r / group) * q_stride + (int64_t)(kvh * group + r % group) * head_size;
+        for (int c = 0; c < C; c++) {
+            v_store(qf[r] + W * c, v_mul(v_load_row(q, qi + W * c, dtype), v_set1(scale)));
+            v_store(acc[r] + W * c, v_zero());
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    /* Rows are consecutive positions: lo and hi grow with i, so the tile spans [lo[0], hi[nt - 1]). */
+    for (int t0 = lo[0]; t0 < hi[nt - 1];) {
         const int block_end = (t0 / block_size + 1) * block_size;
-        int n = (block_end < seq_len ? block_end : seq_len) - t0;
-        if (n > CHUNK) n = CHUNK;
+        int n = (block_end < hi[nt - 1] ? block_end : hi[nt - 1]) - t0;
+        if (n > W) n = W;
         const int64_t row0 = ((int64_t)blocks[t0 / block_size] * block_size + t0 % block_size) * row_stride
                              + (int64_t)kvh * head_size;
         for (int t = 0; t < n; t++)
             for (int c = 0; c < C; c++) {
-                _mm512_store_ps(kb + t * head_size + 16 * c, load16(k_cache, row0 + t * row_stride + 16 * c, dtype));
-                _mm512_store_ps(vb + t * head_size + 16 * c, load16(v_cache, row0 + t * row_stride + 16 * c, dtype));
+                v_store(kb + t * head_size + W * c, v_load_row(k_cache, row0 + t * row_stride + W * c, dtype));
+                v_store(vb + t * head_size + W * c, v_load_row(v_cache, row0 + t * row_stride + W * c, dtype));
             }
-        const __mmask16 live = (__mmask16)((1u << n) - 1);
-        for (int g = 0; g < group; g++) {
-            __m512 qr[MAX_HEAD / 16];
-            for (int c = 0; c < C; c++) qr[c] = _mm512_load_ps(qf[g] + 16 * c);
-            for (int t = 0; t < n; t++) {
-                const float *k = kb + t * head_size;
-                __m512 d = _mm512_mul_ps(qr[0], _mm512_load_ps(k));
-                for (int c = 1; c < C; c++) d = _mm512_fmadd_ps(qr[c], _mm512_load_ps(k + 16 * c), d);
-                s[t] = _mm512_reduce_add_ps(d);
+        for (int i = 0; i < nt; i++) {
+            if (hi[i] <= t0 || lo[i] >= t0 + n) continue; /* this chunk is outside the row's context */
+            const int a = lo[i] > t0 ? lo[i] - t0 : 0, e = hi[i] - t0 < n ? hi[i] - t0 : n;
+            const vlive live = v_live_range(a, e);
+            for (int r = i * group; r < (i + 1) * group; r++) {
+                vf qr[MAX_HEAD / W];
+                for (int c = 0; c < C; c++) qr[c] = v_load(qf[r] + W * c);
+                for (int t = 0; t < W; t++) s[t] = 0.f; /* defined lanes; masked below */
+                for (int t = a; t < e; t++) {
+                    const float *k = kb + t * head_size;
+                    vf d = v_mul(qr[0], v_load(k));
+                    for (int c = 1; c < C; c++) d = v_fmadd(qr[c], v_load(k + W * c), d);
+                    s[t] = v_sum(d);
+                }
+                if (soft_cap > 0.f)
+                    for (int t = a; t < e; t++) s[t] = soft_cap * tanhf(s[t] / soft_cap);
+                const vf sv = v_select(live, v_load(s), v_set1(-INFINITY));
+                const float chunk_max = v_hmax(sv);
+                vf ar[MAX_HEAD / W];
+                for (int c = 0; c < C; c++) ar[c] = v_load(acc[r] + W * c);
+                if (chunk_max > m[r]) {
+                    const float correction = expf(m[r] - chunk_max);
+                    l[r] *= correction;
+                    for (int c = 0; c < C; c++) ar[c] = v_mul(ar[c], v_set1(correction));
+                    m[r] = chunk_max;
+                }
+                const vf p = v_select(live, v_exp(v_sub(sv, v_set1(m[r]))), v_zero());
+                l[r] += v_sum(p);
+                v_store(s, p);
+                for (int t = a; t < e; t++) {
+                    const vf pt = v_set1(s[t]);
+                    const float *v = vb + t * head_size;
+                    for (int c = 0; c < C; c++) ar[c] = v_fmadd(pt, v_load(v + W * c), ar[c]);
+                }
+                for (int c = 0; c < C; c++) v_store(acc[r] + W * c, ar[c]);
             }
-            if (soft_cap > 0.f)
-                for (int t = 0; t < n; t++) s[t] = soft_cap * tanhf(s[t] / soft_cap);
-            const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, s);
-            const float chunk_max = _mm512_reduce_max_ps(sv);
-            __m512 ar[MAX_HEAD / 16];
-            for (int c = 0; c < C; c++) ar[c] = _mm512_load_ps(acc[g] + 16 * c);
-            if (chunk_max > m[g]) {
-                const float correction = expf(m[g] - chunk_max);
-                l[g] *= correction;
-                for (int c = 0; c < C; c++) ar[c] = _mm512_mul_ps(ar[c], _mm512_set1_ps(correction));
-                m[g] = chunk_max;
-            }
-            const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m[g]))));
-            l[g] += _mm512_reduce_add_ps(p);
-            _mm512_store_ps(s, p);
-            for (int t = 0; t < n; t++) {
-                const __m512 pt = _mm512_set1_ps(s[t]);
-                const float *v = vb + t * head_size;
-                for (int c = 0; c < C; c++) ar[c] = _mm512_fmadd_ps(pt, _mm512_load_ps(v + 16 * c), ar[c]);
-            }
-            for (int c = 0; c < C; c++) _mm512_store_ps(acc[g] + 16 * c, ar[c]);
         }
         t0 += n;
     }
-    for (int g = 0; g < group; g++) {
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        const int64_t o = b * out_stride + (int64_t)(kvh * group + g) * head_size;
+    for (int r = 0; r < nt * group; r++) {
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        const int64_t o = (int64_t)(b0 + r / group) * out_stride + (int64_t)(kvh * group + r % group) * head_size;
         if (dtype == 0) {
             for (int c = 0; c < C; c++)
-                _mm512_storeu_ps((float *)out + o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[g] + 16 * c), _mm512_set1_ps(inv)));
+                v_storeu((float *)out + o + W * c, v_mul(v_load(acc[r] + W * c), v_set1(inv)));
         } else {
             uint16_t *dst = (uint16_t *)out + o;
-            for (int i = 0; i < head_size; i++) dst[i] = f32_to_bf16(acc[g][i] * inv);
+            for (int i = 0; i < head_size; i++) dst[i] = f32_to_bf16(acc[r][i] * inv);
         }
     }
 }
 #endif
 
+/* The lanes of the vector path this build runs (16: AVX-512, 8: AVX2), 1 for the scalar code. */
+int vector_width(void)
+{
+#if defined(VECTOR_PATH)
+    return W;
+#else
+    return 1;
+#endif
+}
+
 int paged_decode_attention(
     void *out, const void *q, const void *k_cache, const void *v_cache,
-    const int32_t *block_table, const int32_t *seq_lens,
+    const int32_t *block_table, const int32_t *seq_lens, const int32_t *seq_of_row,
     int num_seqs, int num_heads, int num_kv_heads, int head_size, int block_size,
     int max_blocks_per_seq, float scale, int sliding_window, float soft_cap, int dtype,
     int64_t q_stride, int64_t out_stride, int num_threads)
@@ -233,33 +341,55 @@ int paged_decode_attention(
     const int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_size > MAX_HEAD || block_size > MAX_BLOCK || num_heads % num_kv_heads) return -1;
     const int64_t row_stride = (int64_t)num_kv_heads * head_size; /* one token's K (or V) */
-
-    #pragma omp parallel for collapse(2) schedule(dynamic, 4) num_threads(num_threads)
+    /* Tiles: runs of up to MAX_ROWS / group rows of one request at consecutive positions. */
+    const int tile_rows = MAX_ROWS / group > 0 ? MAX_ROWS / group : 1;
+    int32_t *tiles = malloc(sizeof(int32_t) * ((size_t)num_seqs + 1));
+    if (tiles == NULL) return -2;
+    int num_tiles = 0;
+    int64_t kv_rows = 0; /* K and V rows the call reads, over all rows and kv heads */
     for (int b = 0; b < num_seqs; b++) {
+        kv_rows += (int64_t)seq_lens[b] * num_kv_heads;
+        const int joins = b > 0 && seq_of_row != NULL && seq_of_row[b] == seq_of_row[b - 1]
+                          && seq_lens[b] == seq_lens[b - 1] + 1 && b - tiles[num_tiles - 1] < tile_rows;
+        if (!joins) tiles[num_tiles++] = b;
+    }
+    tiles[num_tiles] = num_seqs;
+    /* A parallel region wakes the other threads and waits for the last of them: tens of us on an
+     * idle machine, milliseconds when other processes hold the other cores (kvmesh serve's four on a
+     * 2-core VM: a single stream's attention took 15 ms of a 56 ms step). Small calls run serially. */
+    const int threads = num_tiles * num_kv_heads >= 2 && kv_rows >= PARALLEL_MIN_KV_ROWS ? num_threads : 1;
+
+    #pragma omp parallel for collapse(2) schedule(dynamic, 2) num_threads(threads) if (threads > 1)
+    for (int tile = 0; tile < num_tiles; tile++) {
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {
-#if defined(__AVX512F__)
-#define ITEM512(C) attend_item_avx512(out, q, k_cache, v_cache, block_table, seq_lens, b, kvh, group, C, \
-                            block_size, max_blocks_per_seq, scale, sliding_window, soft_cap, dtype, q_stride, \
-                            out_stride, row_stride)
-            if (head_size % 16 == 0) {
+            const int b0 = tiles[tile], nt = tiles[tile + 1] - tiles[tile];
+            const int32_t *blocks = block_table + (int64_t)(seq_of_row ? seq_of_row[b0] : b0) * max_blocks_per_seq;
+#if defined(VECTOR_PATH)
+#define VTILE(C) attend_tile_vector(out, q, k_cache, v_cache, blocks, seq_lens, b0, nt, kvh, group, C, \
+                                    block_size, scale, sliding_window, soft_cap, dtype, q_stride, out_stride, \
+                                    row_stride)
+            if (head_size % W == 0) {
                 switch (head_size) {
-                    case 64: ITEM512(4); break;
-                    case 128: ITEM512(8); break;
-                    default: ITEM512(head_size / 16); break;
+                    case 64: VTILE(64 / W); break;
+                    case 128: VTILE(128 / W); break;
+                    default: VTILE(head_size / W); break;
                 }
                 continue;
             }
-#undef ITEM512
+#undef VTILE
 #endif
-#define ITEM(D) attend_item(out, q, k_cache, v_cache, block_table, seq_lens, b, kvh, group, D, block_size, \
-                            max_blocks_per_seq, scale, sliding_window, soft_cap, dtype, q_stride, out_stride, row_stride)
-            switch (head_size) {
-                case 64: ITEM(64); break;
-                case 128: ITEM(128); break;
-                default: ITEM(head_size); break;
+#define ITEM(D) attend_item(out, q, k_cache, v_cache, blocks, seq_lens[b], b, kvh, group, D, block_size, \
+                            scale, sliding_window, soft_cap, dtype, q_stride, out_stride, row_stride)
+            for (int b = b0; b < b0 + nt; b++) {
+                switch (head_size) {
+                    case 64: ITEM(64); break;
+                    case 128: ITEM(128); break;
+                    default: ITEM(head_size); break;
+                }
             }
 #undef ITEM
         }
     }
+    free(tiles);
     return 0;
 }

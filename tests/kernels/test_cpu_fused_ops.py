@@ -1,6 +1,7 @@
 """The fused CPU ops against the torch code they replace: RoPE and the KV write bit-exact in both
 dtypes (float32 outputs must stay token-identical to transformers), bfloat16 RMSNorm within one
-bfloat16 rounding step (only its sum's order differs)."""
+bfloat16 rounding step and float32 RMSNorm within a few ulps (only their sums' order differs); in every build this CPU can run (the `isa`
+fixture: native, AVX2 + FMA, scalar)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_fused_ops
+from kernels import cpu_fused_ops, native
 from services.common.config import default_cache_dir
 from services.worker.layers.rotary_embedding import apply_rotary, split_and_rotate_qkv
 
@@ -27,7 +28,7 @@ def cos_sin(dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_in_place_equals_the_torch_rotation_bit_for_bit(dtype):
+def test_rope_in_place_equals_the_torch_rotation_bit_for_bit(dtype, isa):
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(N, (H + 2 * HKV) * D, generator=gen).to(dtype)
     cs = cos_sin(dtype, gen)
@@ -35,12 +36,24 @@ def test_rope_in_place_equals_the_torch_rotation_bit_for_bit(dtype):
     want_q = apply_rotary(qkv[:, : H * D].reshape(N, H, D), cos, sin)
     want_k = apply_rotary(qkv[:, H * D : (H + HKV) * D].reshape(N, HKV, D), cos, sin)
     want_v = qkv[:, (H + HKV) * D :].clone()
-    q, k, v = split_and_rotate_qkv(qkv, cs, H, HKV, D)
-    assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(v, want_v)
+    cpu_fused_ops.rope_inplace(qkv, cs, H + HKV, D, lib=cpu_fused_ops.variant(isa, default_cache_dir()))
+    q, k, v = qkv.split([H * D, HKV * D, HKV * D], dim=-1)
+    assert torch.equal(q.view(N, H, D), want_q) and torch.equal(k.view(N, HKV, D), want_k)
+    assert torch.equal(v, want_v)
+
+
+def test_the_layer_rotates_q_and_k_with_the_served_build():
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(N, (H + 2 * HKV) * D, generator=gen)
+    cs = cos_sin(torch.float32, gen)
+    cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)
+    want_q = apply_rotary(qkv[:, : H * D].reshape(N, H, D), cos, sin)
+    q, _, _ = split_and_rotate_qkv(qkv, cs, H, HKV, D)
+    assert torch.equal(q, want_q)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kv_write_equals_index_copy_and_skips_padding(dtype):
+def test_kv_write_equals_index_copy_and_skips_padding(dtype, isa):
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(N, (H + 2 * HKV) * D, generator=gen).to(dtype)
     k = qkv[:, H * D : (H + HKV) * D].view(N, HKV, D)  # strided rows, as the model passes them
@@ -52,18 +65,27 @@ def test_kv_write_equals_index_copy_and_skips_padding(dtype):
     valid = slots >= 0
     want_k.view(-1, HKV, D).index_copy_(0, slots[valid], k[valid])
     want_v.view(-1, HKV, D).index_copy_(0, slots[valid], v[valid])
-    cpu_fused_ops.kv_write(k_cache, v_cache, k, v, slots)
+    cpu_fused_ops.kv_write(k_cache, v_cache, k, v, slots, lib=cpu_fused_ops.variant(isa, default_cache_dir()))
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
-def test_bf16_rms_norm_matches_the_reference_rounding():
+def test_bf16_rms_norm_matches_the_reference_rounding(isa):
     gen = torch.Generator().manual_seed(2)
     x = (torch.randn(N, 576, generator=gen) * 3).bfloat16()
     weight = (torch.randn(576, generator=gen) * 0.1 + 1).bfloat16()
     want = weight * F.rms_norm(x.float(), (576,), None, 1e-5).to(torch.bfloat16)
-    got = cpu_fused_ops.rms_norm_bf16(x, weight, 1e-5)
+    got = cpu_fused_ops.rms_norm(x, weight, 1e-5, lib=cpu_fused_ops.variant(isa, default_cache_dir()))
     torch.testing.assert_close(got, want, atol=0, rtol=2**-7)  # one bf16 ulp at most
     assert (got != want).float().mean() < 0.01
+
+
+def test_f32_rms_norm_matches_transformers_within_summation_order(isa):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(N, 576, generator=gen) * 3
+    weight = torch.randn(576, generator=gen) * 0.1 + 1
+    want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))  # LlamaRMSNorm
+    got = cpu_fused_ops.rms_norm(x, weight, 1e-5, lib=cpu_fused_ops.variant(isa, default_cache_dir()))
+    torch.testing.assert_close(got, want, atol=0, rtol=4e-7)  # a few float32 ulps
 
 
 def test_bad_arguments_are_refused():
@@ -71,8 +93,8 @@ def test_bad_arguments_are_refused():
         k = torch.zeros(4, HKV, D)
         cpu_fused_ops.kv_write(torch.zeros(2, 16, HKV, D), torch.zeros(2, 16, HKV, D), k, k,
                                torch.zeros(4, dtype=torch.int32))
-    with pytest.raises(ValueError, match="bfloat16"):
-        cpu_fused_ops.rms_norm_bf16(torch.zeros(2, 8), torch.zeros(8), 1e-5)
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu_fused_ops.rms_norm(torch.zeros(2, 8), torch.zeros(8).bfloat16(), 1e-5)
 
 
 def test_loading_the_native_kernels_leaves_subnormals_alone():
@@ -84,3 +106,10 @@ def test_loading_the_native_kernels_leaves_subnormals_alone():
     assert cpu_fused_ops.available(default_cache_dir())
     tiny = torch.tensor([1e-39], dtype=torch.float32)  # a float32 subnormal
     assert (tiny / 10).item() != 0.0 and (tiny * 1).item() != 0.0
+
+
+def test_a_served_kernel_is_not_rebuilt_with_other_flags():
+    """Variants come from `load`; `build` serves one set of flags per kernel and says so."""
+    assert cpu_fused_ops.available(default_cache_dir())
+    with pytest.raises(ValueError, match="other flags"):
+        native.build("fused_ops", ("-O1",), default_cache_dir())

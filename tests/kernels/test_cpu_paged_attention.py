@@ -1,13 +1,16 @@
 """The native CPU paged decode-attention kernel (the `cpu` backend's decode path) against the
 plain-torch reference: odd context lengths, GQA ratios, head and block sizes, sliding window,
-soft-cap, float32 and bfloat16, NaN-poisoned cache outside the contexts and a NaN-poisoned output."""
+soft-cap, float32 and bfloat16, NaN-poisoned cache outside the contexts and a NaN-poisoned output;
+in every build this CPU can run (the `isa` fixture: native, AVX2 + FMA, scalar)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kernels import cpu_paged_attention
+from kernels import cpu_paged_attention, native
 from kernels.reference import paged_attention_ref
 from services.common.config import default_cache_dir
 from tests.kernels.paged_inputs import TOLERANCES, Shape, make_case, poisoned_like
@@ -20,16 +23,27 @@ def _built() -> None:
     cpu_paged_attention.build(default_cache_dir())  # the worker does this at start-up
 
 
+def test_each_build_runs_the_path_it_was_compiled_for(isa):
+    lanes = cpu_paged_attention.vector_width(cpu_paged_attention.variant(isa, default_cache_dir()))
+    want = {"avx2": 8, "scalar": 1}.get(isa) or (16 if native.cpu_has("avx512f") else
+                                                 8 if native.cpu_has("avx2", "fma") else 1)
+    assert lanes == want
+    # A variant is loaded beside the served build, never in its place.
+    assert cpu_paged_attention.vector_width() == cpu_paged_attention.vector_width(
+        cpu_paged_attention.variant("native", default_cache_dir()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
 @pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 32), (64, 32), (80, 8), (40, 16)])
-def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_size, block_size, gen):
+def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_size, block_size, isa, gen):
     case = make_case(Shape(num_heads, num_kv_heads, head_size, block_size, dtype), [1] * len(SEQ_LENS),
                      SEQ_LENS, torch.device("cpu"), gen)
     scale = head_size**-0.5
     out = poisoned_like(case.q)
     cpu_paged_attention.paged_decode_attention(out, case.q, case.kv_cache[0], case.kv_cache[1],
-                                               case.batch.block_table, case.batch.seq_lens, scale)
+                                               case.batch.block_table, case.batch.seq_lens, scale,
+                                               lib=cpu_paged_attention.variant(isa, default_cache_dir()))
     ref = paged_attention_ref(case.q, case.kv_cache, case.batch.query_start_loc, case.batch.seq_lens,
                               case.batch.block_table, scale)
     atol, rtol = TOLERANCES[dtype]
@@ -37,15 +51,71 @@ def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_size, blo
 
 
 @pytest.mark.parametrize("window,soft_cap", [(8, None), (None, 30.0), (20, 5.0)])
-def test_sliding_window_and_soft_cap(window, soft_cap, gen):
+def test_sliding_window_and_soft_cap(window, soft_cap, isa, gen):
     case = make_case(Shape(6, 2, 64, 16, torch.float32), [1] * len(SEQ_LENS), SEQ_LENS, torch.device("cpu"), gen)
     out = poisoned_like(case.q)
     cpu_paged_attention.paged_decode_attention(out, case.q, case.kv_cache[0], case.kv_cache[1],
                                                case.batch.block_table, case.batch.seq_lens, 0.125,
-                                               sliding_window=window, soft_cap=soft_cap)
+                                               sliding_window=window, soft_cap=soft_cap,
+                                               lib=cpu_paged_attention.variant(isa, default_cache_dir()))
     ref = paged_attention_ref(case.q, case.kv_cache, case.batch.query_start_loc, case.batch.seq_lens,
                               case.batch.block_table, 0.125, window, soft_cap)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+# Prefill chunks over cached context, whole prompts and decodes in one step (odd lengths).
+Q_LENS, CONTEXTS = [5, 1, 17, 1, 16, 33], [20, 15, 17, 257, 16, 100]
+
+
+def prefill_rows(q_lens: list[int], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token a row: (its request, its causal context length), written out the long way."""
+    seq_of_row, row_lens = [], []
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        for j in range(q_len):
+            seq_of_row.append(i)
+            row_lens.append(seq_len - q_len + j + 1)
+    return torch.tensor(seq_of_row, dtype=torch.int32), torch.tensor(row_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (8, None), (20, 5.0)])
+def test_prefill_rows_match_reference(dtype, window, soft_cap, isa, gen):
+    case = make_case(Shape(6, 2, 64, 16, dtype), Q_LENS, CONTEXTS, torch.device("cpu"), gen)
+    seq_of_row, row_lens = prefill_rows(Q_LENS, CONTEXTS)
+    out = poisoned_like(case.q)
+    cpu_paged_attention.paged_decode_attention(out, case.q, case.kv_cache[0], case.kv_cache[1],
+                                               case.batch.block_table, row_lens, 0.125, window, soft_cap,
+                                               lib=cpu_paged_attention.variant(isa, default_cache_dir()),
+                                               seq_of_row=seq_of_row)
+    ref = paged_attention_ref(case.q, case.kv_cache, case.batch.query_start_loc, case.batch.seq_lens,
+                              case.batch.block_table, 0.125, window, soft_cap)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_the_cpu_backend_attends_a_mixed_step_in_one_call(window, gen):
+    """The `cpu` backend's plan on the engine's own metadata: the same cache and output as the
+    torch backend (SDPA per prefill chunk), every token through the native kernel."""
+    from services.worker.attention import get_attention_backend
+    from services.worker.attention.torch_backend import NativeAttentionPlan, TorchAttentionBackend
+    from tests.model.test_model import make_metadata
+
+    case = make_case(Shape(6, 2, 64, 16, torch.float32), Q_LENS, CONTEXTS, torch.device("cpu"), gen)
+    blocks = [[b for b in row if b >= 0] for row in case.batch.block_table.tolist()]
+    meta = make_metadata(Q_LENS, CONTEXTS, [row[: -(-s // 16)] for row, s in zip(blocks, CONTEXTS)])
+    layer = SimpleNamespace(num_heads=6, num_kv_heads=2, head_size=64, scale=0.125, sliding_window=window,
+                            logits_soft_cap=None)
+    k, v = torch.randn((2, sum(Q_LENS), 2, 64), generator=gen)
+    cache = case.kv_cache.nan_to_num(0.0)  # the torch backend's SDPA reads whole blocks
+    want_cache = cache.clone()
+    want = TorchAttentionBackend().forward(layer, case.q, k, v, want_cache, TorchAttentionBackend().plan(meta))
+    backend = get_attention_backend("cpu", torch.device("cpu"))
+    plan = backend.plan(meta)
+    assert isinstance(plan, NativeAttentionPlan)
+    out = backend.forward(layer, case.q, k, v, cache, plan)
+    assert torch.equal(cache, want_cache)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
 
 def test_launcher_rejects_bad_arguments():

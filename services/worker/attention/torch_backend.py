@@ -1,11 +1,16 @@
-"""Paged attention in plain torch, batched, for the CPU (and as a fallback anywhere).
+"""Paged attention in plain torch, batched, for the CPU (and as a fallback anywhere), or with the
+native CPU kernels.
 
 Per step, `plan()` turns the metadata into gather indices once; every layer then
-  1. writes the step's K/V into the paged cache (one index_copy_ per K and V; "cpu": one native
-     call, kernels/cpu_fused_ops.py),
-  2. attends all single-token decodes in ONE batched call: SDPA over their gathered blocks
-     ("torch"), or the native CPU kernel reading the paged cache in place ("cpu"),
+  "torch":
+  1. writes the step's K/V into the paged cache (one index_copy_ per K and V),
+  2. attends all single-token decodes in ONE batched call: SDPA over their gathered blocks,
   3. attends each prefill chunk with one SDPA call per chunk (compute-bound; no per-token loop).
+  "cpu":
+  1. writes the step's K/V with one native call (kernels/cpu_fused_ops.py),
+  2. attends every token of the step, decodes and prefill chunks alike, in ONE native call that
+     reads the paged cache in place (kernels/cpu_paged_attention.py): each token is a row with its
+     own causal context length, no gather, no mask, no per-request loop.
 """
 
 from __future__ import annotations
@@ -45,17 +50,26 @@ class TorchAttentionPlan:
     prefills: list[_Prefill]
 
 
+@dataclass(slots=True)
+class NativeAttentionPlan:
+    slot_mapping: torch.Tensor  # [n] int64, -1 = padding
+    write_slots: torch.Tensor  # [n] valid slots (the index_copy_ write, when the fused ops are not built)
+    write_rows: torch.Tensor | None  # [n] tokens that have them; None: every token
+    block_table: torch.Tensor  # [num_reqs, num_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [n] int32: token i attends the first seq_lens[i] tokens of its request
+    seq_of_row: torch.Tensor | None  # [n] int32: token i's request; None: every token is a decode, in order
+
+
 class TorchAttentionBackend:
     def __init__(self, native_decode: bool = False) -> None:
         self.native_decode = native_decode
         self.name = "cpu" if native_decode else "torch"
 
-    def plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
+    def plan(self, meta: AttentionMetadata) -> TorchAttentionPlan | NativeAttentionPlan:
         device = meta.slot_mapping.device
-        valid = meta.slot_mapping >= 0
-        all_valid = bool(valid.all())
-        write_rows = None if all_valid else valid.nonzero().squeeze(1)
-        write_slots = meta.slot_mapping if all_valid else meta.slot_mapping[write_rows]
+        write_slots, write_rows = _write_plan(meta.slot_mapping)
+        if self.native_decode and sum(meta.query_lens_cpu) == meta.num_tokens:
+            return _native_plan(meta, write_slots, write_rows)
 
         bs = meta.block_size
         decode_reqs, prefills = [], []
@@ -90,7 +104,7 @@ class TorchAttentionBackend:
                                   all_decodes, prefills)
 
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, plan: TorchAttentionPlan) -> torch.Tensor:
+                kv_cache: torch.Tensor, plan: TorchAttentionPlan | NativeAttentionPlan) -> torch.Tensor:
         # q: [num_tokens, H, D]; k, v: [num_tokens, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]
         num_kv_heads, head_size = kv_cache.shape[-2:]
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_size)
@@ -106,6 +120,9 @@ class TorchAttentionBackend:
 
         out = torch.empty_like(q)
         window = layer.sliding_window
+        if isinstance(plan, NativeAttentionPlan):
+            return paged_decode_attention(out, q, kv_cache[0], kv_cache[1], plan.block_table, plan.seq_lens,
+                                          layer.scale, window, layer.logits_soft_cap, seq_of_row=plan.seq_of_row)
         if plan.decode_rows.numel() and self.native_decode:
             qd = q if plan.all_decodes else q[plan.decode_rows]  # [B, H, D]
             od = out if plan.all_decodes else torch.empty_like(qd)
@@ -134,6 +151,31 @@ class TorchAttentionBackend:
             kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             out[p.start : p.end] = _attend(qp, kp, vp, mask, layer.scale, layer.logits_soft_cap)[0].transpose(0, 1)
         return out
+
+
+def _write_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the valid slots, the tokens that have them or None for every token)."""
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        return slot_mapping, None
+    write_rows = valid.nonzero().squeeze(1)
+    return slot_mapping[write_rows], write_rows
+
+
+def _native_plan(meta: AttentionMetadata, write_slots: torch.Tensor,
+                 write_rows: torch.Tensor | None) -> NativeAttentionPlan:
+    """Every token a row of the native kernel. Token j of request i (q_i new tokens) sits at position
+    seq_lens[i] - q_i + j, so it attends the request's first seq_lens[i] - q_i + j + 1 tokens."""
+    block_table = meta.block_table.contiguous()
+    if meta.max_query_len == 1 and meta.num_reqs == meta.num_tokens:  # decodes only: row i is request i
+        return NativeAttentionPlan(meta.slot_mapping, write_slots, write_rows, block_table, meta.seq_lens.int(), None)
+    device = meta.slot_mapping.device
+    q_lens = torch.tensor(meta.query_lens_cpu, device=device)
+    seq_of_row = torch.repeat_interleave(torch.arange(meta.num_reqs, device=device), q_lens)  # [n]
+    ends = meta.query_start_loc[1:].long()  # [num_reqs] one past each request's last token
+    tokens_after = ends[seq_of_row] - 1 - torch.arange(meta.num_tokens, device=device)  # later tokens of its request
+    seq_lens = (meta.seq_lens.long()[seq_of_row] - tokens_after).int()
+    return NativeAttentionPlan(meta.slot_mapping, write_slots, write_rows, block_table, seq_lens, seq_of_row.int())
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

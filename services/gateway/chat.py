@@ -28,6 +28,7 @@ from services.gateway.protocol import (
     DeltaMessage,
     now,
 )
+from services.gateway.tool_calls import ToolCallStream, tool_call_messages, tool_calls_of, tool_choice_of
 
 
 def generate_request(body: ChatCompletionRequest, request_id: str, params: SamplingParams) -> GenerateRequest:
@@ -82,6 +83,14 @@ async def chat_response(generation: Generation, request: ChatCompletionRequest, 
                 choice.logprobs.content.extend(_logprobs(request, c))
             if c.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+    tool_choice = tool_choice_of(request)
+    if tool_choice is not None:
+        for choice in choices:
+            calls = tool_calls_of(tool_choice, choice.message.content)
+            if calls is not None:  # else cut short (finish_reason length): the text stays as it is
+                choice.message.content, choice.message.tool_calls = "", tool_call_messages(calls)
+                if tool_choice.name is None and choice.finish_reason == "stop":
+                    choice.finish_reason = "tool_calls"  # vLLM's: a named call finishes with stop
     return ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=generation.usage(),
                                   prompt_logprobs=prompt_lps, prompt_token_ids=_prompt_ids(generation, request))
 
@@ -95,6 +104,8 @@ async def chat_chunks(generation: Generation, request: ChatCompletionRequest, re
                                    prompt_token_ids=prompt_token_ids)
 
     usage = generation.usage() if request.continuous_usage_stats else None
+    tool_choice = tool_choice_of(request)
+    tool_streams = [ToolCallStream(tool_choice) for _ in range(request.n)] if tool_choice is not None else None
     prefix = echoed(request)
     prompt_ids = _prompt_ids(generation, request)
     for i in range(request.n):
@@ -108,7 +119,16 @@ async def chat_chunks(generation: Generation, request: ChatCompletionRequest, re
                 continue
             logprobs = ChatChoiceLogprobs(content=_logprobs(request, c)) if request.logprobs else None
             message = DeltaMessage(content=c.text) if c.text else DeltaMessage()
-            yield chunk(ChatStreamChoice(index=c.index, delta=message, logprobs=logprobs, finish_reason=c.finish_reason,
+            finish_reason = c.finish_reason
+            if tool_streams is not None:
+                stream = tool_streams[c.index]
+                calls = stream.deltas(c.text, c.finish_reason is not None)
+                message = DeltaMessage(tool_calls=calls) if calls else DeltaMessage()
+                if c.finish_reason is not None and tool_choice.name is None and not calls:
+                    message = DeltaMessage(content=stream.text)  # cut short: no calls, the text as it is
+                if calls and tool_choice.name is None and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            yield chunk(ChatStreamChoice(index=c.index, delta=message, logprobs=logprobs, finish_reason=finish_reason,
                                          stop_reason=c.stop_reason,
                                          token_ids=c.token_ids if request.return_token_ids else None))
     if request.include_usage:

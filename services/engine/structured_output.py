@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -42,12 +42,6 @@ DEFAULT_COMPILE_TIMEOUT = 10.0  # seconds a request waits for its grammar before
 class GrammarError(ValueError):
     """A constraint that did not compile (bad schema, regex or grammar; too slow): the request fails
     alone, and the caller gets a 400."""
-
-
-class GrammarStats(NamedTuple):
-    cache_hits: int
-    cache_misses: int
-    compile_seconds: list[float]  # each compile's time since the last take (the metrics' histogram)
 
 
 class RequestGrammar:
@@ -92,8 +86,9 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers, "grammar-compile")
         self._tokenizers: dict[tuple[int, ...], llguidance.LLTokenizer] = {}  # by eos ids
         self._tokenizer_lock = threading.Lock()
-        self._hits = self._misses = 0
-        self._compile_seconds: list[float] = []
+        self.cache_hits = self.cache_misses = 0  # read by the metrics when scraped
+        # Called with each successful compile's seconds, on the compile thread (the metrics' histogram).
+        self.compile_observers: list[Callable[[float], None]] = []
 
     # ------------------------------------------------------------------ compile
 
@@ -103,9 +98,9 @@ class StructuredOutputManager:
         future = self._cache.get(key)
         if future is not None and not (future.done() and future.exception() is not None):
             self._cache.move_to_end(key)
-            self._hits += 1
+            self.cache_hits += 1
         else:
-            self._misses += 1
+            self.cache_misses += 1
             future = self._pool.submit(self._compile, constraint, key[1])
             self._cache[key] = future
             while len(self._cache) > self.cache_size:
@@ -145,7 +140,8 @@ class StructuredOutputManager:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {constraint.kind}: {matcher.get_error().strip()}")
-        self._compile_seconds.append(time.perf_counter() - start)  # list.append: atomic under the GIL
+        for observe in self.compile_observers:
+            observe(time.perf_counter() - start)
         return matcher
 
     def _tokenizer(self, eos_token_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
@@ -167,10 +163,6 @@ class StructuredOutputManager:
         for row, grammar in enumerate(grammars):
             grammar.fill(bitmask, row)
         return bitmask.tobytes()
-
-    def take_stats(self) -> GrammarStats:
-        seconds, self._compile_seconds = self._compile_seconds, []
-        return GrammarStats(self._hits, self._misses, seconds)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

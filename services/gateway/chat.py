@@ -28,7 +28,7 @@ from services.gateway.protocol import (
     DeltaMessage,
     now,
 )
-from services.gateway.tool_calls import ToolCallStream, tool_call_messages, tool_calls_of, tool_choice_of
+from services.gateway.tool_calls import finish_reason_with_calls, tool_call_messages, tool_call_reader
 
 
 def generate_request(body: ChatCompletionRequest, request_id: str, params: SamplingParams) -> GenerateRequest:
@@ -64,7 +64,7 @@ def echoed(request: ChatCompletionRequest) -> str:
 
 
 async def chat_response(generation: Generation, request: ChatCompletionRequest, response_id: str,
-                        model: str) -> ChatCompletionResponse:
+                        model: str, tool_parser: str | None = None) -> ChatCompletionResponse:
     prefix = echoed(request)
     choices = [ChatCompletionChoice(index=i, message=AssistantMessage(role=request.role, content=prefix),
                                     logprobs=ChatChoiceLogprobs(content=[]) if request.logprobs else None,
@@ -83,20 +83,18 @@ async def chat_response(generation: Generation, request: ChatCompletionRequest, 
                 choice.logprobs.content.extend(_logprobs(request, c))
             if c.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
-    tool_choice = tool_choice_of(request)
-    if tool_choice is not None:
-        for choice in choices:
-            calls = tool_calls_of(tool_choice, choice.message.content)
-            if calls is not None:  # else cut short (finish_reason length): the text stays as it is
-                choice.message.content, choice.message.tool_calls = "", tool_call_messages(calls)
-                if tool_choice.name is None and choice.finish_reason == "stop":
-                    choice.finish_reason = "tool_calls"  # vLLM's: a named call finishes with stop
+    reader = tool_call_reader(request, tool_parser)
+    for choice in choices if reader is not None else ():
+        parsed = reader().parse(choice.message.content)
+        if parsed.calls:
+            choice.message.content, choice.message.tool_calls = parsed.content, tool_call_messages(parsed.calls)
+            choice.finish_reason = finish_reason_with_calls(request, choice.finish_reason)
     return ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=generation.usage(),
                                   prompt_logprobs=prompt_lps, prompt_token_ids=_prompt_ids(generation, request))
 
 
 async def chat_chunks(generation: Generation, request: ChatCompletionRequest, response_id: str,
-                      model: str) -> AsyncIterator[ChatCompletionChunk]:
+                      model: str, tool_parser: str | None = None) -> AsyncIterator[ChatCompletionChunk]:
     created = now()
 
     def chunk(choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk:
@@ -104,8 +102,9 @@ async def chat_chunks(generation: Generation, request: ChatCompletionRequest, re
                                    prompt_token_ids=prompt_token_ids)
 
     usage = generation.usage() if request.continuous_usage_stats else None
-    tool_choice = tool_choice_of(request)
-    tool_streams = [ToolCallStream(tool_choice) for _ in range(request.n)] if tool_choice is not None else None
+    reader = tool_call_reader(request, tool_parser)
+    readers = [reader() for _ in range(request.n)] if reader is not None else None
+    readers_called = [False] * request.n  # whether a choice's stream has made a call
     prefix = echoed(request)
     prompt_ids = _prompt_ids(generation, request)
     for i in range(request.n):
@@ -120,14 +119,12 @@ async def chat_chunks(generation: Generation, request: ChatCompletionRequest, re
             logprobs = ChatChoiceLogprobs(content=_logprobs(request, c)) if request.logprobs else None
             message = DeltaMessage(content=c.text) if c.text else DeltaMessage()
             finish_reason = c.finish_reason
-            if tool_streams is not None:
-                stream = tool_streams[c.index]
-                calls = stream.deltas(c.text, c.finish_reason is not None)
-                message = DeltaMessage(tool_calls=calls) if calls else DeltaMessage()
-                if c.finish_reason is not None and tool_choice.name is None and not calls:
-                    message = DeltaMessage(content=stream.text)  # cut short: no calls, the text as it is
-                if calls and tool_choice.name is None and finish_reason == "stop":
-                    finish_reason = "tool_calls"
+            if readers is not None:
+                piece = readers[c.index].feed(c.text, c.finish_reason is not None)
+                message = DeltaMessage(content=piece.content or None, tool_calls=piece.calls or None)
+                readers_called[c.index] |= bool(piece.calls)
+                if readers_called[c.index]:
+                    finish_reason = finish_reason_with_calls(request, finish_reason)
             yield chunk(ChatStreamChoice(index=c.index, delta=message, logprobs=logprobs, finish_reason=finish_reason,
                                          stop_reason=c.stop_reason,
                                          token_ids=c.token_ids if request.return_token_ids else None))

@@ -1,4 +1,4 @@
-"""Tool calls through the grammar (vLLM's rules for tool_choice "required" and a named function): the
+"""Tool calls: forced through the grammar (vLLM's rules for tool_choice "required" and a named function): the
 output is constrained to the calls' JSON, which any model can then only produce, and turned into
 OpenAI's `tool_calls`.
 
@@ -11,13 +11,16 @@ OpenAI's `tool_calls`.
 Streamed, a named call's arguments go out as they come (its first delta carries id, type and
 name); the calls of "required" go out whole once the output is complete (its JSON is only a list
 of calls once it closes).
+
+With tool_choice "auto" the server's tool-call parser (services/gateway/tool_parsers.py) reads the
+calls out of whatever the model wrote; `tool_call_reader` gives a request's reader either way.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 from services.gateway.errors import bad_request
 from services.gateway.protocol import (
@@ -27,6 +30,7 @@ from services.gateway.protocol import (
     FunctionCall,
     ToolCall,
 )
+from services.gateway.tool_parsers import TOOL_PARSERS, ParsedOutput, StreamedPiece, tool_call_id
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # a function without parameters takes any object
 
@@ -34,10 +38,6 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}  # a function without parameters
 class ToolChoice(NamedTuple):
     name: str | None  # the named function; None: "required"
     schema: dict[str, Any] | None  # what the output must be
-
-
-def tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 def tool_choice_of(body: ChatCompletionRequest) -> ToolChoice | None:
@@ -71,16 +71,69 @@ def tool_choice_of(body: ChatCompletionRequest) -> ToolChoice | None:
     return ToolChoice(name, functions[name])
 
 
-def tool_calls_of(choice: ToolChoice, text: str) -> list[FunctionCall] | None:
-    """The calls a complete output makes; None when it is not the calls' JSON (cut short by max_tokens)."""
-    if choice.name is not None:
-        return [FunctionCall(name=choice.name, arguments=text)] if _is_json(text) else None
-    try:
-        calls = json.loads(text)
-        return [FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"], ensure_ascii=False))
-                for c in calls]
-    except (ValueError, TypeError, KeyError):
-        return None
+class ForcedToolCalls:
+    """A tool-call reader (the parsers' interface) for a forced call: the whole output is the calls' JSON."""
+
+    def __init__(self, choice: ToolChoice) -> None:
+        self.choice = choice
+        self.text = ""
+        self.started = False  # a named call's first delta (id, type, name) is out
+
+    def parse(self, text: str) -> ParsedOutput:
+        """A whole output; no calls (the text as content) when it is not the calls' JSON (cut short)."""
+        calls = self._calls(text)
+        return ParsedOutput(text, []) if calls is None else ParsedOutput("", calls)
+
+    def _calls(self, text: str) -> list[FunctionCall] | None:
+        if self.choice.name is not None:
+            return [FunctionCall(name=self.choice.name, arguments=text)] if _is_json(text) else None
+        try:
+            return [FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"], ensure_ascii=False))
+                    for c in json.loads(text)]
+        except (ValueError, TypeError, KeyError):
+            return None
+
+    def feed(self, text: str, finished: bool) -> StreamedPiece:
+        """A named call's arguments stream as they come; "required"'s calls go out whole at the end."""
+        self.text += text
+        if self.choice.name is not None:
+            if not text and self.started:
+                return StreamedPiece("", [])
+            first, self.started = not self.started, True
+            return StreamedPiece("", [DeltaToolCall(
+                index=0, id=tool_call_id() if first else None, type="function" if first else None,
+                function=DeltaFunctionCall(name=self.choice.name if first else None, arguments=text))])
+        if not finished:
+            return StreamedPiece("", [])
+        calls = self._calls(self.text)
+        if calls is None:
+            return StreamedPiece(self.text, [])  # cut short: no calls, the text as it is
+        return StreamedPiece("", [DeltaToolCall(index=i, id=tool_call_id(), type="function",
+                                                function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                                  for i, c in enumerate(calls)])
+
+
+class ToolCallReader(Protocol):
+    def parse(self, text: str) -> ParsedOutput: ...
+    def feed(self, text: str, finished: bool) -> StreamedPiece: ...
+
+
+def tool_call_reader(body: ChatCompletionRequest, parser: str | None) -> Callable[[], ToolCallReader] | None:
+    """What reads a choice's calls out of its text (a new reader per choice), None when the request
+    calls no tools: its forced call's, or with tool_choice "auto" the server's --tool-call-parser."""
+    choice = tool_choice_of(body)
+    if choice is not None:
+        return lambda: ForcedToolCalls(choice)
+    if body.tools and body.tool_choice in (None, "auto") and parser is not None:
+        return TOOL_PARSERS[parser]
+    return None
+
+
+def finish_reason_with_calls(body: ChatCompletionRequest, finish_reason: str | None) -> str | None:
+    """vLLM's: a choice that made calls finishes with tool_calls, but for a named function (stop)."""
+    if finish_reason == "stop" and not isinstance(body.tool_choice, dict):
+        return "tool_calls"
+    return finish_reason
 
 
 def _is_json(text: str) -> bool:
@@ -89,32 +142,6 @@ def _is_json(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-class ToolCallStream:
-    """One choice's streamed tool calls: OpenAI's deltas of the output's text as it comes."""
-
-    def __init__(self, choice: ToolChoice) -> None:
-        self.choice = choice
-        self.text = ""
-        self.started = False  # a named call's first delta (id, type, name) is out
-
-    def deltas(self, text: str, finished: bool) -> list[DeltaToolCall]:
-        """The deltas for `text` (what the output grew by); `finished`: the output is complete."""
-        self.text += text
-        if self.choice.name is not None:
-            if not text and self.started:
-                return []
-            first = not self.started
-            self.started = True
-            return [DeltaToolCall(index=0, id=tool_call_id() if first else None, type="function" if first else None,
-                                  function=DeltaFunctionCall(name=self.choice.name if first else None,
-                                                             arguments=text))]
-        if not finished:
-            return []
-        return [DeltaToolCall(index=i, id=tool_call_id(), type="function",
-                              function=DeltaFunctionCall(name=call.name, arguments=call.arguments))
-                for i, call in enumerate(tool_calls_of(self.choice, self.text) or ())]
 
 
 def tool_call_messages(calls: list[FunctionCall]) -> list[ToolCall]:

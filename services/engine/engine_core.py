@@ -180,13 +180,15 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        assert self.structured_output.num_pending == len(self._waiting_for_grammar), "a grammar wait leaked"
+        assert not set(self._waiting_for_grammar) & set(self.scheduler.requests)
 
     def stats(self) -> EngineStats:
         manager = self.kv_cache_manager
         num_total = manager.block_pool.num_blocks
         return EngineStats(
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.num_waiting,
             num_used_blocks=num_total - manager.num_free_blocks,
             num_total_blocks=num_total,
             num_preemptions=self.scheduler.num_preemptions,
@@ -199,7 +201,12 @@ class EngineCore:
         KVCacheManager.num_matched_blocks)."""
         manager = self.kv_cache_manager
         return PrefixMatch(manager.num_matched_blocks(block_hashes), self.scheduler.num_running,
-                           self.scheduler.num_waiting, manager.num_free_blocks, manager.usage)
+                           self.num_waiting, manager.num_free_blocks, manager.usage)
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiting to be scheduled, or for their grammar to compile first."""
+        return self.scheduler.num_waiting + len(self._waiting_for_grammar)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask
+from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from services.common.grammar import to_grammar
 from services.common.structured_outputs import StructuredOutputs
@@ -84,6 +84,7 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple[StructuredOutputs, tuple[int, ...]], Future] = OrderedDict()
         self._pending: dict[str, PendingGrammar] = {}  # request id -> its grammar being compiled
         self._pool = ThreadPoolExecutor(max_workers, "grammar-compile")
+        self._executor: llguidance.LLExecutor | None = None  # llguidance's mask-filling threads, on first use
         self._tokenizers: dict[tuple[int, ...], llguidance.LLTokenizer] = {}  # by eos ids
         self._tokenizer_lock = threading.Lock()
         self.cache_hits = self.cache_misses = 0  # read by the metrics when scraped
@@ -158,10 +159,15 @@ class StructuredOutputManager:
     # ------------------------------------------------------------------ per step
 
     def bitmask(self, grammars: Sequence[RequestGrammar]) -> bytes:
-        """The packed masks of `grammars`' next tokens, one row each, in order."""
+        """The packed masks of `grammars`' next tokens, one row each, in order. Several rows are filled
+        by llguidance's own thread pool, in parallel and without the GIL."""
         bitmask = np.empty((len(grammars), self.words_per_row), dtype=np.int32)
-        for row, grammar in enumerate(grammars):
-            grammar.fill(bitmask, row)
+        if len(grammars) == 1:
+            grammars[0].fill(bitmask, 0)
+        else:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            fill_next_token_bitmask_par(self._executor, [(g.matcher, row) for row, g in enumerate(grammars)], bitmask)
         return bitmask.tobytes()
 
     def shutdown(self) -> None:

@@ -26,6 +26,7 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 class Constraint(NamedTuple):
     field: str  # the request field that asked for it (the 400's param)
     value: StructuredOutputs
+    where: str = ""  # where in the field, for messages (structured_outputs.regex); "": the field itself
 
 
 def structured_outputs_of(body: SamplingRequest) -> StructuredOutputs | None:
@@ -36,11 +37,11 @@ def structured_outputs_of(body: SamplingRequest) -> StructuredOutputs | None:
                           f"{', '.join(a.field for a in asked)}", asked[1].field)
     if not asked:
         return None
-    field, constraint = asked[0]
+    field, constraint, where = asked[0]
     try:
         check_grammar(constraint)
     except ValueError as e:
-        raise bad_request(f"{field}: {e}", field) from None
+        raise bad_request(f"{where or field}: {e}", field) from None
     return constraint
 
 
@@ -53,9 +54,10 @@ def _constraints(body: SamplingRequest) -> list[Constraint]:
         if response_format.json_schema is None:
             raise bad_request("response_format of type 'json_schema' needs its json_schema", "response_format")
         schema = response_format.json_schema.schema_
-        asked.append(Constraint("response_format", _json(True if schema is None else schema)))
+        asked.append(Constraint("response_format", _json({} if schema is None else schema)))  # {}: any JSON
     if body.structured_outputs is not None:
-        asked.append(Constraint("structured_outputs", _of_structured_outputs(body.structured_outputs)))
+        constraint = _of_structured_outputs(body.structured_outputs)
+        asked.append(Constraint("structured_outputs", constraint, f"structured_outputs.{constraint.kind}"))
     for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                         ("guided_grammar", "grammar")):
         value = getattr(body, field)
@@ -105,6 +107,8 @@ def _structured(kind: str, value: Any, field: str) -> StructuredOutputs:
 
 
 def _json(schema: Any) -> StructuredOutputs:
+    if schema is True:  # JSON Schema's "anything", which llguidance takes only as {}
+        schema = {}
     # Compact, keys in the sender's order (they are the output's order): one schema sent the same way
     # twice is one entry of the engine's grammar cache.
     return StructuredOutputs("json", json.dumps(schema, separators=(",", ":")))

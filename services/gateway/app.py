@@ -222,7 +222,8 @@ class _API:
         self._set_session(requests, request, body)
         await self._check_sizes(prompt_size(None, r.messages, r.chat_template_kwargs.values()) for r in requests)
         return await self._respond(request, requests, False, _no_stream,
-                                   lambda g: batch_chat_response(g, body, response_id, self.served_model_name))
+                                   lambda g: batch_chat_response(g, body, response_id, self.served_model_name,
+                                                                 self.options.tool_call_parser))
 
     def _with_usage(self, body: S) -> S:
         """With --enable-force-include-usage, a stream's body as if it asked for usage (vLLM's rule:

@@ -83,14 +83,20 @@ async def chat_response(generation: Generation, request: ChatCompletionRequest, 
                 choice.logprobs.content.extend(_logprobs(request, c))
             if c.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+    read_tool_calls(request, choices, tool_parser)
+    return ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=generation.usage(),
+                                  prompt_logprobs=prompt_lps, prompt_token_ids=_prompt_ids(generation, request))
+
+
+def read_tool_calls(request: ChatCompletionRequest, choices: list[ChatCompletionChoice],
+                    tool_parser: str | None) -> None:
+    """The calls in each finished choice's text, into its message's tool_calls (services/gateway/tool_calls.py)."""
     reader = tool_call_reader(request, tool_parser)
     for choice in choices if reader is not None else ():
         parsed = reader().parse(choice.message.content)
         if parsed.calls:
             choice.message.content, choice.message.tool_calls = parsed.content, tool_call_messages(parsed.calls)
             choice.finish_reason = finish_reason_with_calls(request, choice.finish_reason)
-    return ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=generation.usage(),
-                                  prompt_logprobs=prompt_lps, prompt_token_ids=_prompt_ids(generation, request))
 
 
 async def chat_chunks(generation: Generation, request: ChatCompletionRequest, response_id: str,

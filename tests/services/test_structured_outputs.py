@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from loadtests.json_schemas import JSON_SCHEMAS
-from tests.services.test_openai_api import client, model  # noqa: F401 (the same fixtures)
+from tests.services.test_openai_api import client, http, model  # noqa: F401 (the same fixtures)
 from tests.services.test_metrics import samples
 from tests.services.test_metrics_serve import fetch, total
 
@@ -185,3 +185,15 @@ def test_a_grammar_compiles_once_and_is_counted(client, model, serve):
         "kvmesh_engine_grammar_compile_seconds_count")}
     assert increase == {"kvmesh_engine_grammar_cache_misses_total": 1, "kvmesh_engine_grammar_cache_hits_total": 1,
                         "kvmesh_engine_grammar_compile_seconds_count": 1}
+
+
+def test_batched_chat_makes_each_conversations_calls(http, model):
+    conversations = [[{"role": "user", "content": f"The weather in {city}?"}] for city in ("Paris", "Oslo")]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    response = http.post("/v1/chat/completions/batch", json={"model": model, "messages": conversations,
+                                                             "tools": TOOLS, "tool_choice": named, **GREEDY})
+    assert response.status_code == 200, response.text
+    for choice in response.json()["choices"]:
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMETERS["get_weather"])

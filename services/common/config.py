@@ -26,6 +26,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 POLICIES = ("fcfs", "priority")
 ROUTING_POLICIES = ("round-robin", "least-load", "kv-aware", "session")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+TOOL_CALL_PARSERS = ("hermes",)  # services/gateway/tool_parsers.py's registry (the gateway checks they agree)
 
 
 def default_cache_dir() -> Path:
@@ -420,9 +421,18 @@ class GatewayConfig:
         False, "every stream ends with a usage chunk, as if stream_options.include_usage were true")
     enable_tokenizer_info_endpoint: bool = option(
         False, "serve GET /tokenizer_info (the tokenizer's configuration, chat template included)")
+    # Tool calling (issue 17): tool_choice "required" or named works with any model, through the grammar;
+    # "auto" reads the calls out of the model's own text, as vLLM's flags of the same names.
+    enable_auto_tool_choice: bool = option(
+        False, "accept tool_choice 'auto' (the default with tools): the model decides, --tool-call-parser "
+               "reads its calls")
+    tool_call_parser: str | None = option(
+        None, "how the model writes tool calls (services/gateway/tool_parsers.py)", choices=TOOL_CALL_PARSERS)
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)")
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
             raise ValueError(f"root_path must start with / and not end with one (e.g. /kvmesh), got {self.root_path!r}")
 
@@ -431,7 +441,8 @@ class GatewayConfig:
 GATEWAY_SERVE_FIELDS = ("api_key", "access_log", "log_level", "header_timeout", "body_timeout",
                         "keep_alive_timeout", "max_connections", "max_header_bytes", "max_headers", "session_header",
                         "return_tokens_as_token_ids", "root_path", "enable_request_id_headers",
-                        "enable_force_include_usage", "enable_tokenizer_info_endpoint")
+                        "enable_force_include_usage", "enable_tokenizer_info_endpoint", "enable_auto_tool_choice",
+                        "tool_call_parser")
 
 
 @dataclass(frozen=True)

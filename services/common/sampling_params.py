@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from services.common.structured_outputs import StructuredOutputs
+
 # Below this temperature sampling is greedy (and top-k/top-p/min-p are off), as in vLLM.
 GREEDY_EPSILON = 1e-5
 MAX_LOGPROBS = 20  # the gateway's default limit (--max-logprobs), as vLLM's
@@ -45,6 +47,9 @@ class SamplingParams:
     # many prompt tokens are its own earlier outputs, which frequency and presence penalties count as
     # outputs. max_tokens and min_tokens are then what is left of the original ones. 0 for every other.
     num_resumed_outputs: int = 0
+    # The output's constraint (a JSON schema, regex, choice or grammar); None: unconstrained. The engine
+    # masks every token the constraint forbids and ends the request once the constraint is complete.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -31,6 +31,24 @@ class CachedRequestData:
 
 
 @dataclass(slots=True)
+class GrammarBitmask:
+    """The packed token masks of the requests that sample under a grammar this step (vLLM's
+    grammar_bitmask): row i, for req_ids[i], is `words_per_row` little-endian int32 words; bit b of word
+    w set means token 32 w + b may be sampled. Only constrained requests have a row."""
+
+    req_ids: list[str]
+    bitmask: bytes  # len(req_ids) * words_per_row * 4 bytes
+
+    def __post_init__(self) -> None:
+        if self.req_ids and len(self.bitmask) % (4 * len(self.req_ids)):
+            raise ValueError(f"grammar bitmask of {len(self.bitmask)} bytes for {len(self.req_ids)} rows")
+
+    @property
+    def words_per_row(self) -> int:
+        return len(self.bitmask) // (4 * len(self.req_ids))
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -38,6 +56,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)
     num_preempted: int = 0
+    grammar_bitmask: GrammarBitmask | None = None  # None: no request samples under a grammar this step
 
     @property
     def is_empty(self) -> bool:

@@ -244,7 +244,7 @@ class AsyncEngine:
             # Nothing could be scheduled this time (cannot last: running requests free their
             # blocks as they finish); wait a little, or until new work arrives.
             self._wake.wait(IDLE_SCHEDULE_WAIT)
-            return []
+            return _ending_alone(self.core.take_grammar_failures())  # constraints that failed to compile
         rpc_start = time.perf_counter()
         runner_output = self.worker.execute_model(scheduler_output)
         rpc_seconds = time.perf_counter() - rpc_start
@@ -253,8 +253,7 @@ class AsyncEngine:
         self.core.record_step_time(scheduler_output, step_seconds)
         if self.metrics is not None:
             self.metrics.record_step(scheduler_output, outputs, step_seconds, rpc_seconds)
-        # A request that failed alone ends its stream with the reason, as a refusal at admission would.
-        return [(o.request_id, o if o.error is None else ValueError(o.error)) for o in outputs]
+        return _ending_alone(outputs)
 
     def _send(self, items: list[tuple[str, Item]]) -> None:
         if items:
@@ -280,3 +279,8 @@ class AsyncEngine:
         for queue in self._queues.values():
             queue.put_nowait(self._error)
 
+
+
+def _ending_alone(outputs: list[EngineCoreOutput]) -> list[tuple[str, Item]]:
+    """A request that failed alone ends its stream with the reason, as a refusal at admission would."""
+    return [(o.request_id, o if o.error is None else ValueError(o.error)) for o in outputs]

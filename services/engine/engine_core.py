@@ -11,13 +11,14 @@ from services.common.config import SchedulerConfig
 from services.common.hashing import BlockHash
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput
-from services.common.scheduler_output import SchedulerOutput
+from services.common.scheduler_output import GrammarBitmask, SchedulerOutput
 from services.common.validation import check_engine_request
 from services.engine.chunk_policy import AdaptiveChunking
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.kv_events import KVEventQueue
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler
+from services.engine.structured_output import GrammarError, StructuredOutputManager
 
 
 class Executor(Protocol):
@@ -57,6 +58,10 @@ class EngineCore:
             max_num_waiting=scheduler_config.max_num_waiting,
             chunking=AdaptiveChunking(scheduler_config.max_num_batched_tokens, scheduler_config.target_step_seconds),
         )
+        # Structured outputs: requests wait here, outside the scheduler, until their grammar compiled.
+        self.structured_output = StructuredOutputManager(worker_info.model_path, worker_info.vocab_size)
+        self._waiting_for_grammar: dict[str, Request] = {}
+        self._grammar_failures: list[EngineCoreOutput] = []
 
     @classmethod
     def create(cls, worker: WorkerClient, scheduler_config: SchedulerConfig,
@@ -80,7 +85,7 @@ class EngineCore:
         self.check_request(request)
         limit = self.max_model_len - len(request.prompt_token_ids)
         max_tokens = request.sampling_params.max_tokens
-        self.scheduler.add_request(Request(
+        engine_request = Request(
             request.request_id,
             request.prompt_token_ids,
             request.sampling_params,
@@ -92,10 +97,40 @@ class EngineCore:
             priority=request.priority,
             group_id=request.group_id or request.request_id,
             arrival_time=request.arrival_time if request.arrival_time is not None else time.monotonic(),
-        ))
+        )
+        constraint = request.sampling_params.structured_outputs
+        if constraint is None:
+            self.scheduler.add_request(engine_request)
+            return
+        if request.request_id in self._waiting_for_grammar or request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.structured_output.submit(request.request_id, constraint, request.eos_token_ids)
+        self._waiting_for_grammar[request.request_id] = engine_request
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled join the scheduler; a failed compile fails its request."""
+        for request_id, request in list(self._waiting_for_grammar.items()):
+            try:
+                grammar = self.structured_output.ready(request_id)
+                if grammar is None:
+                    continue
+                request.grammar = grammar
+                self.scheduler.add_request(request)
+            except (GrammarError, ValueError) as exc:  # ValueError: the scheduler refused it
+                self._grammar_failures.append(EngineCoreOutput(request_id, [], finish_reason="error", error=str(exc)))
+            del self._waiting_for_grammar[request_id]
+
+    def take_grammar_failures(self) -> list[EngineCoreOutput]:
+        """The requests whose grammar failed to compile since the last call, each an error output."""
+        failures, self._grammar_failures = self._grammar_failures, []
+        return failures
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Idempotent, also for unknown or already finished ids; the worker drops them next step."""
+        request_ids = list(request_ids)
+        for request_id in request_ids:
+            if self._waiting_for_grammar.pop(request_id, None) is not None:
+                self.structured_output.forget(request_id)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> list[EngineCoreOutput]:
@@ -105,11 +140,26 @@ class EngineCore:
         return self.update_from_output(scheduler_output, runner_output)
 
     def schedule(self) -> SchedulerOutput:
-        return self.scheduler.schedule()
+        if self._waiting_for_grammar:
+            self._admit_compiled()
+        output = self.scheduler.schedule()
+        output.grammar_bitmask = self._grammar_bitmask(output)
+        return output
+
+    def _grammar_bitmask(self, output: SchedulerOutput) -> GrammarBitmask | None:
+        """The masks of the constrained requests that sample this step: those whose scheduled tokens
+        reach their last known token (num_computed_tokens advanced at schedule time)."""
+        requests = self.scheduler.requests
+        sampling = [requests[r] for r in output.num_scheduled_tokens if requests[r].grammar is not None]
+        sampling = [r for r in sampling if r.num_computed_tokens == r.num_tokens]
+        if not sampling:
+            return None
+        return GrammarBitmask([r.request_id for r in sampling],
+                              self.structured_output.bitmask([r.grammar for r in sampling]))
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self.take_grammar_failures() + self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         """How long a step took (schedule to outputs): the prefill chunks that follow are sized from
@@ -118,7 +168,7 @@ class EngineCore:
         self.scheduler.chunking.record_step(scheduler_output.total_num_scheduled_tokens, seconds)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._waiting_for_grammar or self._grammar_failures)
 
     def has_finished_requests(self) -> bool:
         """Requests finished since the last step, which the worker still holds: a step (even an
@@ -126,17 +176,19 @@ class EngineCore:
         return bool(self.scheduler.finished_req_ids)
 
     def abort_all(self) -> None:
-        self.abort_requests(list(self.scheduler.requests))
+        self.abort_requests([*self.scheduler.requests, *self._waiting_for_grammar])
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        assert self.structured_output.num_pending == len(self._waiting_for_grammar), "a grammar wait leaked"
+        assert not set(self._waiting_for_grammar) & set(self.scheduler.requests)
 
     def stats(self) -> EngineStats:
         manager = self.kv_cache_manager
         num_total = manager.block_pool.num_blocks
         return EngineStats(
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.num_waiting,
             num_used_blocks=num_total - manager.num_free_blocks,
             num_total_blocks=num_total,
             num_preemptions=self.scheduler.num_preemptions,
@@ -149,7 +201,12 @@ class EngineCore:
         KVCacheManager.num_matched_blocks)."""
         manager = self.kv_cache_manager
         return PrefixMatch(manager.num_matched_blocks(block_hashes), self.scheduler.num_running,
-                           self.scheduler.num_waiting, manager.num_free_blocks, manager.usage)
+                           self.num_waiting, manager.num_free_blocks, manager.usage)
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiting to be scheduled, or for their grammar to compile first."""
+        return self.scheduler.num_waiting + len(self._waiting_for_grammar)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -31,6 +31,7 @@ from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.metrics import COMPONENT, STEP_BUCKETS, build_1_2_5_buckets
 from services.common.scheduler_output import SchedulerOutput
 from services.engine.engine_core import EngineCore
+from services.engine.structured_output import StructuredOutputManager
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # vLLM's bucket choices (vllm/v1/metrics/loggers.py).
@@ -40,6 +41,7 @@ TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5
                          20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
+GRAMMAR_COMPILE_BUCKETS = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -153,7 +155,17 @@ class EngineMetrics:
     def for_core(cls, registry: CollectorRegistry, labels: EngineLabels, core: EngineCore) -> EngineMetrics:
         cache_info = CacheInfo(core.block_size, core.stats().num_total_blocks, core.enable_prefix_caching,
                                core.max_model_len)
-        return cls(registry, labels, core.max_model_len, cache_info, core.stats)
+        metrics = cls(registry, labels, core.max_model_len, cache_info, core.stats)
+        metrics.watch_grammars(registry, core.structured_output)
+        return metrics
+
+    def watch_grammars(self, registry: CollectorRegistry, manager: StructuredOutputManager) -> None:
+        """Structured outputs: each grammar compile's time, and the compiled-grammar cache's hits and misses."""
+        histogram = Histogram("kvmesh_engine_grammar_compile_seconds",
+                              "Time to compile a structured output's grammar (a cache miss), in seconds",
+                              ["model_name", "engine"], buckets=GRAMMAR_COMPILE_BUCKETS, registry=registry)
+        manager.compile_observers.append(histogram.labels(self.labels.model_name, self.labels.engine).observe)
+        registry.register(_GrammarCacheCollector(self.labels, manager))
 
     # ------------------------------------------------------------------ fed by the engine-loop thread
 
@@ -271,6 +283,25 @@ class _SchedulerCollector:
             (CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                                  labels=names), stats.num_preemptions),
         ):
+            family.add_metric(self._values, value)
+            yield family
+
+
+class _GrammarCacheCollector:
+    """The structured-output manager's cache counters, read when scraped."""
+
+    def __init__(self, labels: EngineLabels, manager: StructuredOutputManager) -> None:
+        self._values = [labels.model_name, labels.engine]
+        self._manager = manager
+
+    def collect(self) -> Iterator[Metric]:
+        for name, doc, value in (
+            ("kvmesh_engine_grammar_cache_hits", "Structured-output requests whose grammar was already compiled",
+             self._manager.cache_hits),
+            ("kvmesh_engine_grammar_cache_misses", "Structured-output requests whose grammar had to be compiled",
+             self._manager.cache_misses),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
             family.add_metric(self._values, value)
             yield family
 

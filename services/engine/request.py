@@ -9,9 +9,13 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from services.common.hashing import BlockHash, hash_token_blocks
 from services.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -74,6 +78,8 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # Structured outputs: the matcher of its constraint, set once compiled (None: unconstrained).
+        self.grammar: RequestGrammar | None = None
 
         self._block_size = block_size
         self._model_id = model_id

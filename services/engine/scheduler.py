@@ -198,7 +198,8 @@ class Scheduler:
             token_id = runner_output.sampled_token_ids[i]
             request.append_output_token_ids([token_id])
             self._check_stop(request, token_id)
-            output = EngineCoreOutput(request_id, [token_id], num_cached_tokens=request.num_cached_tokens)
+            error = None if request.grammar is None else self._advance_grammar(request, token_id)
+            output = EngineCoreOutput(request_id, [token_id], num_cached_tokens=request.num_cached_tokens, error=error)
             if runner_output.logprobs is not None:
                 output.new_logprobs = [runner_output.logprobs[i]]
             if request.num_output_tokens == 1:
@@ -220,6 +221,19 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    @staticmethod
+    def _advance_grammar(request: Request, token_id: int) -> str | None:
+        """Structured outputs: the token moves the request's matcher on. Once the grammar is complete
+        its mask allows only EOS, so the request ends on EOS as any other (finish_reason stop, the EOS
+        dropped from the text); with ignore_eos that EOS ends it all the same. Returns why the
+        request fails when the grammar refuses the token."""
+        if not request.grammar.accept(token_id):
+            request.status = RequestStatus.FINISHED_ERROR
+            return f"request {request.request_id}: token {token_id} does not fit its structured output's grammar"
+        if request.grammar.is_complete and token_id in request.eos_token_ids and not request.is_finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+        return None
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params

@@ -170,11 +170,13 @@ class ApiOptions:
     force_include_usage: bool = False  # every stream ends with a usage chunk
     tokenizer_info: bool = False  # GET /tokenizer_info
     return_tokens_as_token_ids: bool = False  # the default of the request field of that name
+    tool_call_parser: str | None = None  # with tool_choice "auto" (None: "auto" is refused)
 
     @classmethod
     def of(cls, gateway: GatewayConfig) -> ApiOptions:
         return cls(gateway.enable_request_id_headers, gateway.enable_force_include_usage,
-                   gateway.enable_tokenizer_info_endpoint, gateway.return_tokens_as_token_ids)
+                   gateway.enable_tokenizer_info_endpoint, gateway.return_tokens_as_token_ids,
+                   gateway.tool_call_parser if gateway.enable_auto_tool_choice else None)
 
 
 class _API:
@@ -220,7 +222,8 @@ class _API:
         self._set_session(requests, request, body)
         await self._check_sizes(prompt_size(None, r.messages, r.chat_template_kwargs.values()) for r in requests)
         return await self._respond(request, requests, False, _no_stream,
-                                   lambda g: batch_chat_response(g, body, response_id, self.served_model_name))
+                                   lambda g: batch_chat_response(g, body, response_id, self.served_model_name,
+                                                                 self.options.tool_call_parser))
 
     def _with_usage(self, body: S) -> S:
         """With --enable-force-include-usage, a stream's body as if it asked for usage (vLLM's rule:
@@ -247,11 +250,12 @@ class _API:
         await self._check_sizes([PromptSize(0, len(body.messages))])  # before converting each of them
         response_id, engine_id = _ids("chatcmpl", request, body.request_id)
         requests = [generate_request(body, engine_id, params)]
+        parser = self.options.tool_call_parser
         self._set_session(requests, request, body)
         await self._check_sizes([prompt_size(None, requests[0].messages, requests[0].chat_template_kwargs.values())])
         return await self._respond(request, requests, body.stream,
-                                   lambda g: chat_chunks(g, body, response_id, self.served_model_name),
-                                   lambda g: chat_response(g, body, response_id, self.served_model_name))
+                                   lambda g: chat_chunks(g, body, response_id, self.served_model_name, parser),
+                                   lambda g: chat_response(g, body, response_id, self.served_model_name, parser))
 
     def _set_session(self, requests: list[GenerateRequest], request: Request, body: SamplingRequest) -> None:
         """The session header's value, if sent, else the body's session_id (vLLM's field), as every
@@ -269,7 +273,7 @@ class _API:
 
     def _params(self, body: SamplingRequest) -> SamplingParams:
         self._check_model(body.model)
-        asked = unsupported_asks(body)
+        asked = unsupported_asks(body, auto_tools=self.options.tool_call_parser is not None)
         if asked:
             raise bad_request("; ".join(a.message for a in asked), asked[0].field)
         if body.return_tokens_as_token_ids is None:  # the request as this server reads it: its flag decides

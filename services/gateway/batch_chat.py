@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 
 from services.common.clients import GenerateRequest
 from services.common.sampling_params import SamplingParams
-from services.gateway.chat import echoed, generate_request
+from services.gateway.chat import echoed, generate_request, read_tool_calls
 from services.gateway.generation import Generation
 from services.gateway.logprobs import chat_logprobs
 from services.gateway.protocol import (
@@ -63,7 +63,7 @@ def generate_requests(body: BatchChatCompletionRequest, request_id: str,
 
 
 async def batch_chat_response(generation: Generation, body: BatchChatCompletionRequest, response_id: str,
-                              model: str) -> ChatCompletionResponse:
+                              model: str, tool_parser: str | None = None) -> ChatCompletionResponse:
     conversations = body.conversations()
     choices = [ChatCompletionChoice(index=i, message=AssistantMessage(role=c.role, content=echoed(c)),
                                     logprobs=ChatChoiceLogprobs(content=[]) if body.logprobs else None)
@@ -76,4 +76,6 @@ async def batch_chat_response(generation: Generation, body: BatchChatCompletionR
                 choice.logprobs.content.extend(chat_logprobs(c))
             if c.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+    for conversation, choice in zip(conversations, choices):  # tool calls, as /v1/chat/completions reads them
+        read_tool_calls(conversation, [choice], tool_parser)
     return ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=generation.usage())

@@ -28,6 +28,7 @@ from services.gateway.protocol import (
     DeltaMessage,
     now,
 )
+from services.gateway.tool_calls import finish_reason_with_calls, tool_call_messages, tool_call_reader
 
 
 def generate_request(body: ChatCompletionRequest, request_id: str, params: SamplingParams) -> GenerateRequest:
@@ -63,7 +64,7 @@ def echoed(request: ChatCompletionRequest) -> str:
 
 
 async def chat_response(generation: Generation, request: ChatCompletionRequest, response_id: str,
-                        model: str) -> ChatCompletionResponse:
+                        model: str, tool_parser: str | None = None) -> ChatCompletionResponse:
     prefix = echoed(request)
     choices = [ChatCompletionChoice(index=i, message=AssistantMessage(role=request.role, content=prefix),
                                     logprobs=ChatChoiceLogprobs(content=[]) if request.logprobs else None,
@@ -82,12 +83,24 @@ async def chat_response(generation: Generation, request: ChatCompletionRequest, 
                 choice.logprobs.content.extend(_logprobs(request, c))
             if c.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+    read_tool_calls(request, choices, tool_parser)
     return ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=generation.usage(),
                                   prompt_logprobs=prompt_lps, prompt_token_ids=_prompt_ids(generation, request))
 
 
+def read_tool_calls(request: ChatCompletionRequest, choices: list[ChatCompletionChoice],
+                    tool_parser: str | None) -> None:
+    """The calls in each finished choice's text, into its message's tool_calls (services/gateway/tool_calls.py)."""
+    reader = tool_call_reader(request, tool_parser)
+    for choice in choices if reader is not None else ():
+        parsed = reader().parse(choice.message.content)
+        if parsed.calls:
+            choice.message.content, choice.message.tool_calls = parsed.content, tool_call_messages(parsed.calls)
+            choice.finish_reason = finish_reason_with_calls(request, choice.finish_reason)
+
+
 async def chat_chunks(generation: Generation, request: ChatCompletionRequest, response_id: str,
-                      model: str) -> AsyncIterator[ChatCompletionChunk]:
+                      model: str, tool_parser: str | None = None) -> AsyncIterator[ChatCompletionChunk]:
     created = now()
 
     def chunk(choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk:
@@ -95,6 +108,9 @@ async def chat_chunks(generation: Generation, request: ChatCompletionRequest, re
                                    prompt_token_ids=prompt_token_ids)
 
     usage = generation.usage() if request.continuous_usage_stats else None
+    reader = tool_call_reader(request, tool_parser)
+    readers = [reader() for _ in range(request.n)] if reader is not None else None
+    readers_called = [False] * request.n  # whether a choice's stream has made a call
     prefix = echoed(request)
     prompt_ids = _prompt_ids(generation, request)
     for i in range(request.n):
@@ -108,7 +124,14 @@ async def chat_chunks(generation: Generation, request: ChatCompletionRequest, re
                 continue
             logprobs = ChatChoiceLogprobs(content=_logprobs(request, c)) if request.logprobs else None
             message = DeltaMessage(content=c.text) if c.text else DeltaMessage()
-            yield chunk(ChatStreamChoice(index=c.index, delta=message, logprobs=logprobs, finish_reason=c.finish_reason,
+            finish_reason = c.finish_reason
+            if readers is not None:
+                piece = readers[c.index].feed(c.text, c.finish_reason is not None)
+                message = DeltaMessage(content=piece.content or None, tool_calls=piece.calls or None)
+                readers_called[c.index] |= bool(piece.calls)
+                if readers_called[c.index]:
+                    finish_reason = finish_reason_with_calls(request, finish_reason)
+            yield chunk(ChatStreamChoice(index=c.index, delta=message, logprobs=logprobs, finish_reason=finish_reason,
                                          stop_reason=c.stop_reason,
                                          token_ids=c.token_ids if request.return_token_ids else None))
     if request.include_usage:

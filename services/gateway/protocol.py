@@ -31,9 +31,34 @@ class StreamOptions(OpenAIRequest):
     continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk, when include_usage is on
 
 
+class JsonSchemaFormat(OpenAIRequest):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON value
+    strict: bool | None = None  # the output always keeps to the schema here
+
+
 class ResponseFormat(OpenAIRequest):
-    model_config = ConfigDict(extra="allow")  # json_schema, ...: refused with any type but "text"
-    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]  # structural_tag: refused
+    json_schema: JsonSchemaFormat | None = None  # with type json_schema
+
+
+class StructuredOutputsRequest(OpenAIRequest):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark or GBNF
+    json_object: bool | None = None
+    # The output's JSON is always compact here (disable_any_whitespace true, whatever sent); a
+    # constraint that cannot compile always fails the request (there is no fallback to disable).
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False  # honoured: additionalProperties false where unset
+    whitespace_pattern: str | None = None  # refused
+    structural_tag: str | None = None  # refused
 
 
 class SamplingRequest(OpenAIRequest, UnsupportedSampling):
@@ -66,7 +91,12 @@ class SamplingRequest(OpenAIRequest, UnsupportedSampling):
     priority: int = 0  # lower runs first, under the engine's priority policy
     request_id: str | None = None  # names the request, unless X-Request-Id does
     cache_salt: str | None = None  # prefix-cache blocks are shared only between requests of one salt
-    response_format: ResponseFormat | None = None  # only {"type": "text"}
+    structured_outputs: StructuredOutputsRequest | None = None  # and vLLM's older guided_* fields:
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: ResponseFormat | None = None  # text, json_object, json_schema (services/gateway/structured.py)
     session_id: str | None = None  # routing affinity, as the session header (which wins)
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     logprob_token_ids: list[int] | None = None  # logprobs of these tokens in place of the top-N
@@ -283,9 +313,43 @@ class ChatChoiceLogprobs(OpenAIResponse):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(OpenAIResponse):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIResponse):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIResponse):
+    name: str | None = None  # in a call's first delta only
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(OpenAIResponse):
+    """A streamed piece of tool call `index`: its id, type and name come once, in its first delta."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class AssistantMessage(OpenAIResponse):
     role: str = "assistant"  # the last speaker's when continuing without a generation prompt
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # the calls the answer makes (tool_choice required, named, auto)
 
 
 class ChatCompletionChoice(OpenAIResponse):
@@ -313,6 +377,7 @@ class DeltaMessage(OpenAIResponse):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from services.common.sampling_params import SamplingParams
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.structured import structured_outputs_of
 
 
 def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
-    """Raises ValueError (answered with 400) for values SamplingParams refuses."""
+    """Raises ValueError (answered with 400) for values SamplingParams refuses, APIError 400 for a
+    constraint that cannot compile."""
     prompt_logprobs = request.prompt_logprobs
     if isinstance(request, ChatCompletionRequest):
         # Chat defaults to the rest of the context (None), completions to 16 (the request's default).
@@ -45,6 +47,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         allowed_token_ids=request.allowed_token_ids,
         logprob_token_ids=request.logprob_token_ids,
+        structured_outputs=structured_outputs_of(request),
     )
 
 

@@ -24,19 +24,18 @@ class Unsupported(NamedTuple):
     shown: Callable[[Any], str] | None = None  # what of the value the message names, if anything
 
 
-STRUCTURED = Unsupported("structured outputs are not implemented")
 REASONING = Unsupported("reasoning models' controls are not implemented")
 UNSUPPORTED: dict[str, Unsupported] = {
     "use_beam_search": Unsupported("beam search is not implemented"),
     "length_penalty": Unsupported("it weighs beam search, which is not implemented", lambda v: v != 1.0),
     "best_of": Unsupported("every choice is sampled on its own; ask for n instead", lambda v: v is not None and v > 1),
     "bad_words": Unsupported("bad words are not implemented; logit_bias of -100 bans single tokens"),
-    "structured_outputs": STRUCTURED,
-    # vLLM's older names of structured_outputs' fields, still sent by many clients.
-    **{name: STRUCTURED for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                                     "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag")},
-    "response_format": Unsupported("structured outputs are not implemented; use {'type': 'text'}",
-                                   lambda v: v is not None and v.type != "text", lambda v: f"type {v.type!r}"),
+    # Structured outputs are supported (services/gateway/structured.py) but for these of vLLM's fields.
+    "guided_decoding_backend": Unsupported("the engine's one backend (llguidance) compiles every constraint"),
+    "guided_whitespace_pattern": Unsupported("JSON outputs are always compact"),
+    "structural_tag": Unsupported("structural tags are not implemented"),
+    "response_format": Unsupported("structural tags are not implemented",
+                                   lambda v: v is not None and v.type == "structural_tag", lambda v: f"type {v.type!r}"),
     "logits_processors": Unsupported("custom logits processors are not supported"),
     "kv_transfer_params": Unsupported("KV transfer between servers is not driven by the client here: kvmesh "
                                       "moves KV blocks between its own engines"),
@@ -67,7 +66,8 @@ class Asked(NamedTuple):
     message: str  # "<field> is not supported: <why>"
 
 
-TOOLS = "tool calling is not implemented: tools reach the chat template only with tool_choice 'none'"
+AUTO_TOOLS = ("tool_choice 'auto' needs the server started with --enable-auto-tool-choice and --tool-call-parser; "
+              "tool_choice 'required' or a named function works with any model")
 
 
 class UnsupportedSampling(BaseModel):
@@ -77,11 +77,6 @@ class UnsupportedSampling(BaseModel):
     length_penalty: float = 1.0
     best_of: int | None = None
     bad_words: list[str] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: str | dict[str, Any] | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     structural_tag: str | None = None
@@ -102,9 +97,9 @@ class UnsupportedCompletion(BaseModel):
 
 
 class UnsupportedChat(BaseModel):
-    tools: list[dict[str, Any]] | None = None  # to the chat template, with tool_choice "none" only
+    tools: list[dict[str, Any]] | None = None  # to the chat template; called as tool_choice says
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None  # None: vLLM's default
-    parallel_tool_calls: bool | None = True  # read only with tools, which are never called
+    parallel_tool_calls: bool | None = True  # false: at most one call
     reasoning_effort: str | None = None
     include_reasoning: bool = True  # read only by a reasoning parser, which kvmesh has not: no effect in vLLM either
     chat_template: str | None = None
@@ -115,12 +110,13 @@ class UnsupportedChat(BaseModel):
     add_special_tokens: bool = False
 
 
-def unsupported_asks(body: BaseModel) -> list[Asked]:
-    """Every field of `body` that asks for what kvmesh does not implement, and why it cannot."""
+def unsupported_asks(body: BaseModel, auto_tools: bool = False) -> list[Asked]:
+    """Every field of `body` that asks for what kvmesh does not implement (or this server was not
+    started for: `auto_tools`, --enable-auto-tool-choice), and why it cannot."""
     rules = {**UNSUPPORTED, **(UNSUPPORTED_CHAT if isinstance(body, UnsupportedChat) else {})}
     asked = [_asked(name, rule, getattr(body, name)) for name, rule in rules.items()
              if name in type(body).model_fields and rule.asks(getattr(body, name))]
-    tools = _tools_problem(body)
+    tools = _tools_problem(body, auto_tools)
     return asked if tools is None else [*asked, Asked(tools[0], f"{tools[0]} is not supported: {tools[1]}")]
 
 
@@ -129,20 +125,21 @@ def _asked(name: str, rule: Unsupported, value: Any) -> Asked:
     return Asked(name, f"{what} is not supported: {rule.why}")
 
 
-def _tools_problem(body: BaseModel) -> tuple[str, str] | None:
+def _tools_problem(body: BaseModel, auto_tools: bool) -> tuple[str, str] | None:
     """vLLM's rules: tool_choice defaults to 'auto' when tools are given; 'none' needs nothing; any
-    other tool_choice needs tools (and would call them, which kvmesh cannot)."""
+    other tool_choice needs tools; 'auto' needs the server's tool-call parser."""
     if "tools" not in type(body).model_fields:
         return None
     tools, choice = getattr(body, "tools"), getattr(body, "tool_choice")
     if tools == []:
         return "tools", "tools must not be an empty array; omit the field instead"
+    field = "tool_choice"
     if choice is None:
-        choice = "auto" if tools else "none"
-        if choice == "auto":
-            return "tools", f"{TOOLS} (tool_choice defaults to 'auto' when tools are given)"
+        choice, field = ("auto", "tools") if tools else ("none", field)
     if choice == "none":
         return None
     if not tools:
         return "tool_choice", "tool_choice other than 'none' needs tools"
-    return "tool_choice", TOOLS
+    if choice == "auto" and not auto_tools:
+        return field, AUTO_TOOLS + (" (tool_choice defaults to 'auto' when tools are given)" if field == "tools" else "")
+    return None

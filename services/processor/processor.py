@@ -12,6 +12,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from services.common.clients import GenerateRequest, TokenizeRequest
+from services.common.grammar import check_grammar
 from services.common.engine_output import EngineCoreRequest
 from services.common.prompt_size import PromptSize, check_prompt_size, prompt_size
 from services.common.sampling_params import SamplingParams
@@ -160,6 +161,8 @@ class Processor:
         `group_id` (default: `request_id`). ValueError for a prompt or parameters the engine would refuse."""
         check_prompt(prompt_token_ids, self.max_model_len, self.info.vocab_size)
         check_params_token_ids(params, self.info.vocab_size)
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs)  # a bad schema or regex fails here, not in the engine
         params = resolved_logprobs(params, self.info.vocab_size)
         group_id = group_id or request_id
         if params.n == 1:

@@ -19,6 +19,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import NewRequestData, SchedulerOutput
 from services.worker.attention import AttentionBackend, AttentionMetadata
 from services.worker.forward_context import ForwardContext, set_forward_context
+from services.worker.grammar_bitmask import apply_grammar_bitmask
 from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.parallel_group import TensorParallelGroup
 from services.worker.sampler import Sampler, compute_prompt_logprobs, gather_logprobs
@@ -138,6 +139,8 @@ class ModelRunner:
         states = [batch.states[r] for r in sample_rows.tolist()]
         if logits is None:
             return self._follow_driver(sample_rows, states, prompt_logprobs, failed)
+        if out.grammar_bitmask is not None:  # structured outputs: forbidden tokens to -inf, before sampling
+            apply_grammar_bitmask(logits, [s.req_id for s in states], out.grammar_bitmask)
         all_rows = sample_rows
         try:
             token_ids, logprobs = self._sample(logits, states)

@@ -12,7 +12,8 @@ from services.common.model_runner_output import ModelRunnerOutput, TokenLogprobs
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import common_pb2, engine_pb2, worker_pb2
 from services.common.sampling_params import SamplingParams
-from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from services.common.scheduler_output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
+from services.common.structured_outputs import StructuredOutputs
 
 PARAMS = [
     SamplingParams(),
@@ -23,6 +24,8 @@ PARAMS = [
                    spaces_between_special_tokens=False, num_resumed_outputs=3, allowed_token_ids=(4, 2, 9)),
     SamplingParams(logprob_token_ids=(7, 3, 7), allowed_token_ids=(1,)),
     SamplingParams(temperature=0.0, seed=0, logprobs=0, max_tokens=1),
+    SamplingParams(structured_outputs=StructuredOutputs("json", '{"type": "object"}')),
+    SamplingParams(structured_outputs=StructuredOutputs("json_object")),
 ]
 LOGPROBS = TokenLogprobs([11, 3, 11], [-0.25, -1.5, -3.0], 1)
 
@@ -65,6 +68,7 @@ def test_scheduler_output_round_trip():
         total_num_scheduled_tokens=47,
         finished_req_ids={"x", "y"},
         num_preempted=1,
+        grammar_bitmask=GrammarBitmask(["d", "a"], bytes(range(16))),
     )
     assert convert.scheduler_output_from_proto(convert.scheduler_output_to_proto(out)) == out
     empty = SchedulerOutput([], [], {}, 0)

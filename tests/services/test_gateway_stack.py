@@ -14,7 +14,7 @@ import pytest
 
 from services.common.config import EngineArgs
 from services.engine.async_engine import AsyncEngine
-from services.gateway.app import create_app
+from services.gateway.app import ApiOptions, create_app
 from services.inprocess import AsyncStack
 
 from tests.services.test_gateway import RawClient, sse_events
@@ -112,4 +112,37 @@ async def test_seeded_choices_are_reproducible(client, engine):
     first = [c["text"] for c in (await client.post("/v1/completions", json=body)).json()["choices"]]
     again = [c["text"] for c in (await client.post("/v1/completions", json=body)).json()["choices"]]
     assert first == again
+    await assert_no_blocks_used(engine)
+
+
+# The hermes format, forced by a regex (this model's chat template shows it no tools, so it would
+# never call one of its own accord): tool_choice "auto" reads the call out of the text.
+HERMES_CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+async def test_auto_tool_choice_reads_hermes_calls(stack, engine, client):
+    auto = create_app(stack.processor, MODEL, options=ApiOptions(tool_call_parser="hermes"))
+    body = {**CHAT, "max_tokens": 40, "tools": TOOLS, "structured_outputs": {"regex": HERMES_CALL}}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=auto), base_url="http://test", timeout=120) as c:
+        whole = (await c.post("/v1/chat/completions", json=body)).json()
+        [choice] = whole["choices"]
+        [call] = choice["message"]["tool_calls"]
+        assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"], choice
+        assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"] in (
+            "Paris", "Rome")
+        events = [json.loads(e) for e in sse_events((await c.post("/v1/chat/completions",
+                                                                   json={**body, "stream": True})).text)[:-1]]
+        deltas = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls", ())]
+        assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
+            ("get_weather", call["function"]["arguments"])]
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        # No call in the text: a plain answer.
+        plain = (await c.post("/v1/chat/completions", json={**CHAT, "tools": TOOLS})).json()["choices"][0]
+        assert plain["message"]["content"] and plain["message"].get("tool_calls") is None
+        assert plain["finish_reason"] in ("stop", "length")
+    # A server without --enable-auto-tool-choice refuses "auto" (tools alone default to it).
+    refused = await client.post("/v1/chat/completions", json={**CHAT, "tools": TOOLS})
+    assert refused.status_code == 400 and "--enable-auto-tool-choice" in refused.json()["error"]["message"]
     await assert_no_blocks_used(engine)

@@ -186,13 +186,12 @@ def test_refused_values_are_all_named(http, model):
     ("completions", "use_beam_search", True),
     ("completions", "prompt_embeds", "AAAA"),
     ("completions", "kv_transfer_params", {"do_remote_decode": True}),
-    ("completions", "guided_json", {"type": "object"}),
-    ("completions", "structured_outputs", {"regex": "[a-z]+"}),
-    ("completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("completions", "guided_decoding_backend", "xgrammar"),
+    ("completions", "structural_tag", "{}"),
+    ("completions", "response_format", {"type": "structural_tag"}),
     ("completions", "bad_words", ["the"]),
     ("completions", "suffix", "!"),
-    ("chat/completions", "guided_choice", ["yes", "no"]),
-    ("chat/completions", "tool_choice", "required"),
+    ("chat/completions", "tool_choice", "auto"),  # without --enable-auto-tool-choice
     ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),  # tool_choice: 'auto'
     ("chat/completions", "reasoning_effort", "low"),
     ("chat/completions", "chat_template", "{{ messages }}"),

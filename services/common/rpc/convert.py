@@ -31,7 +31,8 @@ from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput, TokenLogprobs
 from services.common.rpc.kvmesh.v1 import common_pb2, engine_pb2, processor_pb2, worker_pb2
 from services.common.sampling_params import SamplingParams
-from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from services.common.scheduler_output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
+from services.common.structured_outputs import StructuredOutputs
 
 T = TypeVar("T")
 M = TypeVar("M", bound=Message)
@@ -60,6 +61,8 @@ def sampling_params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, skip_special_tokens=p.skip_special_tokens,
         spaces_between_special_tokens=p.spaces_between_special_tokens, num_resumed_outputs=p.num_resumed_outputs,
         allowed_token_ids=p.allowed_token_ids, logprob_token_ids=p.logprob_token_ids,
+        structured_outputs=None if p.structured_outputs is None else common_pb2.StructuredOutputs(
+            kind=p.structured_outputs.kind, spec=p.structured_outputs.spec),
     )
 
 
@@ -77,6 +80,8 @@ def sampling_params_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
         skip_special_tokens=m.skip_special_tokens, spaces_between_special_tokens=m.spaces_between_special_tokens,
         num_resumed_outputs=m.num_resumed_outputs,
         allowed_token_ids=tuple(m.allowed_token_ids) or None, logprob_token_ids=tuple(m.logprob_token_ids) or None,
+        structured_outputs=StructuredOutputs(m.structured_outputs.kind, m.structured_outputs.spec)
+        if m.HasField("structured_outputs") else None,
     )
 
 
@@ -125,6 +130,8 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.SchedulerOutpu
         total_num_scheduled_tokens=out.total_num_scheduled_tokens,
         finished_req_ids=sorted(out.finished_req_ids),
         num_preempted=out.num_preempted,
+        grammar_req_ids=out.grammar_bitmask.req_ids if out.grammar_bitmask else (),
+        grammar_bitmask=out.grammar_bitmask.bitmask if out.grammar_bitmask else b"",
     )
 
 
@@ -157,6 +164,7 @@ def scheduler_output_from_proto(m: worker_pb2.SchedulerOutput) -> SchedulerOutpu
         total_num_scheduled_tokens=m.total_num_scheduled_tokens,
         finished_req_ids=set(m.finished_req_ids),
         num_preempted=m.num_preempted,
+        grammar_bitmask=GrammarBitmask(list(m.grammar_req_ids), m.grammar_bitmask) if m.grammar_req_ids else None,
     )
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\xce\x05\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x01\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmax_tokens\x18\x0b \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0c \x01(\x05\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x12\n\nignore_eos\x18\x10 \x01(\x08\x12\x15\n\x08logprobs\x18\x11 \x01(\x05H\x02\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x05H\x03\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x13 \x01(\x08\x12%\n\x1dspaces_between_special_tokens\x18\x14 \x01(\x08\x12\x1b\n\x13num_resumed_outputs\x18\x16 \x01(\x05\x12\x19\n\x11\x61llowed_token_ids\x18\x17 \x03(\x05\x12\x19\n\x11logprob_token_ids\x18\x18 \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsJ\x04\x08\x15\x10\x16R\x05\x65xtra\"B\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"<\n\x11TokenLogprobsList\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\x88\x06\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x01\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmax_tokens\x18\x0b \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0c \x01(\x05\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x12\n\nignore_eos\x18\x10 \x01(\x08\x12\x15\n\x08logprobs\x18\x11 \x01(\x05H\x02\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x05H\x03\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x13 \x01(\x08\x12%\n\x1dspaces_between_special_tokens\x18\x14 \x01(\x08\x12\x1b\n\x13num_resumed_outputs\x18\x16 \x01(\x05\x12\x19\n\x11\x61llowed_token_ids\x18\x17 \x03(\x05\x12\x19\n\x11logprob_token_ids\x18\x18 \x03(\x05\x12\x38\n\x12structured_outputs\x18( \x01(\x0b\x32\x1c.kvmesh.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsJ\x04\x08\x15\x10\x16R\x05\x65xtra\"/\n\x11StructuredOutputs\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"B\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"<\n\x11TokenLogprobsList\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=756
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=638
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=686
-  _globals['_TOKENLOGPROBS']._serialized_start=758
-  _globals['_TOKENLOGPROBS']._serialized_end=824
-  _globals['_TOKENLOGPROBSLIST']._serialized_start=826
-  _globals['_TOKENLOGPROBSLIST']._serialized_end=886
+  _globals['_SAMPLINGPARAMS']._serialized_end=814
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=696
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=744
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=816
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=863
+  _globals['_TOKENLOGPROBS']._serialized_start=865
+  _globals['_TOKENLOGPROBS']._serialized_end=931
+  _globals['_TOKENLOGPROBSLIST']._serialized_start=933
+  _globals['_TOKENLOGPROBSLIST']._serialized_end=993
 # @@protoc_insertion_point(module_scope)

@@ -72,7 +72,7 @@ class CachedRequests(_message.Message):
     def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerOutput(_message.Message):
-    __slots__ = ("scheduled_new_reqs", "scheduled_cached_reqs", "scheduled_req_ids", "num_scheduled_tokens", "total_num_scheduled_tokens", "finished_req_ids", "num_preempted")
+    __slots__ = ("scheduled_new_reqs", "scheduled_cached_reqs", "scheduled_req_ids", "num_scheduled_tokens", "total_num_scheduled_tokens", "finished_req_ids", "num_preempted", "grammar_req_ids", "grammar_bitmask")
     SCHEDULED_NEW_REQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_CACHED_REQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,8 @@ class SchedulerOutput(_message.Message):
     TOTAL_NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_BITMASK_FIELD_NUMBER: _ClassVar[int]
     scheduled_new_reqs: _containers.RepeatedCompositeFieldContainer[NewRequestData]
     scheduled_cached_reqs: CachedRequests
     scheduled_req_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -87,7 +89,9 @@ class SchedulerOutput(_message.Message):
     total_num_scheduled_tokens: int
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
     num_preempted: int
-    def __init__(self, scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., total_num_scheduled_tokens: _Optional[int] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., num_preempted: _Optional[int] = ...) -> None: ...
+    grammar_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    grammar_bitmask: bytes
+    def __init__(self, scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., total_num_scheduled_tokens: _Optional[int] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., num_preempted: _Optional[int] = ..., grammar_req_ids: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[bytes] = ...) -> None: ...
 
 class ModelRunnerOutput(_message.Message):
     __slots__ = ("req_ids", "sampled_token_ids", "logprobs", "prompt_logprobs", "failed")

@@ -77,10 +77,14 @@ class EngineCore:
                              "start the engine with --scheduling-policy priority")
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(self.make_request(request))
+
+    def make_request(self, request: EngineCoreRequest) -> Request:
+        """The scheduler's Request for `request`, checked (ValueError); not added."""
         self.check_request(request)
         limit = self.max_model_len - len(request.prompt_token_ids)
         max_tokens = request.sampling_params.max_tokens
-        self.scheduler.add_request(Request(
+        return Request(
             request.request_id,
             request.prompt_token_ids,
             request.sampling_params,
@@ -92,7 +96,7 @@ class EngineCore:
             priority=request.priority,
             group_id=request.group_id or request.request_id,
             arrival_time=request.arrival_time if request.arrival_time is not None else time.monotonic(),
-        ))
+        )
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Idempotent, also for unknown or already finished ids; the worker drops them next step."""

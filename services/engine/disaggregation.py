@@ -36,7 +36,7 @@ from services.common.errors import EngineDeadError, InternalError
 from services.engine.async_engine import AsyncEngine
 from services.engine.client import GrpcEngineClient
 from services.engine.executor import GroupWorkerClient
-from services.engine.kv_cache_manager import TransferBlocks
+from services.engine.kv_cache_manager import KVCacheManager, TransferBlocks
 from services.engine.metrics import DisaggregationMetrics
 from services.engine.request import Request
 
@@ -81,7 +81,7 @@ class Disaggregation:
         self.num_recomputes = 0
 
     @property
-    def manager(self):
+    def manager(self) -> KVCacheManager:
         return self.engine.core.kv_cache_manager
 
     # ------------------------------------------------------------------ decode side
@@ -124,7 +124,7 @@ class Disaggregation:
                 self._release(address, request_id)
                 self.engine.admit(local)
                 return
-            output = await self.engine.call_in_loop(lambda: self._commit(planned, first))
+            output = await self.engine.call_in_loop(lambda: self._commit(request, planned, first))
             self._release(address, request_id)
             self.engine.deliver(request_id, output)
         except asyncio.CancelledError:
@@ -169,11 +169,13 @@ class Disaggregation:
             self.metrics.record_transfer("received", num_bytes, time.perf_counter() - start)
         return first
 
-    def _commit(self, planned: Planned, first: PrefillProgress) -> EngineCoreOutput:
+    def _commit(self, request: EngineCoreRequest, planned: Planned, first: PrefillProgress) -> EngineCoreOutput:
         """Engine loop: the blocks into the prefix cache, the request in with its first token."""
         self.manager.commit_transfer(planned.request, planned.blocks)
         output = self.engine.core.scheduler.add_prefilled_request(planned.request, first.first_token_id)
         output.new_logprobs = first.first_logprobs
+        if self.engine.metrics is not None:  # the engine's own (vLLM's names), on this thread as always
+            self.engine.metrics.add_prefilled_request(request, output)
         return output
 
     async def _peers(self, address: str, client: GrpcEngineClient) -> tuple[str, ...]:

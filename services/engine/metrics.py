@@ -162,6 +162,18 @@ class EngineMetrics:
         self._requests[request.request_id] = _RequestTimes(arrival, len(request.prompt_token_ids),
                                                            request.sampling_params.max_tokens)
 
+    def add_prefilled_request(self, request: EngineCoreRequest, first: EngineCoreOutput) -> None:
+        """A request whose prompt a prefill engine computed (disaggregation, issue 14), admitted with
+        that engine's first token: TTFT and the prefill phase cover the remote prefill and the KV
+        transfer (it counts as scheduled on arrival: it waited in no queue of ours)."""
+        self.add_request(request)
+        times = self._requests[request.request_id]
+        times.scheduled = times.arrival
+        now = time.monotonic()
+        self._record_tokens(times, len(first.new_token_ids), now)
+        if first.finish_reason is not None:
+            self._record_finished(request.request_id, first.finish_reason, now)
+
     def record_step(self, scheduler_output: SchedulerOutput, outputs: Iterable[EngineCoreOutput],
                     step_seconds: float, rpc_seconds: float) -> None:
         now = time.monotonic()

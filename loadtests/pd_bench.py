@@ -19,7 +19,7 @@ import argparse
 import asyncio
 import urllib.request
 
-import httpx
+import httpx2 as httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.serve_process import start_serve, stop_serve

@@ -32,7 +32,7 @@ import logging
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 from typing import NamedTuple
@@ -158,7 +158,7 @@ async def start_engine(worker: GroupWorkerClient, args: EngineServiceArgs, metri
     engine = await AsyncEngine.create(
         worker, args.scheduler, lambda core: EngineMetrics.for_core(metrics.registry, labels(core), core),
         args.service.worker_liveness_interval, kv_events=kv_events, identity=identity)
-    enable_disaggregation(engine, worker, args, DisaggregationMetrics(metrics.registry, labels(engine.core)))
+    enable_disaggregation(engine, worker, args, lambda: DisaggregationMetrics(metrics.registry, labels(engine.core)))
     if kv_events is None:
         return engine, None
     index = RedisPrefixIndex.connect(index_config.prefix_index, timeout_s=index_config.prefix_index_timeout,
@@ -173,9 +173,9 @@ async def start_engine(worker: GroupWorkerClient, args: EngineServiceArgs, metri
 
 
 def enable_disaggregation(engine: AsyncEngine, worker: GroupWorkerClient, args: EngineServiceArgs,
-                          metrics: DisaggregationMetrics) -> None:
-    """Disaggregated prefill/decode (issue 14) when every worker has a KV-transfer endpoint; a
-    prefill or decode role without them is a configuration error."""
+                          metrics: Callable[[], DisaggregationMetrics]) -> None:
+    """Disaggregated prefill/decode (issue 14) when every worker has a KV-transfer endpoint (its
+    metrics registered only then); a prefill or decode role without them is a configuration error."""
     config = args.disaggregation
     endpoints = worker.kv_transfer_endpoints
     if not endpoints:
@@ -189,7 +189,7 @@ def enable_disaggregation(engine: AsyncEngine, worker: GroupWorkerClient, args: 
         return GrpcEngineClient(address, timeout=config.kv_transfer_timeout, security=security)
 
     timeouts = Timeouts(config.kv_lease, config.remote_prefill_timeout, config.kv_transfer_timeout)
-    engine.enable_disaggregation(Disaggregation(engine, worker, connect, config.engine_role, timeouts, metrics),
+    engine.enable_disaggregation(Disaggregation(engine, worker, connect, config.engine_role, timeouts, metrics()),
                                  endpoints)
     logger.info("disaggregation: role %s, KV-transfer endpoints %s", config.engine_role, ", ".join(endpoints))
 

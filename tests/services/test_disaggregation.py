@@ -170,6 +170,24 @@ def test_sixteen_prompts_of_200_to_1500_tokens_decode_the_colocated_tokens(pd: P
     check_remote_prefill_matches_colocated(pd, colocated, prompts(16, 200, 1500, seed=2), wave=2)
 
 
+@pytest.mark.slow
+def test_tensor_parallel_pairs_send_each_rank_its_own_shard(model_path: Path, colocated: LLM):
+    """--tensor-parallel-size 2 on both sides: rank r of P sends its KV heads to rank r of D (a pair
+    group per rank pair); the blocks of both ranks add up to the whole cache's bytes."""
+    args = ["--prefill-engines", "1", "--decode-engines", "1", "--prefill-threshold", str(THRESHOLD),
+            "--tensor-parallel-size", "2", "--kv-cache-memory", "96MiB", "--max-model-len", "2048"]
+    batch = prompts(2, 300, 700, seed=11)
+    with running_serve(model_path, extra_args=args) as serve:
+        tp = PD(serve)
+        assert "worker-prefill-0-r1" in serve.services and "worker-decode-0-r1" in serve.services
+        before = counters(tp)
+        assert tp.generate(batch) == truth(colocated, batch)
+        after = counters(tp)
+        assert after["received"] - before["received"] == len(batch) and after["recomputes"] == before["recomputes"]
+        assert after["bytes"] - before["bytes"] == sum(len(p) // 16 * 16 for p in batch) * 30 * 2 * 3 * 64 * 4
+        tp.wait_idle()
+
+
 def test_a_cached_prefix_on_the_decode_engine_is_not_transferred_again(pd: PD, colocated: LLM):
     [prompt] = prompts(1, 400, 400, seed=3)
     assert pd.generate([prompt[:320]], remote=False) == truth(colocated, [prompt[:320]])  # D caches 20 blocks

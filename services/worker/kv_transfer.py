@@ -123,6 +123,7 @@ class KVTransferEndpoint:
             with self._pair_lock("recv", peer):
                 pair = self._receiving.get(peer)
                 if pair is None:
+                    self._forget_predecessors(self._receiving, peer)
                     with self._lock:
                         gen, self._next_gen = self._next_gen, self._next_gen + 1
                     self.store.set(f"ready/{tag}", str(gen))
@@ -152,6 +153,7 @@ class KVTransferEndpoint:
                 gen = int(store.get(f"ready/{tag}"))
                 pair = self._sending.get(peer)
                 if pair is None or pair.gen != gen:
+                    self._forget_predecessors(self._sending, peer)
                     group = new_pair_group(dist.PrefixStore(f"pair/{self.endpoint_id}/{gen}", store), SENDER_RANK,
                                            self.host, self.device, self.timeout)
                     pair = self._sending[peer] = PairGroup(gen, group)
@@ -172,6 +174,15 @@ class KVTransferEndpoint:
             with self._lock:
                 self._peer_stores[peer] = store
         return store
+
+    def _forget_predecessors(self, groups: dict[str, PairGroup], peer: str) -> None:
+        """Drop the groups of earlier incarnations of `peer` (the same host:port, another start): a
+        restarted worker never comes back to them."""
+        address = peer.partition("/")[0]
+        with self._lock:
+            for other in [p for p in groups if p != peer and p.partition("/")[0] == address]:
+                del groups[other]
+                self._peer_stores.pop(other, None)
 
     def _drop(self, groups: dict[str, PairGroup], peer: str) -> None:
         """Tear the pair's group down: the peer failed it (a later transfer builds a new one)."""

@@ -50,6 +50,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import (
+    DisaggregationConfig,
     CacheConfig,
     EngineServiceConfig,
     GATEWAY_SERVE_FIELDS,
@@ -127,6 +128,7 @@ SERVE_FLAGS: list[tuple[type, dict[str, object]]] = [
     (PrefixIndexConfig, {}),
     (RoutingConfig, {}),
     (ParallelConfig, {"only": ["tensor_parallel_size", "distributed_timeout"]}),
+    (DisaggregationConfig, {"only": ["kv_transfer_timeout", "kv_lease", "remote_prefill_timeout", "prefill_threshold"]}),
 ]
 
 
@@ -298,6 +300,7 @@ class ServeSpec(NamedTuple):
     prefix_index: PrefixIndexConfig
     routing: RoutingConfig
     parallel: ParallelConfig
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
 
 
 class RestartBudget:
@@ -349,6 +352,7 @@ class Group(NamedTuple):
 
     workers: tuple[str, ...]
     engine: str
+    role: str = "both"  # disaggregated prefill/decode: prefill or decode (issue 14)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -381,6 +385,20 @@ def groups_of(num_engines: int, tensor_parallel_size: int = 1) -> tuple[Group, .
     return tuple(group(f"worker-{i}", f"engine-{i}") for i in range(num_engines))
 
 
+def disaggregated_groups(prefill_engines: int, decode_engines: int, tensor_parallel_size: int = 1) -> tuple[Group, ...]:
+    """Prefill groups "worker-prefill-<i>"/"engine-prefill-<i>", then decode groups likewise."""
+    return tuple(
+        Group(tuple(f"worker-{role}-{i}" + (f"-r{r}" if tensor_parallel_size > 1 else "")
+                    for r in range(tensor_parallel_size)), f"engine-{role}-{i}", role)
+        for role, count in (("prefill", prefill_engines), ("decode", decode_engines)) for i in range(count))
+
+
+def groups_for(serve: ServeConfig, tensor_parallel_size: int = 1) -> tuple[Group, ...]:
+    if serve.prefill_engines:
+        return disaggregated_groups(serve.prefill_engines, serve.decode_engines, tensor_parallel_size)
+    return groups_of(serve.num_engines, tensor_parallel_size)
+
+
 class Layout(NamedTuple):
     """Where `kvmesh serve` puts each service: gRPC addresses on loopback and /metrics URLs, and
     each tensor-parallel group's rendezvous port."""
@@ -391,8 +409,9 @@ class Layout(NamedTuple):
     distributed_ports: dict[str, int] = {}  # by engine name, for groups of several workers (read only)
 
     @classmethod
-    def on_free_ports(cls, num_engines: int = 1, tensor_parallel_size: int = 1) -> Layout:
-        groups = groups_of(num_engines, tensor_parallel_size)
+    def on_free_ports(cls, num_engines: int = 1, tensor_parallel_size: int = 1,
+                      groups: tuple[Group, ...] | None = None) -> Layout:
+        groups = groups if groups is not None else groups_of(num_engines, tensor_parallel_size)
         names = internal_names(groups)
         parallel = [g.engine for g in groups] if tensor_parallel_size > 1 else []
         ports = free_ports(2 * len(names) + len(parallel))
@@ -429,23 +448,41 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
         for rank, worker in enumerate(group.workers):
             argvs[worker] = [*to_argv(model), *to_argv(spec.cache),
                              *to_argv(replace(spec.worker, max_num_seqs=spec.scheduler.max_num_seqs)),
-                             *serving(worker), *parallel_argv(spec.parallel, layout, group, rank)]
+                             *serving(worker), *parallel_argv(spec.parallel, layout, group, rank),
+                             *transfer_argv(spec.disaggregation, group, ["kv_transfer_address", "kv_transfer_timeout"])]
         # The engine's own address is its id in the prefix index.
         engine = replace(spec.engine, worker_address=tuple(layout.address(w) for w in group.workers),
                          advertise_address=layout.address(group.engine))
         argvs[group.engine] = [*to_argv(engine), *to_argv(spec.prefix_index), *to_argv(spec.scheduler),
                                *to_argv(spec.parallel, only=["tensor_parallel_size"]),
-                               *to_argv(model, only=["served_model_name"]), *serving(group.engine)]
-    engines = tuple(layout.address(group.engine) for group in layout.groups)
+                               *to_argv(model, only=["served_model_name"]), *serving(group.engine),
+                               *transfer_argv(spec.disaggregation, group, ["engine_role", "kv_lease",
+                                                                           "kv_transfer_timeout",
+                                                                           "remote_prefill_timeout"])]
+    # Disaggregated: the processor routes to the decode engines and names the prefill ones to them.
+    engines = tuple(layout.address(g.engine) for g in layout.groups if g.role != "prefill")
+    prefill = DisaggregationConfig(prefill_engine_address=tuple(
+        layout.address(g.engine) for g in layout.groups if g.role == "prefill"),
+        prefill_threshold=spec.disaggregation.prefill_threshold)
     argvs["processor"] = [*to_argv(ProcessorServiceConfig(engine_address=engines)), *to_argv(spec.routing),
                           *to_argv(spec.prefix_index), *to_argv(model, only=PROCESSOR_MODEL_FIELDS),
-                          *serving("processor")]
+                          *serving("processor"),
+                          *(to_argv(prefill, only=["prefill_engine_address", "prefill_threshold"])
+                            if prefill.prefill_engine_address else [])]
     gateway = replace(spec.gateway, processor_address=layout.address("processor"),
                       aggregate_metrics=tuple(layout.metrics_url(name) for name in layout.internal))
     argvs["gateway"] = [*to_argv(gateway), *to_argv(model, only=["served_model_name"]), *to_argv(spec.limits),
                         *to_argv(ServingConfig(spec.serve.host, spec.serve.port, spec.serve.grace),
                                  only=["host", "port", "grace"])]
     return {name: [*argv, *to_argv(security)] for name, argv in argvs.items()}
+
+
+def transfer_argv(config: DisaggregationConfig, group: Group, only: list[str]) -> list[str]:
+    """A disaggregated group's flags: its engine's role, its workers' KV-transfer endpoints on
+    loopback (any free port); none for a colocated group."""
+    if group.role == "both":
+        return []
+    return to_argv(replace(config, engine_role=group.role, kv_transfer_address=f"{LOOPBACK}:0"), only=only)
 
 
 def parallel_argv(parallel: ParallelConfig, layout: Layout, group: Group, rank: int) -> list[str]:
@@ -458,7 +495,8 @@ def parallel_argv(parallel: ParallelConfig, layout: Layout, group: Group, rank: 
 
 
 def _serve(spec: ServeSpec, supervisor: Supervisor, security: SecurityConfig) -> int:
-    layout = Layout.on_free_ports(spec.serve.num_engines, spec.parallel.tensor_parallel_size)
+    tp = spec.parallel.tensor_parallel_size
+    layout = Layout.on_free_ports(tensor_parallel_size=tp, groups=groups_for(spec.serve, tp))
     argvs = service_argvs(spec, layout, security)
     host, port = spec.serve.host, spec.serve.port
     api = f"http://{_url_host(host)}:{port}"

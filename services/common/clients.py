@@ -29,6 +29,7 @@ class WorkerInfo:
     block_size: int
     rank: int = 0  # in the worker's tensor-parallel group; only rank 0's steps carry tokens
     world_size: int = 1
+    kv_transfer_endpoint: str = ""  # its KV-transfer endpoint id (issue 14); "": it takes no part
 
 
 class WorkerClient(Protocol):
@@ -43,6 +44,15 @@ class WorkerClient(Protocol):
     def check_alive(self) -> None:
         """ConnectionError unless the worker answers (its health service) within its liveness timeout."""
     def close(self) -> None: ...
+
+
+class KVTransferWorker(Protocol):
+    """A worker that moves KV blocks to / from a worker of another engine (issue 14). Blocking, like
+    WorkerClient, and safe to call from another thread while a step runs. Both return the bytes
+    moved; KVTransferError (a ConnectionError) when the transfer failed or timed out."""
+
+    def send_kv(self, peer: str, block_ids: Sequence[int], tag: int) -> int: ...
+    def receive_kv(self, peer: str, block_ids: Sequence[int], tag: int) -> int: ...
 
 
 # ----------------------------------------------------------------------------- processor <- engine
@@ -68,6 +78,8 @@ class EngineInfo:
     # every start). "" / 0 for an engine that is not part of a fleet (in-process, offline).
     engine_id: str = ""
     epoch: int = 0
+    role: str = "both"  # prefill, decode or both (issue 14)
+    kv_transfer_endpoints: tuple[str, ...] = ()  # its workers' KV-transfer endpoint ids, rank order
 
 
 @dataclass(frozen=True, slots=True)

@@ -327,6 +327,41 @@ class PrefixIndexConfig:
         check_fields(self)
 
 
+ENGINE_ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    """Disaggregated prefill/decode (issue 14, docs/disaggregation.md). Each service takes its fields:
+    the worker its KV-transfer endpoint, the engine its role and lease, the processor the prefill
+    engines and the decider's threshold."""
+
+    engine_role: str = option(
+        "both", "prefill (computes prompts for decode engines), decode (decodes; long prompts are prefilled "
+                "on a prefill engine) or both (colocated: everything here)", choices=ENGINE_ROLES)
+    kv_transfer_address: str | None = option(
+        None, "host:port this worker's KV-transfer endpoint listens on (a TCPStore, this interface only; "
+              "port 0: any free one); unset: the worker takes no part in KV transfers")
+    kv_transfer_timeout: float = option(
+        5.0, "seconds a KV transfer (rendezvous, send or receive) may take before the decode engine "
+             "recomputes the prompt itself", minimum=0.1)
+    remote_prefill_timeout: float = option(
+        60.0, "seconds a decode engine waits for the prefill engine's first token (its queue and the prompt's "
+              "compute) before it computes the prompt itself", minimum=0.1)
+    kv_lease: float = option(
+        30.0, "seconds a prefill engine holds the KV blocks it sent, unless the decode engine releases them "
+              "first", minimum=0.1)
+    prefill_engine_address: tuple[str, ...] = option(
+        (), "a prefill engine's host:port (repeatable): prompts with more uncached tokens than "
+            "--prefill-threshold on the decode engine are prefilled there")
+    prefill_threshold: int = option(
+        512, "uncached prompt tokens above which the processor has a prefill engine compute the prompt "
+             "(at or below: the decode engine computes it)", minimum=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
 @dataclass(frozen=True)
 class RoutingConfig:
     """How a processor chooses the engine for each request (services/processor/router.py)."""
@@ -495,9 +530,17 @@ class ServeConfig:
                                           "starts again from --restart-backoff", minimum=1.0)
     num_engines: int = option(1, "engine+worker pairs behind the one processor (each restarted on its own)",
                               minimum=1, maximum=64)
+    prefill_engines: int = option(0, "disaggregated prefill/decode: prefill engine+worker pairs (with "
+                                     "--decode-engines; replaces --num-engines)", minimum=0, maximum=32)
+    decode_engines: int = option(0, "disaggregated prefill/decode: decode engine+worker pairs, the ones the "
+                                    "processor routes to (with --prefill-engines)", minimum=0, maximum=32)
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if (self.prefill_engines > 0) != (self.decode_engines > 0):
+            raise ValueError("--prefill-engines and --decode-engines go together (at least one of each)")
+        if self.prefill_engines and self.num_engines != 1:
+            raise ValueError("--num-engines and --prefill-engines/--decode-engines exclude each other")
 
 
 def flag_of(config_class: type, name: str) -> str:

@@ -40,4 +40,31 @@ class EngineCoreRequest:
     group_id: str | None = None
     # Routing affinity (the processor's `session` policy); stays in the processor, never on the wire.
     session_id: str | None = None
+    # Disaggregation (issue 14): the prefill engine the processor's decider chose for this prompt.
+    prefill_engine_address: str | None = None
 
+
+
+@dataclass(slots=True)
+class PrefillTask:
+    """A decode engine's request to a prefill engine (disaggregation, issue 14): compute `request`'s
+    prompt, sample its first token, and send its blocks first_block .. first_block + len(block_ids)
+    - 1 to the decode engine's workers (`receiver_endpoints`, rank order) with `tag`."""
+
+    request: EngineCoreRequest
+    receiver_endpoints: tuple[str, ...]
+    first_block: int
+    block_ids: list[int]
+    tag: int
+
+
+@dataclass(slots=True)
+class PrefillProgress:
+    """What a prefill engine streams back: first the sampled token (the prompt is computed), then,
+    once its workers have sent the blocks, `sent` with the bytes."""
+
+    first_token_id: int | None = None
+    first_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    sent: bool = False
+    bytes_sent: int = 0

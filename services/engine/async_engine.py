@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from services.common.clients import EngineInfo, EngineStats, PrefixMatch, WorkerClient
 from services.common.config import SchedulerConfig
@@ -48,7 +48,11 @@ from services.engine.engine_core import EngineCore
 from services.engine.kv_events import KVEventQueue
 from services.engine.metrics import EngineMetrics
 
+if TYPE_CHECKING:  # it drives this engine; this engine only hands it requests
+    from services.engine.disaggregation import Disaggregation
+
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 IDLE_SCHEDULE_WAIT = 0.001  # seconds; see _step
 
@@ -79,6 +83,10 @@ class AsyncEngine:
         self._aborts: dict[str, str] = {}  # request id -> reason
         self._wake = threading.Event()
         self._snapshot_wanted = threading.Event()  # see request_cache_snapshot
+        # Functions to run on the engine-loop thread between steps (call_in_loop), with their futures.
+        self._calls: list[tuple[Callable[[], object], asyncio.Future | None]] = []
+        # Disaggregated prefill/decode (issue 14): set by the engine service when its workers take part.
+        self.disaggregation: Disaggregation | None = None
         self._stopping = False
         self._error: EngineDeadError | None = None
         self._dead = asyncio.Event()
@@ -130,9 +138,11 @@ class AsyncEngine:
             request = replace(request, arrival_time=time.monotonic())
         queue: asyncio.Queue[Item] = asyncio.Queue()
         self._queues[request.request_id] = queue
-        with self._inbox_lock:
-            self._new_requests.append(request)
-        self._wake.set()
+        remote = request.prefill_engine_address is not None and self.disaggregation is not None
+        if remote:
+            self.disaggregation.start(request)  # admits it (computed elsewhere, or here) when it can
+        else:
+            self.admit(request)
         finished = False
         try:
             while not finished:
@@ -145,7 +155,42 @@ class AsyncEngine:
         finally:
             del self._queues[request.request_id]
             if not finished:
+                if remote:
+                    self.disaggregation.cancel(request.request_id)
                 self._abort_soon([request.request_id])
+
+    def enable_disaggregation(self, disaggregation: Disaggregation, endpoints: tuple[str, ...]) -> None:
+        """Take part in disaggregated prefill/decode (issue 14) as `disaggregation.role`; `endpoints`:
+        the workers' KV-transfer endpoint ids (in this engine's info). Before the first request."""
+        self.disaggregation = disaggregation
+        self._info = replace(self._info, role=disaggregation.role, kv_transfer_endpoints=endpoints)
+
+    def admit(self, request: EngineCoreRequest) -> None:
+        """Into the inbox: the engine-loop thread admits it before the next step (event loop only)."""
+        with self._inbox_lock:
+            self._new_requests.append(request)
+        self._wake.set()
+
+    def deliver(self, request_id: str, item: Item) -> None:
+        """An output (or the exception that ends it) to `request_id`'s stream, if still open (event loop)."""
+        self._deliver([(request_id, item)])
+
+    async def call_in_loop(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the engine-loop thread between two steps (the only thread that may change the
+        core); its result or its exception. EngineDeadError once the engine has stopped."""
+        if self._error is not None:
+            raise self._error
+        future = asyncio.get_running_loop().create_future()
+        with self._inbox_lock:
+            self._calls.append((fn, future))
+        self._wake.set()
+        return await future
+
+    def call_soon_in_loop(self, fn: Callable[[], object]) -> None:
+        """`fn()` on the engine-loop thread, not waited for (from cleanup that cannot await)."""
+        with self._inbox_lock:
+            self._calls.append((fn, None))
+        self._wake.set()
 
     async def abort(self, request_ids: Sequence[str], reason: str = "abort") -> None:
         """Idempotent; each open stream of these ids ends with finish_reason "abort". `reason` is
@@ -197,7 +242,7 @@ class AsyncEngine:
                 if not self._has_pending_work():
                     if items:
                         self._send(items)
-                    if not self._wake.wait(self.idle_check_interval) and not self._stopping:
+                    if not self._wake.wait(self._idle_wait()) and not self._stopping:
                         self.worker.check_alive()
                     continue
                 items += self._step()
@@ -210,11 +255,37 @@ class AsyncEngine:
             error.__cause__ = exc
             self._loop.call_soon_threadsafe(self._fail, error)
 
+    def _idle_wait(self) -> float | None:
+        """How long the idle loop sleeps: until its next liveness check or the next lease's expiry."""
+        expiry = self.core.kv_cache_manager.next_lease_expiry()
+        if expiry is None:
+            return self.idle_check_interval
+        until_expiry = max(0.0, expiry - time.monotonic())
+        return until_expiry if self.idle_check_interval is None else min(until_expiry, self.idle_check_interval)
+
+    def _run_calls(self, calls: list[tuple[Callable[[], object], asyncio.Future | None]]) -> None:
+        for fn, future in calls:
+            try:
+                result, error = fn(), None
+            except Exception as exc:  # the caller's to handle: it gets the exception
+                result, error = None, exc
+                if future is None:
+                    logger.exception("engine-loop call failed")
+            if future is not None:
+                self._loop.call_soon_threadsafe(_settle, future, result, error)
+
     def _take_inbox(self) -> list[tuple[str, Item]]:
-        """Admit new requests (a refusal goes to its stream) and apply aborts."""
+        """Run the queued calls, admit new requests (a refusal goes to its stream), apply aborts,
+        and free the KV leases that have expired."""
         with self._inbox_lock:
             new_requests, self._new_requests = self._new_requests, []
             aborts, self._aborts = self._aborts, {}
+            calls, self._calls = self._calls, []
+        self._run_calls(calls)
+        if self.core.kv_cache_manager.leases:
+            expired = self.core.kv_cache_manager.expire_leases(time.monotonic())
+            if expired and self.disaggregation is not None:
+                self.disaggregation.record_expired(len(expired))
         items: list[tuple[str, Item]] = []
         for request in new_requests:
             if request.request_id in aborts:
@@ -275,6 +346,10 @@ class AsyncEngine:
         with self._inbox_lock:
             self._new_requests.clear()
             self._aborts.clear()
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            if future is not None and not future.done():
+                future.set_exception(self._error)
         self.core.abort_all()
         for queue in self._queues.values():
             queue.put_nowait(self._error)
@@ -284,3 +359,13 @@ class AsyncEngine:
 def _ending_alone(outputs: list[EngineCoreOutput]) -> list[tuple[str, Item]]:
     """A request that failed alone ends its stream with the reason, as a refusal at admission would."""
     return [(o.request_id, o if o.error is None else ValueError(o.error)) for o in outputs]
+
+
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    """A call_in_loop future's outcome, on the event loop (its awaiter may have gone: cancelled)."""
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.clients import EngineInfo, EngineStats, PrefixMatch
-from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.common.engine_output import EngineCoreOutput, EngineCoreRequest, PrefillProgress, PrefillTask
 from services.common.errors import raising_errors
 from services.common.metrics import GrpcMetrics
 from services.common.rpc import convert
@@ -67,6 +67,22 @@ class GrpcEngineClient:
             reply = await self._stub.MatchPrefix(engine_pb2.MatchPrefixRequest(block_hashes=block_hashes),
                                                  timeout=self.timeout)
         return convert.prefix_match_from_proto(reply)
+
+    async def prefill(self, task: PrefillTask, timeout: float) -> AsyncIterator[PrefillProgress]:
+        """Disaggregation (issue 14): have this (prefill) engine compute a prompt and send its blocks;
+        the token first, then `sent`. `timeout`: the whole call's deadline."""
+        call = self._stub.Prefill(convert.prefill_task_to_proto(task), timeout=timeout)
+        try:
+            with raising_errors():
+                async for message in call:
+                    yield convert.prefill_progress_from_proto(message)
+        finally:
+            call.cancel()
+
+    async def release_transfer(self, request_id: str) -> None:
+        with raising_errors():
+            await self._stub.ReleaseTransfer(engine_pb2.ReleaseTransferRequest(request_id=request_id),
+                                             timeout=self.timeout)
 
     async def is_healthy(self) -> bool:
         """The engine's standard health service says SERVING; False also when it cannot be reached."""

@@ -82,10 +82,22 @@ class EngineCore:
                              "start the engine with --scheduling-policy priority")
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        engine_request = self.make_request(request)
+        constraint = request.sampling_params.structured_outputs
+        if constraint is None:
+            self.scheduler.add_request(engine_request)
+            return
+        if request.request_id in self._waiting_for_grammar or request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.structured_output.submit(request.request_id, constraint, request.eos_token_ids)
+        self._waiting_for_grammar[request.request_id] = engine_request
+
+    def make_request(self, request: EngineCoreRequest) -> Request:
+        """The scheduler's Request for `request`, checked (ValueError); not added."""
         self.check_request(request)
         limit = self.max_model_len - len(request.prompt_token_ids)
         max_tokens = request.sampling_params.max_tokens
-        engine_request = Request(
+        return Request(
             request.request_id,
             request.prompt_token_ids,
             request.sampling_params,
@@ -98,14 +110,6 @@ class EngineCore:
             group_id=request.group_id or request.request_id,
             arrival_time=request.arrival_time if request.arrival_time is not None else time.monotonic(),
         )
-        constraint = request.sampling_params.structured_outputs
-        if constraint is None:
-            self.scheduler.add_request(engine_request)
-            return
-        if request.request_id in self._waiting_for_grammar or request.request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.structured_output.submit(request.request_id, constraint, request.eos_token_ids)
-        self._waiting_for_grammar[request.request_id] = engine_request
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar compiled join the scheduler; a failed compile fails its request."""

@@ -25,6 +25,7 @@ from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
 
 T = TypeVar("T")
+TRANSFER_THREADS_PER_RANK = 4
 
 
 class GroupWorkerClient:
@@ -40,6 +41,9 @@ class GroupWorkerClient:
             raise ValueError("a worker group needs at least one worker")
         self.ranks = tuple(ranks)
         self._pool = ThreadPoolExecutor(len(ranks), "worker-rank") if len(ranks) > 1 else None
+        # KV transfers (issue 14): several in flight at once, each a call per rank.
+        self._transfer_pool = ThreadPoolExecutor(TRANSFER_THREADS_PER_RANK * len(ranks), "kv-transfer")
+        self._kv_endpoints: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -61,6 +65,8 @@ class GroupWorkerClient:
         each rank once, a world size of N. ValueError otherwise (the group was wired wrong)."""
         infos = self._on_all(lambda rank: rank.get_info())
         check_group(infos)
+        endpoints = tuple(info.kv_transfer_endpoint for info in infos)
+        self._kv_endpoints = endpoints if all(endpoints) else ()
         return infos[0]
 
     def initialize_cache(self, max_num_reqs: int) -> int:
@@ -78,12 +84,39 @@ class GroupWorkerClient:
     def check_alive(self) -> None:
         self._on_all(lambda rank: rank.check_alive())
 
+    @property
+    def kv_transfer_endpoints(self) -> tuple[str, ...]:
+        """The ranks' KV-transfer endpoint ids (rank order), once get_info() has run; () if any lacks one."""
+        return self._kv_endpoints
+
+    def send_kv(self, peers: Sequence[str], block_ids: Sequence[int], tag: int) -> int:
+        """Rank r sends its shard of the blocks to peers[r] (equal TP sizes); total bytes sent."""
+        return sum(self._on_all_transfer(lambda rank, peer: rank.send_kv(peer, block_ids, tag), peers))
+
+    def receive_kv(self, peers: Sequence[str], block_ids: Sequence[int], tag: int) -> int:
+        """Rank r receives its shard of the blocks from peers[r]; total bytes received."""
+        return sum(self._on_all_transfer(lambda rank, peer: rank.receive_kv(peer, block_ids, tag), peers))
+
+    def _on_all_transfer(self, call: Callable[[WorkerClient, str], T], peers: Sequence[str]) -> list[T]:
+        """`call` on every rank with its peer, on a pool of its own: transfers wait on other engines'
+        workers and must never hold up the step's threads."""
+        if len(peers) != len(self.ranks):
+            raise ValueError(f"{len(peers)} KV-transfer peers for a group of {len(self.ranks)} ranks: prefill and "
+                             "decode engines need equal tensor-parallel sizes")
+        futures = [self._transfer_pool.submit(call, rank, peer) for rank, peer in zip(self.ranks, peers)]
+        wait(futures)
+        for future in futures:
+            if future.exception() is not None:
+                raise future.exception()
+        return [future.result() for future in futures]
+
     def close(self) -> None:
         """Every rank's client closed (each close is local, and cancels its call in flight), then the pool."""
         for rank in self.ranks:
             rank.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self._transfer_pool.shutdown(wait=True)
 
 
 def check_group(infos: Sequence[WorkerInfo]) -> None:

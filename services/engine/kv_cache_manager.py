@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from services.common.hashing import BlockHash
 from services.engine.block_pool import BlockPool, KVCacheBlock
@@ -12,6 +14,19 @@ from services.engine.request import Request
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class TransferBlocks(NamedTuple):
+    """A decode engine's blocks for a prompt another engine computes (disaggregation, issue 14):
+    blocks `first_block ..` of the prompt (those before are cached here already)."""
+
+    first_block: int
+    block_ids: list[int]
+
+
+class Lease(NamedTuple):
+    blocks: list[KVCacheBlock]
+    expires_at: float  # time.monotonic()
 
 
 class KVCacheManager:
@@ -28,6 +43,12 @@ class KVCacheManager:
         # Prefix-cache stats, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Disaggregation (issue 14). Prefill side: requests whose blocks outlive them under a lease
+        # (request id -> lease seconds until freed; then -> the lease). Decode side: blocks
+        # allocated for a transfer in flight, owned by no request yet.
+        self._hold_on_free: dict[str, float] = {}
+        self.leases: dict[str, Lease] = {}
+        self.transfers: dict[str, list[KVCacheBlock]] = {}
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of `request`, as (blocks, number of hit tokens).
@@ -113,11 +134,85 @@ class KVCacheManager:
         return new_blocks
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first so its last blocks are evicted before its first."""
+        """Release the request's blocks, tail first so its last blocks are evicted before its first;
+        held under a lease instead if hold_on_free() asked for it."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
-        if blocks:
+        lease_seconds = self._hold_on_free.pop(request.request_id, None)
+        if blocks and lease_seconds is not None:
+            self.leases[request.request_id] = Lease(blocks, time.monotonic() + lease_seconds)
+        elif blocks:
             self.block_pool.free_blocks(reversed(blocks))
+
+    # ------------------------------------------------------------------ disaggregation: prefill side
+
+    def hold_on_free(self, request_id: str, lease_seconds: float) -> None:
+        """When the request is freed (finished or aborted), keep its blocks for `lease_seconds` more:
+        their KV is on its way to a decode engine."""
+        self._hold_on_free[request_id] = lease_seconds
+
+    def leased_block_ids(self, request_id: str) -> list[int]:
+        lease = self.leases.get(request_id)
+        return [] if lease is None else [block.block_id for block in lease.blocks]
+
+    def release_lease(self, request_id: str) -> bool:
+        """Free a lease's blocks (the decode engine has them, or gave up). Idempotent; False if none."""
+        self._hold_on_free.pop(request_id, None)
+        lease = self.leases.pop(request_id, None)
+        if lease is not None:
+            self.block_pool.free_blocks(reversed(lease.blocks))
+        return lease is not None
+
+    def expire_leases(self, now: float) -> list[str]:
+        """Free every lease past its expiry; their request ids."""
+        expired = [request_id for request_id, lease in self.leases.items() if lease.expires_at <= now]
+        for request_id in expired:
+            self.release_lease(request_id)
+        return expired
+
+    def next_lease_expiry(self) -> float | None:
+        return min((lease.expires_at for lease in self.leases.values()), default=None)
+
+    # ------------------------------------------------------------------ disaggregation: decode side
+
+    def allocate_transfer(self, request: Request) -> TransferBlocks | None:
+        """Fresh blocks for the prompt's full blocks beyond the cached prefix, owned by the transfer
+        until commit_transfer / cancel_transfer. None when there is nothing to transfer (prefix
+        caching off, the prompt cached or shorter than a block) or not enough free blocks.
+
+            | cached here | transferred from P | tail < 1 block, computed here |   (prompt)
+            0         first_block        num_prompt_tokens // B
+
+        The blocks are not cached (no hash) until their KV has arrived: no other request may hit
+        them before."""
+        if not self.enable_caching:
+            return None
+        num_full = request.num_prompt_tokens // self.block_size
+        first = self.num_matched_blocks(request.block_hashes[:num_full])
+        num_new = num_full - first
+        if num_new <= 0 or num_new > self.block_pool.get_num_free_blocks():
+            return None
+        blocks = self.block_pool.get_new_blocks(num_new)
+        self.transfers[request.request_id] = blocks
+        return TransferBlocks(first, [block.block_id for block in blocks])
+
+    def commit_transfer(self, request: Request, transfer: TransferBlocks) -> None:
+        """The transferred KV has arrived: cache the blocks under the prompt's hashes and free them to
+        the prefix cache, where the request's admission hits them (like any cached prefix)."""
+        blocks = self.transfers.pop(request.request_id)
+        # cache_full_blocks indexes a request's blocks from its first: the cached prefix before ours
+        # is not touched (num_cached_blocks = first_block), so it needs no entries.
+        padded: list = [None] * transfer.first_block + blocks
+        self.block_pool.cache_full_blocks(padded, request.block_hashes, transfer.first_block, len(padded),
+                                          request.all_token_ids)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def cancel_transfer(self, request_id: str) -> bool:
+        """Free a transfer's blocks uncached (it failed: their contents are undefined). Idempotent."""
+        blocks = self.transfers.pop(request_id, None)
+        if blocks is not None:
+            self.block_pool.free_blocks(reversed(blocks))
+        return blocks is not None
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """The request's blocks in token order (the manager's own list: do not mutate)."""
@@ -143,7 +238,9 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         self.block_pool.check_integrity()
         owners: dict[int, int] = {}
-        for request_id, blocks in self.req_to_blocks.items():
+        held = {f"lease:{r}": lease.blocks for r, lease in self.leases.items()}
+        held.update({f"transfer:{r}": blocks for r, blocks in self.transfers.items()})
+        for request_id, blocks in [*self.req_to_blocks.items(), *held.items()]:
             ids = [block.block_id for block in blocks]
             assert len(ids) == len(set(ids)), f"request {request_id} owns a block twice"
             for block in blocks:

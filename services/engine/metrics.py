@@ -174,6 +174,18 @@ class EngineMetrics:
         self._requests[request.request_id] = _RequestTimes(arrival, len(request.prompt_token_ids),
                                                            request.sampling_params.max_tokens)
 
+    def add_prefilled_request(self, request: EngineCoreRequest, first: EngineCoreOutput) -> None:
+        """A request whose prompt a prefill engine computed (disaggregation, issue 14), admitted with
+        that engine's first token: TTFT and the prefill phase cover the remote prefill and the KV
+        transfer (it counts as scheduled on arrival: it waited in no queue of ours)."""
+        self.add_request(request)
+        times = self._requests[request.request_id]
+        times.scheduled = times.arrival
+        now = time.monotonic()
+        self._record_tokens(times, len(first.new_token_ids), now)
+        if first.finish_reason is not None:
+            self._record_finished(request.request_id, first.finish_reason, now)
+
     def record_step(self, scheduler_output: SchedulerOutput, outputs: Iterable[EngineCoreOutput],
                     step_seconds: float, rpc_seconds: float) -> None:
         now = time.monotonic()
@@ -323,3 +335,46 @@ class PublisherMetrics:
                                "Full republishes of the prefix cache asked for (overflow, failure, unknown engine)")
         self.queue_overflows = counter("kvmesh_engine_kv_event_queue_overflows",
                                        "Times the KV event queue collapsed to all-cleared (the publisher fell behind)")
+
+
+TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Why a decode engine computed a remote-prefill request's prompt itself after all.
+TRANSFER_FAILURES = ("prefill_error", "prefill_timeout", "transfer_error", "transfer_timeout", "incompatible")
+
+
+class DisaggregationMetrics:
+    """KV transfers (issue 14, services/engine/disaggregation.py), fed on the event loop: the
+    decode side counts transfers received, failures by reason and recomputes; the prefill side
+    bytes sent and leases that expired unreleased."""
+
+    def __init__(self, registry: CollectorRegistry, labels: EngineLabels) -> None:
+        names, values = [COMPONENT, "model_name", "engine"], ("engine", labels.model_name, labels.engine)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=registry).labels(*values)
+
+        transfers = Counter("kvmesh_kv_transfers", "KV transfers completed, by direction (sent: prefill side, "
+                            "received: decode side)", [*names, "direction"], registry=registry)
+        self.transfers = {d: transfers.labels(*values, d) for d in ("sent", "received")}
+        transfer_bytes = Counter("kvmesh_kv_transfer_bytes", "Bytes of KV blocks moved, by direction",
+                                 [*names, "direction"], registry=registry)
+        self.transfer_bytes = {d: transfer_bytes.labels(*values, d) for d in ("sent", "received")}
+        seconds = Histogram("kvmesh_kv_transfer_seconds", "Seconds a KV transfer took on the worker side (sent: "
+                            "the send; received: from the prefill engine's first token to the blocks' arrival)",
+                            [*names, "direction"], buckets=TRANSFER_SECONDS_BUCKETS, registry=registry)
+        self.transfer_seconds = {d: seconds.labels(*values, d) for d in ("sent", "received")}
+        failures = Counter("kvmesh_kv_transfer_failures", "Remote prefills that failed, by reason (the decode "
+                           "engine recomputed each)", [*names, "reason"], registry=registry)
+        self.failures = {reason: failures.labels(*values, reason) for reason in TRANSFER_FAILURES}
+        self.recomputes = counter("kvmesh_kv_transfer_recomputes",
+                                  "Prompts a decode engine computed itself after a failed remote prefill")
+        self.local_prefills = counter("kvmesh_kv_transfer_local_prefills",
+                                      "Remote-prefill requests computed here all the same: nothing to transfer "
+                                      "(cached here, shorter than a block) or no free blocks for it")
+        self.leases_expired = counter("kvmesh_kv_leases_expired",
+                                      "Prefill-side leases freed by expiry, not by the decode engine's release")
+
+    def record_transfer(self, direction: str, num_bytes: int, seconds: float) -> None:
+        self.transfers[direction].inc()
+        self.transfer_bytes[direction].inc(num_bytes)
+        self.transfer_seconds[direction].observe(seconds)

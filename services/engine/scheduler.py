@@ -62,6 +62,21 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
+    def add_prefilled_request(self, request: Request, token_id: int) -> EngineCoreOutput:
+        """A request whose prompt another engine computed and sampled `token_id` from (disaggregation,
+        issue 14): the token is its first output; unless that finished it, it joins the waiting
+        queue, where its admission hits the transferred blocks in the prefix cache and computes only
+        the prompt's last partial block and the token. The first token's output, to stream."""
+        request.append_output_token_ids([token_id])
+        self._check_stop(request, token_id)
+        output = EngineCoreOutput(request.request_id, [token_id])
+        if request.is_finished:
+            output.finish_reason = request.status.finish_reason
+            output.stop_reason = request.stop_reason
+            return output
+        self.add_request(request)
+        return output
+
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish requests from outside the step (aborts). Idempotent; unknown ids are ignored."""
         assert status.finished

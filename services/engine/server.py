@@ -32,7 +32,7 @@ import logging
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 from typing import NamedTuple
@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 from services.common.clients import EngineClient
 from services.common.config import (
+    DisaggregationConfig,
     EngineServiceConfig,
     ModelConfig,
     ParallelConfig,
@@ -57,10 +58,12 @@ from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.common.rpc.security import RpcSecurity
 from services.common.rpc.server import RpcServer, service_name
 from services.engine.async_engine import AsyncEngine, EngineIdentity
+from services.engine.client import GrpcEngineClient
+from services.engine.disaggregation import Disaggregation, Timeouts
 from services.engine.kv_events import KVEventQueue
 from services.engine.kv_publisher import KVPublisher
 from services.engine.executor import GroupWorkerClient
-from services.engine.metrics import EngineLabels, EngineMetrics, PublisherMetrics
+from services.engine.metrics import DisaggregationMetrics, EngineLabels, EngineMetrics, PublisherMetrics
 from services.prefix_index import RedisPrefixIndex
 from services.worker.client import GrpcWorkerClient
 
@@ -102,6 +105,22 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return convert.engine_info_to_proto(await self.engine.info())
 
     @answers_with_status
+    async def Prefill(self, request: engine_pb2.PrefillRequest, context):
+        disaggregation = self.engine.disaggregation if isinstance(self.engine, AsyncEngine) else None
+        if disaggregation is None:
+            raise ValueError("this engine takes no part in KV transfers: start its workers with --kv-transfer-address")
+        async with aclosing(disaggregation.prefill(convert.prefill_task_from_proto(request))) as stream:
+            async for progress in stream:
+                yield convert.prefill_progress_to_proto(progress)
+
+    @answers_with_status
+    async def ReleaseTransfer(self, request: engine_pb2.ReleaseTransferRequest,
+                              context) -> engine_pb2.ReleaseTransferResponse:
+        if isinstance(self.engine, AsyncEngine) and self.engine.disaggregation is not None:
+            await self.engine.disaggregation.release(request.request_id)
+        return engine_pb2.ReleaseTransferResponse()
+
+    @answers_with_status
     async def MatchPrefix(self, request: engine_pb2.MatchPrefixRequest, context) -> engine_pb2.MatchPrefixResponse:
         return convert.prefix_match_to_proto(await self.engine.match_prefix(convert.block_hashes_from_proto(request)))
 
@@ -139,6 +158,7 @@ async def start_engine(worker: GroupWorkerClient, args: EngineServiceArgs, metri
     engine = await AsyncEngine.create(
         worker, args.scheduler, lambda core: EngineMetrics.for_core(metrics.registry, labels(core), core),
         args.service.worker_liveness_interval, kv_events=kv_events, identity=identity)
+    enable_disaggregation(engine, worker, args, lambda: DisaggregationMetrics(metrics.registry, labels(engine.core)))
     if kv_events is None:
         return engine, None
     index = RedisPrefixIndex.connect(index_config.prefix_index, timeout_s=index_config.prefix_index_timeout,
@@ -150,6 +170,28 @@ async def start_engine(worker: GroupWorkerClient, args: EngineServiceArgs, metri
     publisher.start()
     logger.info("publishing the prefix cache as engine %s (epoch %d)", identity.engine_id, identity.epoch)
     return engine, publisher
+
+
+def enable_disaggregation(engine: AsyncEngine, worker: GroupWorkerClient, args: EngineServiceArgs,
+                          metrics: Callable[[], DisaggregationMetrics]) -> None:
+    """Disaggregated prefill/decode (issue 14) when every worker has a KV-transfer endpoint (its
+    metrics registered only then); a prefill or decode role without them is a configuration error."""
+    config = args.disaggregation
+    endpoints = worker.kv_transfer_endpoints
+    if not endpoints:
+        if config.engine_role != "both":
+            raise ValueError(f"--engine-role {config.engine_role} needs workers started with --kv-transfer-address")
+        return
+    # Deadlines: the prefill stream gets its own (Disaggregation), unary calls the worker timeout's.
+    security = RpcSecurity.load(args.security)
+
+    def connect(address: str) -> GrpcEngineClient:
+        return GrpcEngineClient(address, timeout=config.kv_transfer_timeout, security=security)
+
+    timeouts = Timeouts(config.kv_lease, config.remote_prefill_timeout, config.kv_transfer_timeout)
+    engine.enable_disaggregation(Disaggregation(engine, worker, connect, config.engine_role, timeouts, metrics()),
+                                 endpoints)
+    logger.info("disaggregation: role %s, KV-transfer endpoints %s", config.engine_role, ", ".join(endpoints))
 
 
 async def serve(worker: GroupWorkerClient, args: EngineServiceArgs, metrics: ServiceMetrics,
@@ -170,6 +212,8 @@ async def serve(worker: GroupWorkerClient, args: EngineServiceArgs, metrics: Ser
         await publisher.close()  # out of the index first: routers stop choosing an engine that goes away
     healthy = await engine.is_healthy()
     await server.shutdown(serving.grace if healthy else 0.0, serving.drain if healthy else 0.0)
+    if engine.disaggregation is not None:
+        await engine.disaggregation.close()
     await engine.shutdown()
     return healthy
 
@@ -213,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, ModelConfig, ENV_PREFIX, only=["served_model_name"])
     add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})
     add_flags(parser, SecurityConfig, ENV_PREFIX)
+    add_flags(parser, DisaggregationConfig, ENV_PREFIX, only=["engine_role", "kv_lease", "kv_transfer_timeout",
+                                                                      "remote_prefill_timeout"])
     return parser
 
 
@@ -224,6 +270,7 @@ class EngineServiceArgs(NamedTuple):
     security: SecurityConfig = SecurityConfig()
     prefix_index: PrefixIndexConfig = PrefixIndexConfig()
     parallel: ParallelConfig = ParallelConfig()  # only tensor_parallel_size: the group's size
+    disaggregation: DisaggregationConfig = DisaggregationConfig()  # role, lease, transfer timeout
 
 
 def parse_args(argv: list[str] | None = None) -> EngineServiceArgs:
@@ -249,7 +296,7 @@ def parse_args(argv: list[str] | None = None) -> EngineServiceArgs:
                      f"give one per rank, in rank order")
     return EngineServiceArgs(service, build(parser, SchedulerConfig, args), build(parser, ModelConfig, args),
                              build(parser, ServingConfig, args), build(parser, SecurityConfig, args),
-                             build(parser, PrefixIndexConfig, args), parallel)
+                             build(parser, PrefixIndexConfig, args), parallel, build(parser, DisaggregationConfig, args))
 
 
 def main(argv: list[str] | None = None) -> int:

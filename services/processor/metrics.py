@@ -80,3 +80,13 @@ class ProcessorMetrics:
         """A request whose choices all finished, with the tokens each generated."""
         self.params_n.observe(len(num_generation_tokens))
         self.max_num_generation_tokens.observe(max(num_generation_tokens))
+
+
+class DeciderMetrics:
+    """The prefill decider's outcomes (services/processor/prefill_decider.py), all exported at 0."""
+
+    def __init__(self, service: ServiceMetrics, outcomes: Sequence[str]) -> None:
+        decisions = Counter("kvmesh_pd_decisions", "Disaggregation decisions by outcome: short (prompt at most the "
+                            "threshold), cached (its uncached part at most the threshold) or remote (prefilled on "
+                            "a prefill engine)", [COMPONENT, "outcome"], registry=service.registry)
+        self.decisions = {o: decisions.labels(service.grpc.component, o) for o in outcomes}

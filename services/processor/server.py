@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 from services.common.clients import EngineClient, EngineInfo, ProcessorClient
 from services.common.config import (
+    DisaggregationConfig,
     PROCESSOR_MODEL_FIELDS,
     ModelConfig,
     PrefixIndexConfig,
@@ -56,7 +57,8 @@ from services.processor.async_processor import DEFAULT_TOKENIZER_THREADS, AsyncP
 from services.processor.engine_set import EngineSet
 from services.prefix_index.index import PrefixIndex
 from services.prefix_index.replica import PrefixIndexReplica
-from services.processor.metrics import ProcessorMetrics, RouterMetrics
+from services.processor.metrics import DeciderMetrics, ProcessorMetrics, RouterMetrics
+from services.processor.prefill_decider import OUTCOMES, PrefillDecider
 from services.common.rpc.convert import generate_delta_to_proto, generate_request_from_proto
 from services.processor.processor import Processor
 from services.processor.router import REASONS
@@ -124,6 +126,8 @@ class Routing(NamedTuple):
     config: RoutingConfig = RoutingConfig()
     index: PrefixIndexConfig = PrefixIndexConfig()
     metrics: RouterMetrics | None = None
+    disaggregation: DisaggregationConfig = DisaggregationConfig()  # prefill engines and the threshold
+    decider_metrics: DeciderMetrics | None = None
 
 
 @asynccontextmanager
@@ -149,7 +153,7 @@ async def open_engines(config: ProcessorServiceConfig, metrics: GrpcMetrics | No
         if len(addresses) == 1:
             engine = connect(addresses[0])
             stack.push_async_callback(engine.close)
-            yield engine
+            yield decide_prefill(engine, routing)
             return
         engines = EngineSet(config.engine_service or "engines", connect, routing.config, index,
                             routing.index.prefix_index_timeout, routing.metrics)
@@ -163,7 +167,16 @@ async def open_engines(config: ProcessorServiceConfig, metrics: GrpcMetrics | No
             await stack.enter_async_context(background(follow_index_engines(index, engines)))
         else:
             engines.update(frozenset(Endpoint(address) for address in addresses))
-        yield engines
+        yield decide_prefill(engines, routing)
+
+
+def decide_prefill(decode: EngineClient, routing: Routing) -> EngineClient:
+    """The decode engine(s) behind the prefill decider when there are prefill engines (issue 14)."""
+    config = routing.disaggregation
+    if not config.prefill_engine_address:
+        return decode
+    return PrefillDecider(decode, config.prefill_engine_address, config.prefill_threshold, routing.decider_metrics,
+                          routing.index.prefix_index_timeout)
 
 
 @asynccontextmanager
@@ -259,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, ModelConfig, ENV_PREFIX, only=PROCESSOR_MODEL_FIELDS)
     add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})
     add_flags(parser, SecurityConfig, ENV_PREFIX)
+    add_flags(parser, DisaggregationConfig, ENV_PREFIX, only=["prefill_engine_address", "prefill_threshold"])
     return parser
 
 
@@ -269,6 +283,7 @@ class ProcessorArgs(NamedTuple):
     security: SecurityConfig = SecurityConfig()
     routing: RoutingConfig = RoutingConfig()
     prefix_index: PrefixIndexConfig = PrefixIndexConfig()
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
 
 
 def parse_args(argv: list[str] | None = None) -> ProcessorArgs:
@@ -281,11 +296,12 @@ def parse_args(argv: list[str] | None = None) -> ProcessorArgs:
     if service.engine_service is None and not service.engine_address and not service.engines_from_index:
         service = replace(service, engine_address=(DEFAULT_ENGINE_ADDRESS,))
     return ProcessorArgs(service, build(parser, ModelConfig, args), build(parser, ServingConfig, args),
-                         build(parser, SecurityConfig, args), build(parser, RoutingConfig, args), prefix_index)
+                         build(parser, SecurityConfig, args), build(parser, RoutingConfig, args), prefix_index,
+                         build(parser, DisaggregationConfig, args))
 
 
 def main(argv: list[str] | None = None) -> int:
-    service, model, serving, security_config, routing, prefix_index = parse_args(argv)
+    service, model, serving, security_config, routing, prefix_index, disaggregation = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s processor: %(message)s")
     security = RpcSecurity.load(security_config)  # the processor's own port and its calls to engines
     service_metrics = ServiceMetrics.create("processor")
@@ -295,8 +311,10 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         router_metrics = RouterMetrics(service_metrics, routing.routing, REASONS[routing.routing])
+        decider_metrics = DeciderMetrics(service_metrics, OUTCOMES) if disaggregation.prefill_engine_address else None
         async with open_engines(service, service_metrics.grpc, security,
-                                Routing(routing, prefix_index, router_metrics)) as engine:
+                                Routing(routing, prefix_index, router_metrics, disaggregation,
+                                        decider_metrics)) as engine:
             await serve(model, engine, serving, service.startup_timeout, metrics, security, service.tokenizer_threads)
 
     endpoint = MetricsEndpoint.start(service_metrics.registry, serving.host, serving.metrics_port)

@@ -11,6 +11,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -62,6 +63,13 @@ class InProcessWorkerClient:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         with self._lock:
             return self.worker.execute_model(scheduler_output)
+
+    def send_kv(self, peer: str, block_ids: Sequence[int], tag: int) -> int:
+        # No step lock: a transfer runs beside the steps, on blocks no scheduled request uses.
+        return self.worker.send_kv(peer, list(block_ids), tag)
+
+    def receive_kv(self, peer: str, block_ids: Sequence[int], tag: int) -> int:
+        return self.worker.receive_kv(peer, list(block_ids), tag)
 
     def check_alive(self) -> None:
         pass  # in this process: alive as long as we are
@@ -147,6 +155,19 @@ class GrpcWorkerClient:
         finally:
             self._step_since = None
         return convert.model_runner_output_from_proto(reply)
+
+    def send_kv(self, peer: str, block_ids: Sequence[int], tag: int) -> int:
+        """Deadline `timeout`: the worker's own transfer timeout (seconds) ends it well before."""
+        with raising_errors():
+            reply = self._stub.SendKV(worker_pb2.KVTransfer(peer=peer, block_ids=block_ids, tag=tag),
+                                      timeout=self.timeout, metadata=self._metadata)
+        return reply.num_bytes
+
+    def receive_kv(self, peer: str, block_ids: Sequence[int], tag: int) -> int:
+        with raising_errors():
+            reply = self._stub.ReceiveKV(worker_pb2.KVTransfer(peer=peer, block_ids=block_ids, tag=tag),
+                                         timeout=self.timeout, metadata=self._metadata)
+        return reply.num_bytes
 
     def check_alive(self) -> None:
         try:

@@ -29,7 +29,8 @@ from typing import TypeVar
 import grpc
 
 from services.common.clients import WorkerClient
-from services.common.config import CacheConfig, ModelConfig, ParallelConfig, SecurityConfig, ServingConfig, WorkerConfig
+from services.common.config import (CacheConfig, DisaggregationConfig, ModelConfig, ParallelConfig, SecurityConfig,
+                                   ServingConfig, WorkerConfig)
 from services.common.errors import EngineDeadError, answers_with_status
 from services.common.flags import add_flags, build
 from services.common.rpc import convert
@@ -51,6 +52,7 @@ DEFAULT_METRICS_PORT = 9053
 ENV_PREFIX = "KVMESH_WORKER"  # KVMESH_WORKER_PORT for --port, ...
 T = TypeVar("T")
 INLINE_STEP_TOKENS = 256  # see WorkerServicer
+TRANSFER_THREADS = 8  # KV transfers in flight at once (each waits on its peer)
 SERVICE_NAME = service_name(worker_pb2.DESCRIPTOR, "Worker")
 GROUP_FAILED_EXIT_STATUS = 1  # the tensor-parallel group broke: restart this worker (and its peers)
 
@@ -94,6 +96,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.metrics = metrics
         self.owner_lease = owner_lease
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
+        # KV transfers (issue 14) wait on their peer for up to their timeout: never on the step thread.
+        self._transfers = ThreadPoolExecutor(max_workers=TRANSFER_THREADS, thread_name_prefix="kv-transfer")
         self._owner: str | None = None  # the engine session that claimed the worker
         self._owner_seen = 0.0  # time.monotonic() of the owner's last call
         self._steps_in_flight = 0  # the owner's: a step longer than the lease is not silence
@@ -133,6 +137,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         with self._group_guard():
             num_blocks = await self._call(self.worker.initialize_cache, request.max_num_reqs)
         return worker_pb2.InitializeCacheResponse(num_blocks=num_blocks)
+
+    @answers_with_status
+    async def SendKV(self, request: worker_pb2.KVTransfer, context) -> worker_pb2.KVTransferDone:
+        return await self._transfer(self.worker.send_kv, request, context)
+
+    @answers_with_status
+    async def ReceiveKV(self, request: worker_pb2.KVTransfer, context) -> worker_pb2.KVTransferDone:
+        return await self._transfer(self.worker.receive_kv, request, context)
+
+    async def _transfer(self, move: Callable[[str, list[int], int], int], request: worker_pb2.KVTransfer,
+                        context) -> worker_pb2.KVTransferDone:
+        """On a thread of the transfer pool, beside the steps (KVTransferError: UNAVAILABLE)."""
+        self._check_owner(session_of(context))
+        num_bytes = await asyncio.get_running_loop().run_in_executor(
+            self._transfers, move, request.peer, list(request.block_ids), request.tag)
+        return worker_pb2.KVTransferDone(num_bytes=num_bytes)
 
     @answers_with_status
     async def ExecuteModel(self, request: worker_pb2.SchedulerOutput, context) -> worker_pb2.ModelRunnerOutput:
@@ -202,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh worker", description="The kvmesh worker service.")
     for config_class in (ModelConfig, CacheConfig, WorkerConfig, ParallelConfig, SecurityConfig):
         add_flags(parser, config_class, ENV_PREFIX)
+    add_flags(parser, DisaggregationConfig, ENV_PREFIX, only=["kv_transfer_address", "kv_transfer_timeout"])
     add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})
     return parser
 
@@ -214,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in (ModelConfig, CacheConfig, WorkerConfig, ParallelConfig, ServingConfig, SecurityConfig))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker: %(message)s")
     security = RpcSecurity.load(security_config)  # before the model loads: a bad file fails at once
-    worker = Worker(model_config, cache_config, worker_config, parallel_config)
+    worker = Worker(model_config, cache_config, worker_config, parallel_config,
+                    build(parser, DisaggregationConfig, args))
     metrics = WorkerMetrics(ServiceMetrics.create("worker"), model_config.served_model_name or worker.info.model_id)
     metrics.watch_forward(worker.model, worker.device)
     endpoint = MetricsEndpoint.start(metrics.service.registry, serving.host, serving.metrics_port)

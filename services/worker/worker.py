@@ -17,7 +17,8 @@ import torch
 
 from kernels import cpu_fused_ops
 from services.common.clients import WorkerInfo
-from services.common.config import CacheConfig, ModelConfig, ParallelConfig, WorkerConfig, default_cache_dir
+from services.common.config import (CacheConfig, DisaggregationConfig, ModelConfig, ParallelConfig, WorkerConfig,
+                                   default_cache_dir)
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.attention import get_attention_backend
@@ -25,6 +26,7 @@ from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks
 from services.common.model_files import model_id_of
 from services.worker.loader import load_model, resolve_model
 from services.worker.model_runner import ModelRunner
+from services.worker.kv_transfer import KVTransferEndpoint
 from services.worker.parallel_group import TensorParallelGroup
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,7 +34,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class Worker:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, worker_config: WorkerConfig,
-                 parallel_config: ParallelConfig = ParallelConfig()) -> None:
+                 parallel_config: ParallelConfig = ParallelConfig(),
+                 disaggregation: DisaggregationConfig = DisaggregationConfig()) -> None:
         self.device = torch.device(model_config.device)
         self.dtype = _DTYPES[model_config.dtype]
         self.cache_config = cache_config
@@ -49,9 +52,13 @@ class Worker:
             if model_config.max_model_len > max_len:
                 raise ValueError(f"max_model_len {model_config.max_model_len} exceeds the model's {max_len}")
             max_len = model_config.max_model_len
+        # Disaggregation (issue 14): this worker's end of KV transfers with other engines' workers.
+        self.kv_transfer = None if disaggregation.kv_transfer_address is None else KVTransferEndpoint(
+            disaggregation.kv_transfer_address, self.device, disaggregation.kv_transfer_timeout)
         self.info = WorkerInfo(model_id=model_id_of(self.model_path), model_path=str(self.model_path),
                                vocab_size=self.hf_config.vocab_size, max_model_len=max_len,
-                               block_size=cache_config.block_size, rank=self.tp.rank, world_size=self.tp.size)
+                               block_size=cache_config.block_size, rank=self.tp.rank, world_size=self.tp.size,
+                               kv_transfer_endpoint=self.kv_transfer.endpoint_id if self.kv_transfer else "")
         self.runner: ModelRunner | None = None
 
     @property
@@ -77,6 +84,29 @@ class Worker:
         assert self.runner is not None, "initialize_cache() first"
         return self.runner.execute_model(scheduler_output)
 
+    def send_kv(self, peer: str, block_ids: list[int], tag: int) -> int:
+        """Blocks `block_ids` of every layer to the worker `peer` (its receive_kv with `tag`); bytes sent."""
+        return self._transfer_endpoint().send(peer, tag, self._kv_caches(block_ids), block_ids)
+
+    def receive_kv(self, peer: str, block_ids: list[int], tag: int) -> int:
+        """Blocks from `peer`'s send_kv with `tag` into `block_ids`; bytes received."""
+        return self._transfer_endpoint().receive(peer, tag, self._kv_caches(block_ids), block_ids)
+
+    def _transfer_endpoint(self) -> KVTransferEndpoint:
+        if self.kv_transfer is None:
+            raise ValueError("this worker has no KV-transfer endpoint: start it with --kv-transfer-address")
+        return self.kv_transfer
+
+    def _kv_caches(self, block_ids: list[int]) -> list:
+        if self.runner is None:
+            raise ValueError("no KV cache yet: InitializeCache first")
+        num_blocks = self.runner.kv_caches[0].shape[1]
+        if not block_ids or not all(0 <= b < num_blocks for b in block_ids):
+            raise ValueError(f"KV transfer block ids must be 1 or more of 0..{num_blocks - 1}, got {block_ids}")
+        return self.runner.kv_caches
+
     def close(self) -> None:
-        """Leave the tensor-parallel group (nothing to do for a group of one)."""
+        """Leave the tensor-parallel group (nothing to do for a group of one) and close transfers."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
         self.tp.close()

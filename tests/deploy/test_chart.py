@@ -20,7 +20,7 @@ from kubernetes_validate.utils import schema_contents
 
 from services.cli import SERVICES
 from services.engine import server as engine_server
-from services.common.config import EngineServiceConfig, PrefixIndexConfig, RoutingConfig
+from services.common.config import DisaggregationConfig, EngineServiceConfig, PrefixIndexConfig, RoutingConfig
 from services.common.flags import build
 from tests.deploy.chart import CHART_DIR, EXAMPLES, GOLDEN_DIR, NAMESPACE, example_values, find, golden_manifest, manifest, objects, render
 
@@ -114,23 +114,31 @@ def test_custom_resources_point_at_what_the_chart_renders(example: tuple[str, di
             assert "vllm:num_requests_waiting" in spec["triggers"][0]["metadata"]["query"]
 
 
-def pod_spec(objs: list[dict[str, Any]], component: str) -> dict[str, Any]:
+def has_role(workload: dict[str, Any], role: str | None) -> bool:
+    """Disaggregated prefill/decode: the workload's role label; None: the decode ones or, without
+    disaggregation, the only ones."""
+    label = workload["spec"]["selector"]["matchLabels"].get("kvmesh.io/role")
+    return label in (None, "decode") if role is None else label == role
+
+
+def pod_spec(objs: list[dict[str, Any]], component: str, role: str | None = None) -> dict[str, Any]:
     [workload] = [o for o in objs if o["kind"] in ("Deployment", "StatefulSet")
-                  and o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == component]
+                  and o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == component
+                  and has_role(o, role)]
     return workload["spec"]["template"]["spec"]
 
 
-def args_of(objs: list[dict[str, Any]], component: str) -> dict[str, str]:
+def args_of(objs: list[dict[str, Any]], component: str, role: str | None = None) -> dict[str, str]:
     """A service's `--flag=value` arguments (bare flags map to "")."""
-    args = pod_spec(objs, component)["containers"][0]["args"]
+    args = pod_spec(objs, component, role)["containers"][0]["args"]
     assert args[0] == component  # the image's entry point is `kvmesh`: the first argument picks the service
     return dict(a.removeprefix("--").partition("=")[::2] for a in args[1:])
 
 
-def worker_pod_names(objs: list[dict[str, Any]]) -> set[str]:
-    """The pods the worker StatefulSets create: <name>-<ordinal>."""
+def worker_pod_names(objs: list[dict[str, Any]], role: str | None = None) -> set[str]:
+    """The pods the worker StatefulSets (of `role`, see has_role) create: <name>-<ordinal>."""
     return {f"{o['metadata']['name']}-{i}" for o in objs if o["kind"] == "StatefulSet"
-            and o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"
+            and o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "worker" and has_role(o, role)
             for i in range(o["spec"].get("replicas", 1))}
 
 
@@ -141,7 +149,8 @@ def test_engine_finds_its_worker(example: tuple[str, dict[str, str]]) -> None:
     _, rendered = example
     objs = objects(rendered)
     engine = find(objs, "StatefulSet", "kvmesh-engine")
-    workers = [o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"].startswith("kvmesh-worker")]
+    workers = [o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"].startswith("kvmesh-worker")
+               and has_role(o, None)]
     engine_args = args_of(objs, "engine")
     size = int(engine_args.get("tensor-parallel-size", "1"))
     hostnames = [h for i in range(engine["spec"].get("replicas", 1))
@@ -495,3 +504,56 @@ def test_without_tensor_parallelism_the_workers_stay_one_statefulset() -> None:
 def test_tensor_parallelism_refuses_keda() -> None:
     with pytest.raises(helm.HelmRenderError, match="tensorParallelSize above 1 does not go with keda.enabled"):
         render({"worker": {"tensorParallelSize": 2}, "keda": {"enabled": True}})
+
+
+def test_the_pd_example_runs_a_prefill_and_a_decode_pair_that_find_each_other() -> None:
+    """values-pd.yaml: engine-prefill-0 pairs with worker-prefill-0 (its hostname, -engine- -> -worker-,
+    in the one worker Service), the processors route to the decode engine only and name the prefill
+    engine by its pod's DNS name, the workers' KV-transfer endpoints listen on their pod IP's
+    transfer port (declared), the roles reach the services, and every such command line parses."""
+    objs = objects(render(example_values("pd")))
+    prefill = find(objs, "StatefulSet", "kvmesh-engine-prefill")
+    assert prefill["spec"]["replicas"] == 1 and prefill["spec"]["serviceName"] == "kvmesh-engine-prefill"
+    assert engine_server.paired_worker_hostnames("kvmesh-engine-prefill-0") == ("kvmesh-worker-prefill-0",)
+    assert worker_pod_names(objs, "prefill") == {"kvmesh-worker-prefill-0"}
+    assert worker_pod_names(objs) == {"kvmesh-worker-0"}
+    assert find(objs, "StatefulSet", "kvmesh-worker-prefill")["spec"]["serviceName"] == "kvmesh-worker"
+    # Services: the engine Service selects the decode engines; engine-prefill (headless) the prefill ones.
+    assert find(objs, "Service", "kvmesh-engine")["spec"]["selector"]["kvmesh.io/role"] == "decode"
+    headless = find(objs, "Service", "kvmesh-engine-prefill")["spec"]
+    assert headless["clusterIP"] == "None" and headless["selector"]["kvmesh.io/role"] == "prefill"
+    processor = pod_spec(objs, "processor")["containers"][0]["args"]
+    assert [a for a in processor if a.startswith("--prefill-")] == [
+        "--prefill-engine-address=kvmesh-engine-prefill-0.kvmesh-engine-prefill:50052", "--prefill-threshold=512"]
+    for role in ("decode", "prefill"):
+        assert args_of(objs, "engine", role)["engine-role"] == role
+        worker = pod_spec(objs, "worker", role)["containers"][0]
+        args = dict(a.removeprefix("--").partition("=")[::2] for a in worker["args"][1:])
+        assert args["kv-transfer-address"] == "$(POD_IP):29600"
+        assert {"name": "kv-transfer", "containerPort": 29600} in worker["ports"]
+        assert env_of(worker)["POD_IP"] == POD_IP
+        for component in ("engine", "worker"):
+            argv = [a.replace("$(POD_IP)", POD_IP) for a in pod_spec(objs, component, role)["containers"][0]["args"]]
+            parser = importlib.import_module(SERVICES[component]).build_parser()
+            config = build(parser, DisaggregationConfig, parser.parse_args(argv[1:]))
+            assert config.kv_transfer_timeout == 5
+            if component == "engine":
+                assert (config.engine_role, config.kv_lease) == (role, 30)
+            else:
+                assert config.kv_transfer_address == f"{POD_IP}:29600"
+    parser = importlib.import_module(SERVICES["processor"]).build_parser()
+    config = build(parser, DisaggregationConfig, parser.parse_args(processor[1:]))
+    assert config.prefill_engine_address == ("kvmesh-engine-prefill-0.kvmesh-engine-prefill:50052",)
+    # Network policies: prefill engines take Engine.Prefill from decode engines; workers reach each other.
+    engine_policy = policy_for(objs, "engine")
+    assert {"ports": [{"port": "grpc"}], "from": [{"podSelector": {"matchLabels": {
+        **engine_policy["podSelector"]["matchLabels"], "kvmesh.io/role": "decode"}}}]} in engine_policy["ingress"]
+    worker_policy = policy_for(objs, "worker")
+    assert {"from": [{"podSelector": {"matchLabels": worker_policy["podSelector"]["matchLabels"]}}]} \
+        in worker_policy["ingress"]
+
+
+def test_disaggregation_refuses_tensor_parallelism_and_keda() -> None:
+    for values in ({"worker": {"tensorParallelSize": 2}}, {"keda": {"enabled": True}}):
+        with pytest.raises(helm.HelmRenderError, match="disaggregation.enabled goes with"):
+            render({**values, "disaggregation": {"enabled": True}})

@@ -116,7 +116,7 @@ def test_engine_output_round_trip(output: EngineCoreOutput):
 def test_stats_and_info_round_trip():
     stats = EngineStats(3, 4, 17, 1024, 2, 5000, 1234)
     assert convert.engine_stats_from_proto(convert.engine_stats_to_proto(stats)) == stats
-    info = EngineInfo("smollm2", "/models/smollm2", 8192, 16)
+    info = EngineInfo("smollm2", "/models/smollm2", 8192, 16, role="decode", kv_transfer_endpoints=("a:1/x", "b:2/y"))
     assert convert.engine_info_from_proto(convert.engine_info_to_proto(info)) == info
     worker = WorkerInfo("smollm2", "/models/smollm2", 49152, 8192, 16)
     assert convert.worker_info_from_proto(convert.worker_info_to_proto(worker)) == worker
@@ -128,5 +128,7 @@ def test_stats_and_info_round_trip():
 def test_conversions_by_name_cover_every_field_of_both_sides(cls, message_type):
     """fields_to_proto / fields_from_proto match fields by name: the two sides must name the same ones."""
     assert [f.name for f in dataclasses.fields(cls)] == [f.name for f in message_type.DESCRIPTOR.fields]
-    value = cls(**{f.name: f"v{i}" if f.type == "str" else i + 1 for i, f in enumerate(dataclasses.fields(cls))})
+    def sample(i: int, f: dataclasses.Field) -> object:
+        return f"v{i}" if f.type == "str" else (f"v{i}",) if f.type.startswith("tuple[str") else i + 1
+    value = cls(**{f.name: sample(i, f) for i, f in enumerate(dataclasses.fields(cls))})
     assert convert.fields_from_proto(convert.fields_to_proto(value, message_type), cls) == value

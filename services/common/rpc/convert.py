@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 from google.protobuf import json_format, struct_pb2
@@ -27,7 +27,7 @@ from services.common.clients import (
     TokenizeRequest,
     WorkerInfo,
 )
-from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.common.engine_output import EngineCoreOutput, EngineCoreRequest, PrefillProgress, PrefillTask
 from services.common.model_runner_output import ModelRunnerOutput, TokenLogprobs
 from services.common.rpc.kvmesh.v1 import common_pb2, engine_pb2, processor_pb2, worker_pb2
 from services.common.sampling_params import SamplingParams
@@ -47,8 +47,12 @@ def fields_to_proto(value: object, message_type: type[M]) -> M:
 
 
 def fields_from_proto(message: Message, cls: type[T]) -> T:
-    """The dataclass `cls` of a message, field by name (fields_to_proto's inverse)."""
-    return cls(**{f.name: getattr(message, f.name) for f in dataclasses.fields(cls)})
+    """The dataclass `cls` of a message, field by name (fields_to_proto's inverse); a repeated field
+    becomes a tuple."""
+    def value(name: str) -> object:
+        v = getattr(message, name)
+        return tuple(v) if isinstance(v, Sequence) and not isinstance(v, (str, bytes)) else v
+    return cls(**{f.name: value(f.name) for f in dataclasses.fields(cls)})
 
 
 def sampling_params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -201,6 +205,7 @@ def engine_request_to_proto(r: EngineCoreRequest) -> engine_pb2.EngineRequest:
         request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
         sampling_params=sampling_params_to_proto(r.sampling_params), eos_token_ids=r.eos_token_ids,
         priority=r.priority, cache_salt=r.cache_salt, group_id=r.group_id,
+        prefill_engine_address=r.prefill_engine_address,
     )
 
 
@@ -214,7 +219,33 @@ def engine_request_from_proto(m: engine_pb2.EngineRequest) -> EngineCoreRequest:
         sampling_params=sampling_params_from_proto(m.sampling_params), eos_token_ids=tuple(m.eos_token_ids),
         priority=m.priority, cache_salt=m.cache_salt if m.HasField("cache_salt") else None,
         group_id=m.group_id if m.HasField("group_id") else None,
+        prefill_engine_address=m.prefill_engine_address if m.HasField("prefill_engine_address") else None,
     )
+
+
+def prefill_task_to_proto(t: PrefillTask) -> engine_pb2.PrefillRequest:
+    return engine_pb2.PrefillRequest(request=engine_request_to_proto(t.request), receiver_endpoints=t.receiver_endpoints,
+                                     first_block=t.first_block, block_ids=t.block_ids, tag=t.tag)
+
+
+def prefill_task_from_proto(m: engine_pb2.PrefillRequest) -> PrefillTask:
+    if not m.block_ids or m.first_block < 0 or not m.receiver_endpoints:
+        raise ValueError("a prefill task needs block ids, a first block >= 0 and the receivers' endpoints")
+    return PrefillTask(engine_request_from_proto(m.request), tuple(m.receiver_endpoints), m.first_block,
+                       list(m.block_ids), m.tag)
+
+
+def prefill_progress_to_proto(p: PrefillProgress) -> engine_pb2.PrefillResponse:
+    return engine_pb2.PrefillResponse(
+        first_token_id=p.first_token_id, first_logprobs=[token_logprobs_to_proto(lp) for lp in p.first_logprobs],
+        num_cached_tokens=p.num_cached_tokens, sent=p.sent, bytes_sent=p.bytes_sent)
+
+
+def prefill_progress_from_proto(m: engine_pb2.PrefillResponse) -> PrefillProgress:
+    return PrefillProgress(
+        first_token_id=m.first_token_id if m.HasField("first_token_id") else None,
+        first_logprobs=[token_logprobs_from_proto(lp) for lp in m.first_logprobs],
+        num_cached_tokens=m.num_cached_tokens, sent=m.sent, bytes_sent=m.bytes_sent)
 
 
 def engine_output_to_proto(o: EngineCoreOutput) -> engine_pb2.EngineOutput:

@@ -45,6 +45,12 @@ app.kubernetes.io/instance: {{ $root.Release.Name }}
 app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 
+{{/* Disaggregated prefill/decode: the role label of engine and worker pods (prefill or decode).
+Usage: include "kvmesh.roleLabel" "prefill" */}}
+{{- define "kvmesh.roleLabel" -}}
+kvmesh.io/role: {{ . }}
+{{- end }}
+
 {{- define "kvmesh.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "kvmesh.fullname" .) .Values.serviceAccount.name }}

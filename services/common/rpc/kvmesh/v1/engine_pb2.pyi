@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "priority", "cache_salt", "group_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "priority", "cache_salt", "group_id", "prefill_engine_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class EngineRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -23,7 +24,46 @@ class EngineRequest(_message.Message):
     priority: int
     cache_salt: str
     group_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., group_id: _Optional[str] = ...) -> None: ...
+    prefill_engine_address: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., group_id: _Optional[str] = ..., prefill_engine_address: _Optional[str] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request", "receiver_endpoints", "first_block", "block_ids", "tag")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    request: EngineRequest
+    receiver_endpoints: _containers.RepeatedScalarFieldContainer[str]
+    first_block: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    tag: int
+    def __init__(self, request: _Optional[_Union[EngineRequest, _Mapping]] = ..., receiver_endpoints: _Optional[_Iterable[str]] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., tag: _Optional[int] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token_id", "first_logprobs", "num_cached_tokens", "sent", "bytes_sent")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    first_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    num_cached_tokens: int
+    sent: bool
+    bytes_sent: int
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., sent: _Optional[bool] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
+
+class ReleaseTransferRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseTransferResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class EngineOutput(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_token_id", "stop_string", "num_cached_tokens")
@@ -84,20 +124,24 @@ class GetEngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model_id", "model_path", "max_model_len", "block_size", "engine_id", "epoch")
+    __slots__ = ("model_id", "model_path", "max_model_len", "block_size", "engine_id", "epoch", "role", "kv_transfer_endpoints")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_path: str
     max_model_len: int
     block_size: int
     engine_id: str
     epoch: int
-    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., engine_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    role: str
+    kv_transfer_endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., kv_transfer_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
     __slots__ = ("block_hashes",)

@@ -59,6 +59,16 @@ class EngineStub:
                 request_serializer=kvmesh_dot_v1_dot_engine__pb2.MatchPrefixRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_engine__pb2.MatchPrefixResponse.FromString,
                 _registered_method=True)
+        self.Prefill = channel.unary_stream(
+                '/kvmesh.v1.Engine/Prefill',
+                request_serializer=kvmesh_dot_v1_dot_engine__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_engine__pb2.PrefillResponse.FromString,
+                _registered_method=True)
+        self.ReleaseTransfer = channel.unary_unary(
+                '/kvmesh.v1.Engine/ReleaseTransfer',
+                request_serializer=kvmesh_dot_v1_dot_engine__pb2.ReleaseTransferRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_engine__pb2.ReleaseTransferResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -96,6 +106,22 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefill(self, request, context):
+        """Disaggregated prefill/decode (issue 14), decode engine D -> prefill engine P: compute the
+        prompt, send its KV blocks from P's workers to D's (torch.distributed point-to-point), answer
+        with the first sampled token (first message), then once sent (last message). P holds the blocks under a lease until ReleaseTransfer (D got
+        them, or gave up) or until the lease expires.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseTransfer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +149,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.MatchPrefix,
                     request_deserializer=kvmesh_dot_v1_dot_engine__pb2.MatchPrefixRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_engine__pb2.MatchPrefixResponse.SerializeToString,
+            ),
+            'Prefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=kvmesh_dot_v1_dot_engine__pb2.PrefillRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_engine__pb2.PrefillResponse.SerializeToString,
+            ),
+            'ReleaseTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseTransfer,
+                    request_deserializer=kvmesh_dot_v1_dot_engine__pb2.ReleaseTransferRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_engine__pb2.ReleaseTransferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,6 +296,60 @@ class Engine:
             '/kvmesh.v1.Engine/MatchPrefix',
             kvmesh_dot_v1_dot_engine__pb2.MatchPrefixRequest.SerializeToString,
             kvmesh_dot_v1_dot_engine__pb2.MatchPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.Engine/Prefill',
+            kvmesh_dot_v1_dot_engine__pb2.PrefillRequest.SerializeToString,
+            kvmesh_dot_v1_dot_engine__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Engine/ReleaseTransfer',
+            kvmesh_dot_v1_dot_engine__pb2.ReleaseTransferRequest.SerializeToString,
+            kvmesh_dot_v1_dot_engine__pb2.ReleaseTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,12 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class KVTransfer(_message.Message):
+    __slots__ = ("peer", "block_ids", "tag")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    tag: int
+    def __init__(self, peer: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., tag: _Optional[int] = ...) -> None: ...
+
+class KVTransferDone(_message.Message):
+    __slots__ = ("num_bytes",)
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_bytes: int
+    def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
+
 class GetWorkerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_id", "model_path", "vocab_size", "max_model_len", "block_size", "rank", "world_size")
+    __slots__ = ("model_id", "model_path", "vocab_size", "max_model_len", "block_size", "rank", "world_size", "kv_transfer_endpoint")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +36,7 @@ class WorkerInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_path: str
     vocab_size: int
@@ -27,7 +44,8 @@ class WorkerInfo(_message.Message):
     block_size: int
     rank: int
     world_size: int
-    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    kv_transfer_endpoint: str
+    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., kv_transfer_endpoint: _Optional[str] = ...) -> None: ...
 
 class InitializeCacheRequest(_message.Message):
     __slots__ = ("max_num_reqs",)

@@ -49,6 +49,16 @@ class WorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.SchedulerOutput.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.ModelRunnerOutput.FromString,
                 _registered_method=True)
+        self.SendKV = channel.unary_unary(
+                '/kvmesh.v1.Worker/SendKV',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.KVTransfer.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.KVTransferDone.FromString,
+                _registered_method=True)
+        self.ReceiveKV = channel.unary_unary(
+                '/kvmesh.v1.Worker/ReceiveKV',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.KVTransfer.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.KVTransferDone.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -72,6 +82,20 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendKV(self, request, context):
+        """KV-block transfer to / from a worker of another engine (services/worker/kv_transfer.py):
+        the receiving and the sending worker's calls meet over their pair's process group.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReceiveKV(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +113,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ExecuteModel,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.SchedulerOutput.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.ModelRunnerOutput.SerializeToString,
+            ),
+            'SendKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendKV,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.KVTransfer.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.KVTransferDone.SerializeToString,
+            ),
+            'ReceiveKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReceiveKV,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.KVTransfer.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.KVTransferDone.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +206,60 @@ class Worker:
             '/kvmesh.v1.Worker/ExecuteModel',
             kvmesh_dot_v1_dot_worker__pb2.SchedulerOutput.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.ModelRunnerOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/SendKV',
+            kvmesh_dot_v1_dot_worker__pb2.KVTransfer.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.KVTransferDone.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReceiveKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/ReceiveKV',
+            kvmesh_dot_v1_dot_worker__pb2.KVTransfer.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.KVTransferDone.FromString,
             options,
             channel_credentials,
             insecure,

@@ -74,38 +74,61 @@ void rope_inplace(void *x, int64_t x_stride, const void *cos_sin, int64_t cs_str
     }
 }
 
-/* float32 RMSNorm as transformers computes it: x * (1 / sqrt(mean(x^2) + eps)), then weight * that
- * (two roundings, no FMA: this file is built with -ffp-contract=off). Only the sum's order differs. */
-void rms_norm_f32(float *out, const float *x, const float *weight, int64_t num_tokens, int hidden, float eps,
-                  int num_threads)
+/* float32 RMSNorm of one row as transformers computes it: x * (1 / sqrt(mean(x^2) + eps)), then
+ * weight * that (two roundings, no FMA: this file is built with -ffp-contract=off). Only the sum's
+ * order differs. */
+static inline void rms_norm_row_f32(float *dst, const float *row, const float *weight, int hidden, float eps) {
+    float sum = 0.f;
+    for (int i = 0; i < hidden; i++) sum += row[i] * row[i];
+    const float inv = 1.f / sqrtf(sum / hidden + eps);
+    for (int i = 0; i < hidden; i++) dst[i] = weight[i] * (row[i] * inv);
+}
+
+/* bfloat16 RMSNorm of one row as the model's reference computes it: normalise in float32, round to
+ * bfloat16, then scale by the bfloat16 weight (rounded again). */
+static inline void rms_norm_row_bf16(uint16_t *dst, const uint16_t *row, const uint16_t *weight, int hidden,
+                                     float eps) {
+    float sum = 0.f;
+    for (int i = 0; i < hidden; i++) {
+        const float v = bf16_to_f32(row[i]);
+        sum += v * v;
+    }
+    const float inv = 1.f / sqrtf(sum / hidden + eps);
+    for (int i = 0; i < hidden; i++)
+        dst[i] = f32_to_bf16(bf16_to_f32(weight[i]) * round_bf16(bf16_to_f32(row[i]) * inv));
+}
+
+/* RMSNorm of each of num_tokens rows of x ([num_tokens, hidden], contiguous). */
+void rms_norm(void *out, const void *x, const void *weight, int64_t num_tokens, int hidden, float eps, int dtype,
+              int num_threads)
 {
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens >= 64)
     for (int64_t t = 0; t < num_tokens; t++) {
-        const float *row = x + t * hidden;
-        float *dst = out + t * hidden;
-        float sum = 0.f;
-        for (int i = 0; i < hidden; i++) sum += row[i] * row[i];
-        const float inv = 1.f / sqrtf(sum / hidden + eps);
-        for (int i = 0; i < hidden; i++) dst[i] = weight[i] * (row[i] * inv);
+        if (dtype == 0)
+            rms_norm_row_f32((float *)out + t * hidden, (const float *)x + t * hidden, weight, hidden, eps);
+        else
+            rms_norm_row_bf16((uint16_t *)out + t * hidden, (const uint16_t *)x + t * hidden, weight, hidden, eps);
     }
 }
 
-/* bfloat16 RMSNorm as the model's reference computes it: normalise in float32, round to
- * bfloat16, then scale by the bfloat16 weight (rounded again). */
-void rms_norm_bf16(uint16_t *out, const uint16_t *x, const uint16_t *weight, int64_t num_tokens,
-                   int hidden, float eps, int num_threads)
+/* The decoder layer's residual add and the next RMSNorm in one pass: residual_out = x + residual
+ * (rounded to the dtype, as torch's add), out = RMSNorm(residual_out). */
+void add_rms_norm(void *out, void *residual_out, const void *x, const void *residual, const void *weight,
+                  int64_t num_tokens, int hidden, float eps, int dtype, int num_threads)
 {
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens >= 64)
     for (int64_t t = 0; t < num_tokens; t++) {
-        const uint16_t *row = x + t * hidden;
-        uint16_t *dst = out + t * hidden;
-        float sum = 0.f;
-        for (int i = 0; i < hidden; i++) {
-            const float v = bf16_to_f32(row[i]);
-            sum += v * v;
+        const int64_t o = t * hidden;
+        if (dtype == 0) {
+            float *r = (float *)residual_out + o;
+            const float *a = (const float *)x + o, *b = (const float *)residual + o;
+            for (int i = 0; i < hidden; i++) r[i] = a[i] + b[i];
+            rms_norm_row_f32((float *)out + o, r, weight, hidden, eps);
+        } else {
+            uint16_t *r = (uint16_t *)residual_out + o;
+            const uint16_t *a = (const uint16_t *)x + o, *b = (const uint16_t *)residual + o;
+            for (int i = 0; i < hidden; i++) r[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+            rms_norm_row_bf16((uint16_t *)out + o, r, weight, hidden, eps);
         }
-        const float inv = 1.f / sqrtf(sum / hidden + eps);
-        for (int i = 0; i < hidden; i++)
-            dst[i] = f32_to_bf16(bf16_to_f32(weight[i]) * round_bf16(bf16_to_f32(row[i]) * inv));
     }
 }

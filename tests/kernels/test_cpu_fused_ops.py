@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_fused_ops, native
 from services.common.config import default_cache_dir
+from services.worker.layers.rmsnorm import RMSNorm
 from services.worker.layers.rotary_embedding import apply_rotary, split_and_rotate_qkv
 
 N, H, HKV, D = 37, 6, 2, 64
@@ -88,12 +89,29 @@ def test_f32_rms_norm_matches_transformers_within_summation_order(isa):
     torch.testing.assert_close(got, want, atol=0, rtol=4e-7)  # a few float32 ulps
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_residual_add_then_the_norm(dtype, isa):
+    gen = torch.Generator().manual_seed(5)
+    x, residual = (torch.randn(2, N, 576, generator=gen) * 3).to(dtype)
+    weight = (torch.randn(576, generator=gen) * 0.1 + 1).to(dtype)
+    lib = cpu_fused_ops.variant(isa, default_cache_dir())
+    out, new_residual = cpu_fused_ops.add_rms_norm(x, residual, weight, 1e-5, lib=lib)
+    assert torch.equal(new_residual, x + residual)  # the add rounds as torch's
+    assert torch.equal(out, cpu_fused_ops.rms_norm(x + residual, weight, 1e-5, lib=lib))
+    # The layer's torch path (off the CPU, or without a compiler) gives the same within the sum's order.
+    norm = RMSNorm(576, 1e-5, dtype)
+    norm.weight.data.copy_(weight)
+    want_out, want_residual = norm._norm(x + residual), x + residual
+    torch.testing.assert_close(out, want_out, atol=0, rtol=4e-7 if dtype == torch.float32 else 2**-7)
+    assert torch.equal(new_residual, want_residual)
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="int64"):
         k = torch.zeros(4, HKV, D)
         cpu_fused_ops.kv_write(torch.zeros(2, 16, HKV, D), torch.zeros(2, 16, HKV, D), k, k,
                                torch.zeros(4, dtype=torch.int32))
-    with pytest.raises(ValueError, match="one dtype"):
+    with pytest.raises(ValueError, match="of one dtype"):
         cpu_fused_ops.rms_norm(torch.zeros(2, 8), torch.zeros(8).bfloat16(), 1e-5)
 
 

@@ -1,5 +1,6 @@
 """Choosing an attention backend: `auto` is Triton on CUDA; on the CPU it is `cpu` (the torch
-backend with the native paged decode kernel) when a C compiler can build that kernel, else `torch`."""
+backend's plan with the native paged attention kernel: every token of a step, decodes and prefill
+chunks, in one call) when a C compiler can build that kernel, else `torch`."""
 
 from __future__ import annotations
 

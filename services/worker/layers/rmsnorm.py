@@ -1,4 +1,5 @@
-"""RMSNorm as Llama and its family define it: normalise in float32, cast back, then scale."""
+"""RMSNorm as Llama and its family define it: normalise in float32, cast back, then scale; with a
+residual, the decoder layer's residual add first (vLLM's fused add + norm)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, hidden_size]. One fused op instead of six (pow, mean, add, rsqrt, mul, mul):
-        # a tenth of a CPU decode step at small hidden sizes. The cast back happens before the
-        # scale, as in transformers, so that low-precision models round exactly as their reference.
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # x: [num_tokens, hidden_size]. Without a residual: RMSNorm(x). With one: (RMSNorm(x + residual),
+        # x + residual), the sum being the next residual.
         # On the CPU, one native call either way (kernels/cpu_fused_ops.py): torch's float32 op costs
-        # ~7 us at a single token, and its parallel region stalls when other processes hold the cores.
+        # ~7 us at a single token, its parallel region stalls when other processes hold the cores, and
+        # the add is one more op per norm. The cast back happens before the scale, as in
+        # transformers, so that low-precision models round exactly as their reference.
         if cpu_fused_ops.usable(x):
-            return cpu_fused_ops.rms_norm(x.contiguous(), self.weight, self.eps)
-        if x.dtype == torch.float32:
+            if residual is None:
+                return cpu_fused_ops.rms_norm(x.contiguous(), self.weight, self.eps)
+            return cpu_fused_ops.add_rms_norm(x.contiguous(), residual.contiguous(), self.weight, self.eps)
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op instead of six (pow, mean, add, rsqrt, mul, mul)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)

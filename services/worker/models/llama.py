@@ -3,7 +3,8 @@
     input_ids, positions: [num_tokens]  (many requests back to back; the forward context says where
                                          each one starts and which KV blocks it owns)
       embed_tokens -> num_layers x [RMSNorm -> attention -> +residual -> RMSNorm -> MLP -> +residual]
-      -> RMSNorm -> hidden_states [num_tokens, hidden_size];  compute_logits -> [num_tokens, vocab]
+      -> RMSNorm -> hidden_states [num_tokens, hidden_size]; (each "+residual" is done by the norm
+      after it: a fused add + norm, vLLM's way);  compute_logits -> [num_tokens, vocab]
 
 Checkpoint projections are fused: q|k|v into one `qkv_proj`, gate|up into one `gate_up_proj`.
 In a tensor-parallel group (issue 13) each rank holds a Megatron slice of every layer: its heads of
@@ -154,9 +155,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype, tp)
 
-    def forward(self, hidden_states: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos_sin)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream: h = h + attn(norm(h)); h = h + mlp(norm(h)), with each add done by the
+        # norm that follows it (one call on the CPU). Returns (the MLP's output, the residual so far):
+        # the next layer's norm, or the final one, adds them.
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos_sin)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -176,9 +187,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos_sin = self.rotary_emb(positions)  # [num_tokens, head_size]
+        residual = None
         for layer in self.layers:
-            hidden_states = layer(hidden_states, cos_sin)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer(hidden_states, residual, cos_sin)
+        return self.norm(hidden_states, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

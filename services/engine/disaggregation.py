@@ -88,7 +88,9 @@ class Disaggregation:
 
     def start(self, request: EngineCoreRequest) -> None:
         """Prefill `request` on its prefill engine, then admit it here (event loop)."""
-        if self.role == "prefill":  # a prefill engine decodes nothing it was not asked to prefill
+        if self.role == "prefill" or request.sampling_params.structured_outputs is not None:
+            # A prefill engine decodes nothing it was not asked to prefill; a constrained request's
+            # first token must be masked by its grammar, which is compiled here.
             self.engine.admit(replace(request, prefill_engine_address=None))
             return
         self._tasks[request.request_id] = asyncio.create_task(self._prefill_remotely(request))
@@ -221,6 +223,9 @@ class Disaggregation:
         release() or expiry."""
         if self.role == "decode":
             raise ValueError("this engine's role is decode: it prefills for no other engine")
+        if task.request.sampling_params.structured_outputs is not None:
+            raise ValueError("a request with structured outputs is prefilled where it decodes (its grammar "
+                             "masks the first token), not sent to a prefill engine")
         params = task.request.sampling_params
         request = replace(task.request, prefill_engine_address=None,
                           sampling_params=replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)))

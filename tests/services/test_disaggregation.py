@@ -221,6 +221,20 @@ def test_short_prompts_never_go_to_the_prefill_engine(pd: PD):
     pd.wait_idle()
 
 
+def test_a_constrained_long_prompt_is_prefilled_where_its_grammar_is(pd: PD):
+    """A structured-output request's first token must be masked by its grammar, which lives on the
+    decode engine: the decider never sends it to the prefill engine, however long its prompt."""
+    client, model = client_for(pd.serve)
+    decisions = lambda outcome: metric(pd.page("processor"), "kvmesh_pd_decisions_total", outcome=outcome)  # noqa: E731
+    before, sent = decisions("constrained"), counters(pd)["sent"]
+    [long] = prompts(1, 300, 300, seed=6)
+    answer = client.completions.create(model=model, prompt=long, max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert answer.choices[0].text in ("alpha", "beta")
+    assert decisions("constrained") - before == 1 and counters(pd)["sent"] == sent
+    pd.wait_idle()
+
+
 def test_a_decode_side_that_vanishes_after_the_transfer_leaves_the_lease_to_expire(pd: PD):
     """The test process is the decode side: a real KV-transfer endpoint receives P's blocks over
     gloo, then goes away without ReleaseTransfer. P holds the blocks until the lease expires."""

@@ -48,7 +48,7 @@ import transformers
 
 from loadtests.serving_client import Endpoint, Load, LoadResult, run_load
 from loadtests.serving_scenarios import SCENARIOS, ScenarioLengths, Session, build_sessions
-from loadtests.serving_targets import DEFAULT_ANCHOR_DIR, TARGETS, ServerConfig, TargetUnavailable, started
+from loadtests.serving_targets import DEFAULT_ANCHOR_DIR, LLAMA_SLOT_TOKENS, TARGETS, ServerConfig, TargetUnavailable, started
 from services.common.config import parse_bytes
 from services.processor.tokenizer import load_tokenizer
 from services.worker.loader import resolve_model
@@ -331,7 +331,9 @@ def report(args: argparse.Namespace, summaries: Sequence[Summary], unavailable: 
     threads = args.threads if args.threads is not None else "torch default"
     parts = [f"Serving benchmark: {args.max_tokens} output tokens per request, EOS ignored, greedy; "
              f"{args.num_requests} requests per run; model {args.model}, {args.dtype} on {args.device}, "
-             f"KV cache {args.kv_cache_memory / 2**30:g} GiB; server threads: {threads}.",
+             f"KV cache {args.kv_cache_memory / 2**30:g} GiB; server threads: {threads}"
+             + (f"; llama-server: smollm2-{args.llama_file_type}.gguf, {args.llama_slots} slots of "
+                f"{LLAMA_SLOT_TOKENS} tokens, continuous batching" if "llama-server" in args.targets else "") + ".",
              table(summaries, unavailable)]
     parts += ["\n".join(block) for block in (ratios(summaries), anchor_ratios(summaries),
                                               notes(summaries, args.max_tokens)) if block]

@@ -315,7 +315,7 @@ class AsyncEngine:
             # Nothing could be scheduled this time (cannot last: running requests free their
             # blocks as they finish); wait a little, or until new work arrives.
             self._wake.wait(IDLE_SCHEDULE_WAIT)
-            return _ending_alone(self.core.take_grammar_failures())  # constraints that failed to compile
+            return _ending_alone(self.core.take_grammar_outputs())  # e.g. constraints that failed to compile
         rpc_start = time.perf_counter()
         runner_output = self.worker.execute_model(scheduler_output)
         rpc_seconds = time.perf_counter() - rpc_start

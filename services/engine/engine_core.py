@@ -61,7 +61,9 @@ class EngineCore:
         # Structured outputs: requests wait here, outside the scheduler, until their grammar compiled.
         self.structured_output = StructuredOutputManager(worker_info.model_path, worker_info.vocab_size)
         self._waiting_for_grammar: dict[str, Request] = {}
-        self._grammar_failures: list[EngineCoreOutput] = []
+        # Outputs of requests their grammar ended outside a step's results: failed compiles, and
+        # requests whose grammar is complete (they end at once, without sampling an EOS).
+        self._grammar_outputs: list[EngineCoreOutput] = []
 
     @classmethod
     def create(cls, worker: WorkerClient, scheduler_config: SchedulerConfig,
@@ -121,13 +123,22 @@ class EngineCore:
                 request.grammar = grammar
                 self.scheduler.add_request(request)
             except (GrammarError, ValueError) as exc:  # ValueError: the scheduler refused it
-                self._grammar_failures.append(EngineCoreOutput(request_id, [], finish_reason="error", error=str(exc)))
+                self._grammar_outputs.append(EngineCoreOutput(request_id, [], finish_reason="error", error=str(exc)))
             del self._waiting_for_grammar[request_id]
 
-    def take_grammar_failures(self) -> list[EngineCoreOutput]:
-        """The requests whose grammar failed to compile since the last call, each an error output."""
-        failures, self._grammar_failures = self._grammar_failures, []
-        return failures
+    def _finish_complete_grammars(self) -> None:
+        """Requests whose grammar is complete end now (finish_reason stop, no new token): nothing but
+        EOS could follow, and sampling it would cost a step, or fail when min_tokens masks EOS."""
+        done = [r.request_id for r in self.scheduler.running if r.grammar is not None and r.grammar.is_complete]
+        if done:
+            self.scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)
+            self._grammar_outputs += [EngineCoreOutput(request_id, [], finish_reason="stop") for request_id in done]
+
+    def take_grammar_outputs(self) -> list[EngineCoreOutput]:
+        """The requests their grammar ended since the last call: failed compiles (error outputs) and
+        complete grammars (stop)."""
+        outputs, self._grammar_outputs = self._grammar_outputs, []
+        return outputs
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Idempotent, also for unknown or already finished ids; the worker drops them next step."""
@@ -146,6 +157,7 @@ class EngineCore:
     def schedule(self) -> SchedulerOutput:
         if self._waiting_for_grammar:
             self._admit_compiled()
+        self._finish_complete_grammars()
         output = self.scheduler.schedule()
         output.grammar_bitmask = self._grammar_bitmask(output)
         return output
@@ -163,7 +175,7 @@ class EngineCore:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        return self.take_grammar_failures() + self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self.take_grammar_outputs() + self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         """How long a step took (schedule to outputs): the prefill chunks that follow are sized from
@@ -172,7 +184,7 @@ class EngineCore:
         self.scheduler.chunking.record_step(scheduler_output.total_num_scheduled_tokens, seconds)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._waiting_for_grammar or self._grammar_failures)
+        return self.scheduler.has_unfinished_requests() or bool(self._waiting_for_grammar or self._grammar_outputs)
 
     def has_finished_requests(self) -> bool:
         """Requests finished since the last step, which the worker still holds: a step (even an

@@ -239,15 +239,12 @@ class Scheduler:
 
     @staticmethod
     def _advance_grammar(request: Request, token_id: int) -> str | None:
-        """Structured outputs: the token moves the request's matcher on. Once the grammar is complete
-        its mask allows only EOS, so the request ends on EOS as any other (finish_reason stop, the EOS
-        dropped from the text); with ignore_eos that EOS ends it all the same. Returns why the
-        request fails when the grammar refuses the token."""
+        """Structured outputs: the token moves the request's matcher on (a complete grammar ends the
+        request before the next step: EngineCore._finish_complete_grammars). Returns why the request
+        fails when the grammar refuses the token."""
         if not request.grammar.accept(token_id):
             request.status = RequestStatus.FINISHED_ERROR
             return f"request {request.request_id}: token {token_id} does not fit its structured output's grammar"
-        if request.grammar.is_complete and token_id in request.eos_token_ids and not request.is_finished:
-            request.status = RequestStatus.FINISHED_STOPPED
         return None
 
     def _check_stop(self, request: Request, token_id: int) -> None:

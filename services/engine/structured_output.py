@@ -5,7 +5,8 @@ step's packed token bitmask for the requests that sample under a grammar.
     add_request ──► submit(): the constraint's compiled grammar from the LRU cache, or a compile on
                     the pool's thread. The request waits (EngineCore holds it back) until ready().
     schedule()  ──► bitmask(requests sampling now): one mask row per constrained request ──► worker
-    update_from_output ──► RequestGrammar.accept(token): the matcher moves on; complete ──► stop
+    update_from_output ──► RequestGrammar.accept(token): the matcher moves on
+    next schedule()    ──► a complete grammar ends its request (EngineCore._finish_complete_grammars)
 
 A matcher accepts only the tokens a request keeps: a step's token that arrives for a request
 preempted meanwhile is dropped before it reaches the matcher, and a request resumed after

@@ -351,6 +351,14 @@ class AssistantMessage(OpenAIResponse):
     content: str | None = None
     tool_calls: list[ToolCall] | None = None  # the calls the answer makes (tool_choice required, named, auto)
 
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
+        """tool_calls only when there are some: an answer without calls is as it always was."""
+        message = handler(self)
+        if message.get("tool_calls") is None:
+            message.pop("tool_calls", None)
+        return message
+
 
 class ChatCompletionChoice(OpenAIResponse):
     index: int

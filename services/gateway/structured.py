@@ -65,7 +65,7 @@ def _constraints(body: SamplingRequest) -> list[Constraint]:
             asked.append(Constraint(field, _structured(kind, value, field)))
     if isinstance(body, ChatCompletionRequest):
         choice = tool_choice_of(body)
-        if choice is not None and choice.schema is not None:
+        if choice is not None:
             asked.append(Constraint("tool_choice", _json(choice.schema)))
     return asked
 

@@ -37,7 +37,7 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}  # a function without parameters
 
 class ToolChoice(NamedTuple):
     name: str | None  # the named function; None: "required"
-    schema: dict[str, Any] | None  # what the output must be
+    schema: dict[str, Any]  # what the output must be
 
 
 def tool_choice_of(body: ChatCompletionRequest) -> ToolChoice | None:

@@ -6,8 +6,9 @@ kvmesh does with it.
 
     SamplingRequest(OpenAIRequest, UnsupportedSampling)            completions and chat
     CompletionRequest(..., UnsupportedCompletion)                  prompt_embeds
-    ChatCompletionRequest(..., UnsupportedChat)                    tools, reasoning, templates, media
-    unsupported_asks(body) -> [Asked(field, message)]              what is asked (the app answers 400)
+    ChatCompletionRequest(..., UnsupportedChat)                    tools (tool_choice "auto" needs the
+                                                                   server's parser), reasoning, templates, media
+    unsupported_asks(body, auto_tools) -> [Asked(field, message)]  what is asked (the app answers 400)
 """
 
 from __future__ import annotations

@@ -115,3 +115,14 @@ def test_aborts_and_failed_compiles_leave_nothing(llm: LLM):
     engine.step()
     engine.abort_requests(["decoding"])  # mid-decode
     assert_nothing_left(llm)
+
+
+def test_a_complete_grammar_ends_its_request_whatever_min_tokens_and_ignore_eos_say(llm: LLM):
+    choice = StructuredOutputs("choice", json.dumps(["apple", "banana"]))
+    for extra in ({}, {"min_tokens": 8}, {"ignore_eos": True}):
+        out = llm.generate(["Fruit:"], SamplingParams(temperature=0, max_tokens=20, structured_outputs=choice,
+                                                      **extra))[0].outputs[0]
+        # Ended at once: no EOS sampled (min_tokens would have masked it), no token past the grammar.
+        assert (out.text, out.finish_reason) in (("apple", "stop"), ("banana", "stop")), (extra, out)
+        assert llm.get_tokenizer().decode(out.token_ids) == out.text
+    assert_nothing_left(llm)

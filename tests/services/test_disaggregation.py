@@ -175,7 +175,9 @@ def test_tensor_parallel_pairs_send_each_rank_its_own_shard(model_path: Path, co
     """--tensor-parallel-size 2 on both sides: rank r of P sends its KV heads to rank r of D (a pair
     group per rank pair); the blocks of both ranks add up to the whole cache's bytes."""
     args = ["--prefill-engines", "1", "--decode-engines", "1", "--prefill-threshold", str(THRESHOLD),
-            "--tensor-parallel-size", "2", "--kv-cache-memory", "96MiB", "--max-model-len", "2048"]
+            "--tensor-parallel-size", "2", "--kv-cache-memory", "96MiB", "--max-model-len", "2048",
+            # Eight processes on CI's two busy cores: a transfer must not time out into a recompute.
+            "--kv-transfer-timeout", "30", "--remote-prefill-timeout", "120"]
     batch = prompts(2, 300, 700, seed=11)
     with running_serve(model_path, extra_args=args) as serve:
         tp = PD(serve)
@@ -183,7 +185,8 @@ def test_tensor_parallel_pairs_send_each_rank_its_own_shard(model_path: Path, co
         before = counters(tp)
         assert tp.generate(batch) == truth(colocated, batch)
         after = counters(tp)
-        assert after["received"] - before["received"] == len(batch) and after["recomputes"] == before["recomputes"]
+        assert after["received"] - before["received"] == len(batch), (before, after)
+        assert after["recomputes"] == before["recomputes"], (before, after)
         assert after["bytes"] - before["bytes"] == sum(len(p) // 16 * 16 for p in batch) * 30 * 2 * 3 * 64 * 4
         tp.wait_idle()
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 
 from loadtests.json_schemas import JSON_SCHEMAS
@@ -125,4 +127,36 @@ def test_a_complete_grammar_ends_its_request_whatever_min_tokens_and_ignore_eos_
         # Ended at once: no EOS sampled (min_tokens would have masked it), no token past the grammar.
         assert (out.text, out.finish_reason) in (("apple", "stop"), ("banana", "stop")), (extra, out)
         assert llm.get_tokenizer().decode(out.token_ids) == out.text
+    assert_nothing_left(llm)
+
+
+def test_a_constraint_changes_the_output_only_where_it_forbids_the_models_choice(llm: LLM, hf_reference):
+    """Greedy under a JSON schema: at every position the token is the model's own argmax (Hugging
+    Face's, given the same prefix) unless the grammar forbids that argmax there (or the two are a
+    float near-tie). And a constraint that forbids nothing the model writes changes nothing."""
+    prompt = llm.get_tokenizer().encode("A person as JSON:")
+    constraint = StructuredOutputs("json", json.dumps(SCHEMAS["person"]))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint))[0]
+    tokens = list(out.outputs[0].token_ids)
+    reference = hf_reference(prompt, tokens)
+    manager = llm.engine.structured_output
+    manager.submit("probe", constraint, [2])
+    while (grammar := manager.ready("probe")) is None:
+        time.sleep(0.01)
+    changed = 0
+    for i, (ours, theirs) in enumerate(zip(tokens, reference.token_ids)):
+        if ours != theirs:
+            row = np.frombuffer(manager.bitmask([grammar]), dtype=np.uint32)
+            allowed = bool(row[theirs // 32] >> (theirs % 32) & 1)
+            near_tie = abs(float(reference.logprobs[i, theirs] - reference.logprobs[i, ours])) < 1e-3
+            assert not allowed or near_tie, f"position {i}: the grammar allows {theirs}, yet {ours} was chosen"
+            changed += not allowed
+        assert grammar.accept(ours), f"position {i}: the grammar refuses the token it let through"
+    assert changed > 0, "the schema changed nothing: this test would not notice a mask that did nothing"
+
+    plain = SamplingParams(temperature=0, max_tokens=24)  # EOS ends both (a grammar's EOS always ends it)
+    anything = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputs("regex", r"[\s\S]*"))
+    for text in PLAIN:
+        free, open_ = llm.generate([text, text], [plain, anything])
+        assert open_.outputs[0].token_ids == free.outputs[0].token_ids, text
     assert_nothing_left(llm)

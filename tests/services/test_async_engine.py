@@ -25,6 +25,8 @@ class ScriptedWorker:
     """A WorkerClient that keeps the persistent batch as the real one does (token counts only) and
     samples TOKEN for every request that reaches its last known token."""
 
+    kv_transfer_endpoints: tuple[str, ...] = ()  # as a GroupWorkerClient of workers without KV transfer
+
     def __init__(self, num_blocks: int = 64) -> None:
         self.num_blocks = num_blocks
         self.requests: dict[str, list[int]] = {}  # req_id -> [num_tokens, num_computed_tokens]

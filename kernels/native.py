@@ -2,7 +2,12 @@
 with ctypes. A library is cached under the cache dir its caller passes (kernels/ imports nothing
 from services/), under `native/`, keyed by its source, compiler, flags
 and the CPU's features (it is built with -march=native, and a cache dir may be shared by nodes
-with other CPUs), so a changed source is rebuilt and concurrent builds never see half a file."""
+with other CPUs), so a changed source is rebuilt and concurrent builds never see half a file.
+
+The kernels choose their code path when compiled (`#if defined(__AVX512F__)`, `__AVX2__`...), so
+the serving build (`build`, -march=native) runs the best path of the CPU it is built on. Tests also
+`load` the other paths this CPU can run (`ISA_FLAGS`, `runs_here`): the AVX2 path on an AVX-512 host,
+the portable C path everywhere; a variant is kept beside the served library, never in its place."""
 
 from __future__ import annotations
 
@@ -28,15 +33,49 @@ class NativeKernelUnavailable(RuntimeError):
     pass
 
 
-# name -> the library `build` loaded. Written once per kernel at start-up, read on the hot path;
-# a kernel nobody built is simply not used (`is_built`).
+# The code paths a kernel can be compiled for: the flags that select each (added to the kernel's
+# own). `native` is what serving uses; `avx2` is AVX2 + FMA + F16C without AVX-512 (most cloud x86
+# VMs); `scalar` is the compiler's baseline for the architecture (the portable C code).
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "native": ("-march=native",),
+    "avx2": ("-mavx2", "-mfma", "-mf16c", "-mno-avx512f"),
+    "scalar": (),
+}
+# The /proc/cpuinfo flags a variant needs to run.
+_ISA_NEEDS = {"native": (), "avx2": ("avx2", "fma", "f16c"), "scalar": ()}
+
+# name -> the library `build` loaded for serving. Written once per kernel at start-up, read on the
+# hot path; a kernel nobody built is simply not used (`is_built`).
 _libraries: dict[str, ctypes.CDLL] = {}
+# (name, flags) -> every library loaded, the served ones and the test variants.
+_loaded: dict[tuple[str, tuple[str, ...]], ctypes.CDLL] = {}
+
+
+def runs_here(isa: str) -> bool:
+    """Whether this CPU can run the kernels compiled for `isa` (a key of ISA_FLAGS)."""
+    return cpu_has(*_ISA_NEEDS[isa])
+
+
+def cpu_has(*features: str) -> bool:
+    """Whether /proc/cpuinfo lists every one of `features` (e.g. "avx2", "avx512f") for this CPU."""
+    flags = set(_cpu_features().partition("flags")[2].split())
+    return all(feature in flags for feature in features)
 
 
 def build(name: str, flags: tuple[str, ...], cache_dir: Path) -> ctypes.CDLL:
-    """kernels/cpu/{name}.c compiled with `flags` (plus -shared -fPIC) into `cache_dir`/native, loaded."""
-    if name in _libraries:
-        return _libraries[name]
+    """kernels/cpu/{name}.c compiled with `flags` (plus -shared -fPIC) into `cache_dir`/native, loaded
+    as the process's `name` kernel (`library(name)`). A name is served with one set of flags."""
+    if name in _libraries and _loaded.get((name, flags)) is not _libraries[name]:
+        raise ValueError(f"the native kernel {name} is already served with other flags; load() a variant")
+    if name not in _libraries:
+        _libraries[name] = load(name, flags, cache_dir)
+    return _libraries[name]
+
+
+def load(name: str, flags: tuple[str, ...], cache_dir: Path) -> ctypes.CDLL:
+    """kernels/cpu/{name}.c compiled with `flags` and loaded, without serving it: a variant for tests."""
+    if (name, flags) in _loaded:
+        return _loaded[(name, flags)]
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise NativeKernelUnavailable(f"no C compiler (gcc or cc) on PATH for the CPU kernels ({name}.c)")
@@ -54,7 +93,7 @@ def build(name: str, flags: tuple[str, ...], cache_dir: Path) -> ctypes.CDLL:
             if result.returncode != 0:
                 raise NativeKernelUnavailable(f"compiling {source_path.name} failed:\n{result.stderr}")
             os.replace(built, target)  # atomic
-    return _libraries.setdefault(name, ctypes.CDLL(str(target)))
+    return _loaded.setdefault((name, flags), ctypes.CDLL(str(target)))
 
 
 def is_built(name: str) -> bool:

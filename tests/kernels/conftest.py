@@ -13,6 +13,8 @@ import zlib
 import pytest
 import torch
 
+from kernels import native
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -20,6 +22,15 @@ if not torch.cuda.is_available():
 def kernels_device() -> torch.device:
     interpreted = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
     return torch.device("cuda" if torch.cuda.is_available() and not interpreted else "cpu")
+
+
+@pytest.fixture(params=list(native.ISA_FLAGS))
+def isa(request: pytest.FixtureRequest) -> str:
+    """Each code path of the native CPU kernels that this CPU can run (native.ISA_FLAGS): the build
+    for this CPU, the AVX2 + FMA path (built explicitly, also on an AVX-512 host) and the scalar C."""
+    if not native.runs_here(request.param):
+        pytest.skip(f"this CPU cannot run the {request.param} build of the native kernels")
+    return request.param
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from services.common.config import CacheConfig, ModelConfig, ParallelConfig, Wor
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.attention import get_attention_backend
+from services.worker.gguf_weights import gguf_weights_for
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
 from services.common.model_files import model_id_of
 from services.worker.loader import load_model, resolve_model
@@ -42,7 +43,9 @@ class Worker:
         if self.device.type == "cpu":
             cpu_fused_ops.available(cache_dir)  # built once here; without a compiler the layers use torch ops
         self.tp = TensorParallelGroup.create(parallel_config, self.device)  # waits for the other ranks
-        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device, self.tp)
+        gguf_weights = gguf_weights_for(model_config.quantization, model_config.model, self.device, self.dtype,
+                                        cache_dir)
+        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device, self.tp, gguf_weights)
         self.backend = get_attention_backend(worker_config.attention_backend, self.device, cache_dir)
         max_len = self.hf_config.max_position_embeddings
         if model_config.max_model_len is not None:

@@ -5,7 +5,11 @@ tests/model/hf_reference.py), and our top-5 logprobs within 1e-3 of the referenc
 
 The one tolerated difference is vLLM's rule for float near-ties: where the two sequences part,
 each side's token must be in the other's top-5 with a logprob gap under 1e-3; the comparison
-stops there and the test reports how many such partings it saw."""
+stops there and the test reports how many such partings it saw.
+
+The engine runs the default model both ways the worker can hold it: from its GGUF file with the
+weights kept in their Q4_1/Q8_0 blocks (the CPU default, `--quantization auto`: the same weights,
+computed by the native kernel) and from the converted float32 folder, as the reference is."""
 
 from __future__ import annotations
 
@@ -27,9 +31,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
 TEST_KV_BYTES = 256 * 2**20
 
 
-@pytest.fixture(scope="module")
-def llm(model_path: Path):
-    engine = LLM(model=str(model_path), kv_cache_memory=TEST_KV_BYTES)
+@pytest.fixture(scope="module", params=["gguf-blocks", pytest.param("float32-folder", marks=pytest.mark.slow)])
+def llm(request: pytest.FixtureRequest, model_path: Path):
+    if request.param == "gguf-blocks":
+        engine = LLM(model="smollm2", quantization="gguf", kv_cache_memory=TEST_KV_BYTES)
+    else:
+        engine = LLM(model=str(model_path), kv_cache_memory=TEST_KV_BYTES)
     yield engine
     del engine
     gc.collect()

@@ -5,6 +5,10 @@ Q8_0): per shape and M, microseconds a call and the weight bytes streamed per se
     kernel     the native tiles (`matmul`), the decode path
     deq+gemm   `dequantize` then torch's GEMM, the path from GEMM_ROWS up (`linear`)
 
+As in a decode step, where each weight is read once and the model is far larger than the caches,
+the calls cycle through copies of the weight worth `--stream-mib` of float32 (default 384 MiB),
+so that every call reads its weight from memory, not from a cache a previous call warmed.
+
 Run from the repository root (a few seconds a row):
 
     .venv/bin/python -m loadtests.quant_matmul_bench
@@ -36,12 +40,14 @@ SHAPES = (
 )
 
 
-def time_call(fn: Callable[[], object], seconds: float) -> float:
-    """Mean seconds a call over ~`seconds` of calls, after a warm-up call."""
-    fn()
+def time_call(fn: Callable[[int], object], copies: int, seconds: float) -> float:
+    """Mean seconds a call `fn(copy)` over ~`seconds` of calls, the copies in turn, after a warm-up
+    round."""
+    for i in range(copies):
+        fn(i)
     calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        fn()
+    while time.perf_counter() - start < seconds or calls < copies:
+        fn(calls % copies)
         calls += 1
     return (time.perf_counter() - start) / calls
 
@@ -52,6 +58,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--isa", default="native", help="the kernel build: native, avx2, scalar")
     parser.add_argument("--seconds", type=float, default=0.3, help="timing per cell")
+    parser.add_argument("--stream-mib", type=int, default=384, help="float32 bytes the copies of a weight span")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lib = qm.variant(args.isa, default_cache_dir())
@@ -64,17 +71,19 @@ def main() -> None:
         t = tensors[name]
         data = np.asarray(t.data)
         qtype = qm.QuantType(int(t.tensor_type))
-        blocks = torch.from_numpy(data.copy())
-        k = blocks.shape[1] // qm.BLOCK_BYTES[qtype] * qm.BLOCK
-        weight = qm.dequantize(blocks, qtype, k, lib)
+        k = data.shape[1] // qm.BLOCK_BYTES[qtype] * qm.BLOCK
+        copies = max(1, args.stream_mib * 2**20 // (data.shape[0] * k * 4))
+        blocks = [torch.from_numpy(data.copy()) for _ in range(copies)]
+        weights = [qm.dequantize(b, qtype, k, lib) for b in blocks]
         for m in args.rows:
             x = torch.randn(m, k)
-            t_torch = time_call(lambda: F.linear(x, weight), args.seconds)
-            t_kernel = time_call(lambda: qm.matmul(x, blocks, qtype, k, lib), args.seconds)
-            t_deq = time_call(lambda: F.linear(x, qm.dequantize(blocks, qtype, k, lib)), args.seconds)
+            t_torch = time_call(lambda i: F.linear(x, weights[i]), copies, args.seconds)
+            t_kernel = time_call(lambda i: qm.matmul(x, blocks[i], qtype, k, lib), copies, args.seconds)
+            t_deq = time_call(lambda i: F.linear(x, qm.dequantize(blocks[i], qtype, k, lib)), copies, args.seconds)
             print(f"| {label} | {qtype.name} | {m} | {t_torch * 1e6:.0f} | {t_kernel * 1e6:.0f} | {t_deq * 1e6:.0f} "
-                  f"| {weight.numel() * 4 / t_torch / 1e9:.1f} | {blocks.numel() / t_kernel / 1e9:.1f} "
+                  f"| {weights[0].numel() * 4 / t_torch / 1e9:.1f} | {blocks[0].numel() / t_kernel / 1e9:.1f} "
                   f"| {t_torch / t_kernel:.2f}x |", flush=True)
+        del blocks, weights
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A decode step of the whole default model at a batch of M requests, its weights as float32 (the
 converted Hugging Face folder, `--quantization none`) against kept in the GGUF file's blocks (the
-CPU default, `--quantization gguf`: Q4_1 layers, Q8_0 LM head).
+CPU default, `--quantization gguf`: Q4_1 layers, Q8_0 LM head) and against the folder's quantized at
+load (`int8`: Q8_0 blocks, `f16`: float16), all through the same native kernel.
 
 Per M: `LLM.generate` of M prompts (~100 tokens each, greedy, EOS ignored) for `--short` and for
 `--short + --steps` output tokens, both after a warm-up; a decode step is the difference over
@@ -24,7 +25,8 @@ from loadtests.chat_prompts import chat_conversations
 from services import LLM, SamplingParams
 from services.worker.loader import resolve_model
 
-CONFIGS = {"float32 folder": "none", "GGUF blocks": "gguf"}
+# label -> --quantization; the first is the baseline of the speed-ups.
+CONFIGS = {"float32 folder": "none", "GGUF blocks (Q4_1)": "gguf", "int8 (Q8_0)": "int8", "f16": "f16"}
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
@@ -42,15 +44,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
     parser.add_argument("--short", type=int, default=4, help="output tokens of the baseline run")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS.values()), choices=list(CONFIGS.values()))
     args = parser.parse_args()
     folder = str(resolve_model("smollm2"))
     engines = {label: LLM(model="smollm2" if mode == "gguf" else folder, quantization=mode,
                           kv_cache_memory=256 * 2**20, enable_prefix_caching=False)
-               for label, mode in CONFIGS.items()}
+               for label, mode in CONFIGS.items() if mode in args.configs}
     tokenizer = next(iter(engines.values())).get_tokenizer()
     texts = [" ".join(turn["content"] for turn in conv) for conv in chat_conversations()]
-    print("| M | " + " | ".join(f"{label} ms/step (tok/s)" for label in engines) + " | speed-up |")
-    print("| --- | " + " | ".join("---" for _ in engines) + " | --- |")
+    print("| M | " + " | ".join(f"{label}: ms/step (tok/s, speed-up)" for label in engines) + " |")
+    print("| --- | " + " | ".join("---" for _ in engines) + " |")
     for m in args.batch:
         prompts = [tokenizer.encode(texts[i % len(texts)])[:100] for i in range(m)]
         best = {label: float("inf") for label in engines}
@@ -61,9 +64,9 @@ def main() -> None:
                 step = (timed_generate(llm, prompts, args.short + args.steps)
                         - timed_generate(llm, prompts, args.short)) / args.steps
                 best[label] = min(best[label], step)
-        cells = " | ".join(f"{best[label] * 1e3:.1f} ({m / best[label]:.0f})" for label in engines)
-        first, last = best.values()
-        print(f"| {m} | {cells} | {first / last:.2f}x |", flush=True)
+        base = next(iter(best.values()))
+        cells = " | ".join(f"{t * 1e3:.1f} ({m / t:.0f}, {base / t:.2f}x)" for t in best.values())
+        print(f"| {m} | {cells} |", flush=True)
     engines.clear()
     gc.collect()
 

@@ -83,7 +83,6 @@ def main() -> None:
             print(f"| {label} | {qtype.name} | {m} | {t_torch * 1e6:.0f} | {t_kernel * 1e6:.0f} | {t_deq * 1e6:.0f} "
                   f"| {weights[0].numel() * 4 / t_torch / 1e9:.1f} | {blocks[0].numel() / t_kernel / 1e9:.1f} "
                   f"| {t_torch / t_kernel:.2f}x |", flush=True)
-        del blocks, weights
 
 
 if __name__ == "__main__":

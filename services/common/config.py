@@ -22,7 +22,7 @@ from typing import Any
 from services.common.sampling_params import MAX_LOGPROBS
 
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", "gguf", "none")
+QUANTIZATIONS = ("auto", "gguf", "int8", "f16", "none")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 POLICIES = ("fcfs", "priority")
 ROUTING_POLICIES = ("round-robin", "least-load", "kv-aware", "session")
@@ -86,9 +86,10 @@ class ModelConfig:
         None, "the name clients use and metrics are labelled with (default: --model)")
     dtype: str = option("float32", "weights' and activations' dtype", choices=DTYPES)
     quantization: str = option(
-        "auto", "a .gguf model's weights: gguf keeps them in the file's blocks (Q4_1, Q8_0, F16; a native "
-                "CPU kernel, float32 activations), none dequantizes them to --dtype, auto is gguf where it "
-                "can be (CPU, float32, AVX2 or AVX-512), else none", choices=QUANTIZATIONS)
+        "auto", "weights in blocks for a native CPU kernel (float32 activations): gguf keeps a .gguf model's "
+                "own (Q4_1, Q8_0, F16: its exact weights), int8 quantizes any model's to Q8_0 at load (weight-only "
+                "int8, not exact), f16 rounds them to float16 (not exact), none keeps floats in --dtype, auto is gguf where it can be (a .gguf model, "
+                "CPU, float32, AVX2 or AVX-512), else none", choices=QUANTIZATIONS)
     device: str = option("cpu", "torch device of the worker (cpu, cuda, cuda:1)")
     max_model_len: int | None = option(None, "context length (default: the model's own)", minimum=2)
     seed: int = option(0, "seed of the worker's random state")
@@ -102,9 +103,9 @@ class ModelConfig:
         if self.dtype == "float16" and self.device.split(":")[0] == "cpu":
             raise ValueError("dtype float16 is not supported on the CPU (its kernels take float32 or bfloat16): "
                              "use --dtype bfloat16 or --dtype float32, or float16 with --device cuda")
-        if self.quantization == "gguf" and (self.dtype != "float32" or self.device.split(":")[0] != "cpu"):
-            raise ValueError("quantization gguf runs on the CPU in float32: use --dtype float32 --device cpu, "
-                             "or --quantization none")
+        if self.quantization not in ("auto", "none") and (self.dtype != "float32" or self.device.split(":")[0] != "cpu"):
+            raise ValueError(f"quantization {self.quantization} runs on the CPU in float32: use --dtype float32 "
+                             "--device cpu, or --quantization none")
 
     @property
     def name(self) -> str:

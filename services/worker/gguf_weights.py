@@ -1,4 +1,6 @@
-"""A GGUF model's weights kept in the file's blocks (issue 16, `--quantization`).
+"""Weights kept in GGUF blocks for the native CPU kernel (issue 16, `--quantization`): a GGUF model's
+own (`gguf`, `GGUFWeights`), or any model's quantized at load (`int8`: Q8_0 blocks, `f16`: float16;
+`LoadQuantizedWeights`).
 
 The worker still builds its model from the Hugging Face folder the file was converted to
 (services/worker/loader.py): config, tokenizer and every tensor kept as floats come from there. This
@@ -26,11 +28,13 @@ from kernels import cpu_quant_matmul
 from kernels.cpu_quant_matmul import QuantType
 from kernels.native import NativeKernelUnavailable
 from services.common.model_files import locate_model
-from services.worker.layers.linear import WeightSource
+from services.worker.layers.linear import WeightSource, shape_of
 from services.worker.layers.quantized_weight import GGUFBlocks
 
 logger = logging.getLogger(__name__)
 
+# --quantization -> the blocks a checkpoint's weights are quantized to at load.
+_AT_LOAD = {"int8": QuantType.Q8_0, "f16": QuantType.F16}
 # GGUF architecture -> whether its q and k rows are permuted (see the module's docstring).
 _ARCHITECTURES = {"llama": True, "qwen2": False}
 
@@ -100,26 +104,49 @@ class GGUFWeights:
             yield name, source if blocks is None else blocks
 
 
+class LoadQuantizedWeights:
+    """Every 2-D weight (layers, embedding, LM head) of a checkpoint quantized at load by gguf's own
+    quantizer: Q8_0 is weight-only int8 (int8 values, one f16 scale per 32: finer than a scale per
+    output channel), F16 rounds to float16. Not the checkpoint's weights any more: the agreement
+    with the float model is measured (docs/benchmarks.md), not tested for exactness."""
+
+    def __init__(self, qtype: QuantType) -> None:
+        self.qtype = qtype
+
+    def overlay(self, weights: Iterator[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
+        for name, source in weights:
+            shape = shape_of(source)
+            if not name.endswith(".weight") or len(shape) != 2 or shape[1] % cpu_quant_matmul.BLOCK:
+                yield name, source
+                continue
+            values = source[:].float().numpy()
+            data = gguf.quants.quantize(values, gguf.GGMLQuantizationType(self.qtype))
+            yield name, GGUFBlocks(self.qtype, data.view(np.uint8).reshape(shape[0], -1), shape[1])
+
+
 def gguf_weights_for(quantization: str, model: str, device: torch.device, dtype: torch.dtype,
-                     cache_dir: Path) -> GGUFWeights | None:
-    """The weights to keep in their GGUF blocks for `--quantization` (config.QUANTIZATIONS), or None for
-    floats. `auto` keeps them where they can be (a .gguf model, float32 on the CPU, a vector build of
-    the kernel) and logs why not otherwise; `gguf` raises instead."""
+                     cache_dir: Path) -> GGUFWeights | LoadQuantizedWeights | None:
+    """The weights to keep in GGUF blocks for `--quantization` (config.QUANTIZATIONS), or None for
+    floats. `auto` keeps a GGUF model's where they can be (a .gguf model, float32 on the CPU, a vector
+    build of the kernel) and logs why not otherwise; the others raise instead."""
     if quantization == "none":
         return None
     try:
-        return _gguf_weights(locate_model(model), device, dtype, cache_dir, vector_build=quantization == "auto")
+        if quantization in _AT_LOAD:
+            _check_kernel(device, dtype, cache_dir, vector_build=False)
+            return LoadQuantizedWeights(_AT_LOAD[quantization])
+        if not locate_model(model).is_file():
+            raise NotQuantizable("the model is not a .gguf file")
+        _check_kernel(device, dtype, cache_dir, vector_build=quantization == "auto")
+        return GGUFWeights(locate_model(model))
     except NotQuantizable as exc:
-        if quantization == "gguf":
-            raise NotQuantizable(f"--quantization gguf: {exc}") from exc
+        if quantization != "auto":
+            raise NotQuantizable(f"--quantization {quantization}: {exc}") from exc
         logger.info("weights dequantized to %s: %s", dtype, exc)
         return None
 
 
-def _gguf_weights(path: Path, device: torch.device, dtype: torch.dtype, cache_dir: Path,
-                  vector_build: bool) -> GGUFWeights:
-    if not path.is_file():
-        raise NotQuantizable("the model is not a .gguf file")
+def _check_kernel(device: torch.device, dtype: torch.dtype, cache_dir: Path, vector_build: bool) -> None:
     if device.type != "cpu":
         raise NotQuantizable(f"the native kernel runs on the CPU, not on {device}")
     if dtype != torch.float32:
@@ -131,4 +158,3 @@ def _gguf_weights(path: Path, device: torch.device, dtype: torch.dtype, cache_di
     if vector_build and cpu_quant_matmul.isa() == 0:
         raise NotQuantizable("this CPU has neither AVX2 nor AVX-512 (the portable kernel is slower than float32 "
                              "weights)")
-    return GGUFWeights(path)

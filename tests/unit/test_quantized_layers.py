@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from kernels import cpu_quant_matmul
 from kernels.cpu_quant_matmul import QuantType
 from services.common.config import default_cache_dir
+from services.worker.gguf_weights import LoadQuantizedWeights
 from services.worker.layers.linear import MergedLinear, RowParallelLinear, ShardRows
 from services.worker.layers.quantized_weight import GGUFBlocks
 from services.worker.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -97,3 +98,21 @@ def test_blocks_of_the_wrong_shape_are_refused():
         layer.load_shard(layer.weight, "q", blocks(7, HIDDEN, QuantType.Q4_1, 0)[0], "q_proj")
     with pytest.raises(ValueError, match="block boundaries"):
         blocks(4, HIDDEN, QuantType.Q4_1, 0)[0][:, 8:40]
+
+
+def test_int8_quantizes_every_2d_weight_to_q8_0_blocks_and_passes_the_rest():
+    weight, norm, odd = torch.randn(8, HIDDEN), torch.randn(HIDDEN), torch.randn(4, 40)
+    out = dict(LoadQuantizedWeights(QuantType.Q8_0).overlay(iter([("a.weight", weight), ("n.weight", norm), ("o.weight", odd)])))
+    assert out["n.weight"] is norm and out["o.weight"] is odd  # 1-D, or rows not of whole blocks
+    blocks = out["a.weight"]
+    assert isinstance(blocks, GGUFBlocks) and blocks.qtype == QuantType.Q8_0 and blocks.shape == (8, HIDDEN)
+    scales = weight.reshape(8, -1, 32).abs().amax(-1, keepdim=True) / 127  # per block of 32
+    error = (blocks.dequantize() - weight).reshape(8, -1, 32).abs()
+    # Half a step of rounding, plus the scale's own f16 rounding (2^-11 relative) times up to 127 steps.
+    assert (error <= scales * (0.5 + 127 * 2**-11)).all()
+
+
+def test_f16_rounds_every_2d_weight_to_float16():
+    weight = torch.randn(8, HIDDEN)
+    blocks = dict(LoadQuantizedWeights(QuantType.F16).overlay(iter([("a.weight", weight)])))["a.weight"]
+    assert blocks.qtype == QuantType.F16 and torch.equal(blocks.dequantize(), weight.half().float())

@@ -32,9 +32,10 @@ _NAME = "quant_matmul"
 # float32 GEMM is as fast as the tiles (docs/benchmarks.md, "Quantized weights"): AVX-512 tiles keep
 # up with torch's GEMM to ~512 rows, AVX2 ones to ~64; the portable C ones never do.
 GEMM_ROWS = {512: 256, 256: 64, 0: 1}
-# Below this many weights a call stays on one thread: waking a second OpenMP thread costs more
-# than it saves on a small matrix (a decode step's k/v projections).
-_PARALLEL_WEIGHTS = 1 << 18
+# Below this many multiply-adds (or weights dequantized) a call stays on one thread: waking a second
+# OpenMP thread costs more than it saves. A decode step of one sequence ran its layers' matmuls (up to
+# 0.9 M multiply-adds, ~35 µs) in 7.0 ms on one thread against 9.6 ms on two (docs/benchmarks.md).
+_PARALLEL_WORK = 1 << 22
 
 
 class QuantType(IntEnum):
@@ -104,8 +105,8 @@ def _check_weight(blocks: torch.Tensor, qtype: QuantType, k: int) -> None:
         raise ValueError(f"{blocks.shape[1]} bytes a row do not hold {k} weights in {qtype.name} blocks")
 
 
-def _threads(weights: int) -> int:
-    return torch.get_num_threads() if weights >= _PARALLEL_WEIGHTS else 1
+def _threads(work: int) -> int:
+    return torch.get_num_threads() if work >= _PARALLEL_WORK else 1
 
 
 def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int,
@@ -119,7 +120,7 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int,
     if m and n:
         (lib or native.library(_NAME)).quant_matmul(
             y.data_ptr(), n, x.data_ptr(), x.stride(0), blocks.data_ptr(), blocks.shape[1], m, n, k, qtype,
-            _threads(n * k))
+            _threads(m * n * k))
     return y
 
 

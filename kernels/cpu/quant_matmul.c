@@ -72,6 +72,12 @@ static inline uint16_t read_u16(const uint8_t *p) {
     return h;
 }
 
+static inline uint32_t read_u32(const uint8_t *p) {
+    uint32_t u;
+    memcpy(&u, p, sizeof u);
+    return u;
+}
+
 static inline float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
@@ -109,22 +115,25 @@ int64_t quant_block_bytes(int type) {
 /* Block `src` of type `type` as NV vectors of floats, in order. Inlined with a constant type. */
 static inline __attribute__((always_inline)) void load_block(vec out[NV], const uint8_t *src, const int type) {
     if (type == TYPE_Q4_1) {
-        const float d = f16_to_f32(read_u16(src)), m = f16_to_f32(read_u16(src + 2));
         const uint8_t *qs = src + 4;
 #if ISA == 512
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0x0f);
-        const __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(bytes, low));
-        const __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low));
-        const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
-        out[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), vd, vm);
-        out[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), vd, vm);
+        /* d and m converted together; the 16 bytes widened once, then split into nibbles. */
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)read_u32(src)));
+        const __m512 vd = _mm512_broadcastss_ps(dm), vm = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+        out[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), vd, vm);
+        out[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), vd, vm);
 #elif ISA == 256
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0x0f);
-        const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-        const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        for (int i = 0; i < 4; i++) out[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), vd, vm);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)read_u32(src)));
+        const __m256 vd = _mm256_broadcastss_ps(dm), vm = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
+        const __m256i low = _mm256_set1_epi32(15);
+        const __m256i parts[4] = {_mm256_and_si256(b0, low), _mm256_and_si256(b1, low), _mm256_srli_epi32(b0, 4),
+                                  _mm256_srli_epi32(b1, 4)};
+        for (int i = 0; i < 4; i++) out[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(parts[i]), vd, vm);
 #else
+        const float d = f16_to_f32(read_u16(src)), m = f16_to_f32(read_u16(src + 2));
         for (int j = 0; j < QK / 2; j++) {
             out[j / VL].v[j % VL] = d * (float)(qs[j] & 15) + m;
             out[(j + QK / 2) / VL].v[j % VL] = d * (float)(qs[j] >> 4) + m;

@@ -26,13 +26,14 @@ import torch
 
 from kernels import cpu_quant_matmul
 from kernels.cpu_quant_matmul import QuantType
-from kernels.native import NativeKernelUnavailable
+from kernels.native import NativeKernelUnavailable, cpu_has
 from services.common.model_files import locate_model
 from services.worker.layers.linear import WeightSource, shape_of
 from services.worker.layers.quantized_weight import GGUFBlocks
 
 logger = logging.getLogger(__name__)
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --quantization -> the blocks a checkpoint's weights are quantized to at load.
 _AT_LOAD = {"int8": QuantType.Q8_0, "f16": QuantType.F16}
 # GGUF architecture -> whether its q and k rows are permuted (see the module's docstring).
@@ -122,6 +123,23 @@ class LoadQuantizedWeights:
             values = source[:].float().numpy()
             data = gguf.quants.quantize(values, gguf.GGMLQuantizationType(self.qtype))
             yield name, GGUFBlocks(self.qtype, data.view(np.uint8).reshape(shape[0], -1), shape[1])
+
+
+def resolve_dtype(dtype: str, quantization: str, model: str, device: torch.device) -> torch.dtype:
+    """`--dtype` as a torch dtype, `auto` resolved to the fastest this device runs natively: float32
+    where the weights stay in GGUF blocks (their kernel computes in float32, exactly); else on a CPU
+    bfloat16 where it has bfloat16 instructions (AVX512_BF16, AMX-BF16: torch's GEMM uses them),
+    float32 otherwise (without them torch's bfloat16 and float16 matmuls are slower than float32's
+    from a batch of 8 up, issue 16; float16 is refused by the CPU's attention kernels anyway); on a GPU
+    bfloat16 where supported, else float16."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type != "cpu":
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float16
+    in_blocks = quantization in _AT_LOAD or (quantization in ("auto", "gguf") and locate_model(model).is_file())
+    if not in_blocks and (cpu_has("avx512_bf16") or cpu_has("amx_bf16")):
+        return torch.bfloat16
+    return torch.float32
 
 
 def gguf_weights_for(quantization: str, model: str, device: torch.device, dtype: torch.dtype,

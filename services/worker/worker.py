@@ -21,21 +21,18 @@ from services.common.config import CacheConfig, ModelConfig, ParallelConfig, Wor
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.attention import get_attention_backend
-from services.worker.gguf_weights import gguf_weights_for
+from services.worker.gguf_weights import gguf_weights_for, resolve_dtype
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
 from services.common.model_files import model_id_of
 from services.worker.loader import load_model, resolve_model
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel_group import TensorParallelGroup
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class Worker:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, worker_config: WorkerConfig,
                  parallel_config: ParallelConfig = ParallelConfig()) -> None:
         self.device = torch.device(model_config.device)
-        self.dtype = _DTYPES[model_config.dtype]
+        self.dtype = resolve_dtype(model_config.dtype, model_config.quantization, model_config.model, self.device)
         self.cache_config = cache_config
         torch.manual_seed(model_config.seed)
         cache_dir = model_config.cache_dir or default_cache_dir()

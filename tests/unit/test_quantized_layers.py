@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from kernels import cpu_quant_matmul
 from kernels.cpu_quant_matmul import QuantType
-from services.common.config import default_cache_dir
-from services.worker.gguf_weights import LoadQuantizedWeights
+from kernels.native import cpu_has
+from services.common.config import ModelConfig, default_cache_dir
+from services.worker.gguf_weights import LoadQuantizedWeights, resolve_dtype
 from services.worker.layers.linear import MergedLinear, RowParallelLinear, ShardRows
 from services.worker.layers.quantized_weight import GGUFBlocks
 from services.worker.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -116,3 +117,15 @@ def test_f16_rounds_every_2d_weight_to_float16():
     weight = torch.randn(8, HIDDEN)
     blocks = dict(LoadQuantizedWeights(QuantType.F16).overlay(iter([("a.weight", weight)])))["a.weight"]
     assert blocks.qtype == QuantType.F16 and torch.equal(blocks.dequantize(), weight.half().float())
+
+
+def test_dtype_auto_is_float32_for_blocks_and_bfloat16_only_with_its_instructions(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # a Hugging Face folder, as far as locate_model looks
+    cpu = torch.device("cpu")
+    floats = torch.bfloat16 if cpu_has("avx512_bf16") or cpu_has("amx_bf16") else torch.float32
+    assert resolve_dtype("auto", "auto", "smollm2", cpu) == torch.float32  # the GGUF file's blocks
+    assert resolve_dtype("auto", "int8", str(tmp_path), cpu) == torch.float32  # blocks made at load
+    assert resolve_dtype("auto", "none", "smollm2", cpu) == floats
+    assert resolve_dtype("auto", "auto", str(tmp_path), cpu) == floats
+    assert resolve_dtype("bfloat16", "auto", "smollm2", cpu) == torch.bfloat16  # asked for: as asked
+    assert ModelConfig(dtype="auto", quantization="gguf").dtype == "auto"

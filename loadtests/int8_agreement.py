@@ -37,7 +37,8 @@ def main() -> None:
     folder = resolve_model("smollm2")
     llm = LLM(model=args.model or str(folder), quantization=args.quantization, kv_cache_memory=256 * 2**20)
     tokenizer = llm.get_tokenizer()
-    prompts = [apply_chat_template(tokenizer, c) for c in conversations()] + [tokenizer.encode(p) for p in raw_prompts()]
+    prompts = [apply_chat_template(tokenizer, c) for c in conversations()]
+    prompts += [tokenizer.encode(p) for p in raw_prompts()]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=5))
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     agree = positions = identical = 0
@@ -55,7 +56,8 @@ def main() -> None:
             errors.extend(abs(lp.logprob - reference[i, token].item()) for token, lp in top.items())
     err = torch.tensor(errors)
     print(f"--quantization {args.quantization}: {len(prompts)} prompts, {positions} positions")
-    print(f"top-1 agreement {agree / positions:.4f} ({agree}/{positions}); identical sequences {identical}/{len(prompts)}")
+    print(f"top-1 agreement {agree / positions:.4f} ({agree}/{positions}); "
+          f"identical sequences {identical}/{len(prompts)}")
     print(f"logprob error (top-5): mean {err.mean():.4f}, p99 {err.quantile(0.99):.4f}, max {err.max():.4f}")
 
 

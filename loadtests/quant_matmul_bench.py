@@ -65,7 +65,8 @@ def main() -> None:
     reader = gguf.GGUFReader(locate_model("smollm2"))
     tensors = {t.name: t for t in reader.tensors}
     print(f"threads {args.threads}, kernel build {args.isa} (vector bits {qm.isa(lib)})")
-    print("| shape | type | M | torch fp32 µs | kernel µs | deq+gemm µs | torch GB/s | kernel GB/s | kernel ÷ torch |")
+    print("| shape | type | M | torch fp32 µs | kernel µs | deq+gemm µs | torch GB/s | kernel GB/s "
+          "| kernel ÷ torch |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, name in SHAPES:
         t = tensors[name]

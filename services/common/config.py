@@ -90,8 +90,9 @@ class ModelConfig:
     quantization: str = option(
         "auto", "weights in blocks for a native CPU kernel (float32 activations): gguf keeps a .gguf model's "
                 "own (Q4_1, Q8_0, F16: its exact weights), int8 quantizes any model's to Q8_0 at load (weight-only "
-                "int8, not exact), f16 rounds them to float16 (not exact), none keeps floats in --dtype, auto is gguf where it can be (a .gguf model, "
-                "CPU, float32, AVX2 or AVX-512), else none", choices=QUANTIZATIONS)
+                "int8, not exact), f16 rounds them to float16 (not exact), none keeps floats in --dtype, auto is "
+                "gguf where it can be (a .gguf model, CPU, float32, AVX2 or AVX-512), else none",
+        choices=QUANTIZATIONS)
     device: str = option("cpu", "torch device of the worker (cpu, cuda, cuda:1)")
     max_model_len: int | None = option(None, "context length (default: the model's own)", minimum=2)
     seed: int = option(0, "seed of the worker's random state")
@@ -102,10 +103,11 @@ class ModelConfig:
         check_fields(self)
         # The CPU's attention and fused kernels take float32 or bfloat16 only: refused here, at
         # start-up, rather than by every request's first step (issue 15).
-        if self.dtype == "float16" and self.device.split(":")[0] == "cpu":
+        on_cpu = self.device.split(":")[0] == "cpu"
+        if self.dtype == "float16" and on_cpu:
             raise ValueError("dtype float16 is not supported on the CPU (its kernels take float32 or bfloat16): "
                              "use --dtype bfloat16 or --dtype float32, or float16 with --device cuda")
-        if self.quantization not in ("auto", "none") and (self.dtype not in ("float32", "auto") or self.device.split(":")[0] != "cpu"):
+        if self.quantization not in ("auto", "none") and (self.dtype not in ("float32", "auto") or not on_cpu):
             raise ValueError(f"quantization {self.quantization} runs on the CPU in float32: use --dtype float32 "
                              "--device cpu, or --quantization none")
 

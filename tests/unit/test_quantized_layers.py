@@ -103,7 +103,8 @@ def test_blocks_of_the_wrong_shape_are_refused():
 
 def test_int8_quantizes_every_2d_weight_to_q8_0_blocks_and_passes_the_rest():
     weight, norm, odd = torch.randn(8, HIDDEN), torch.randn(HIDDEN), torch.randn(4, 40)
-    out = dict(LoadQuantizedWeights(QuantType.Q8_0).overlay(iter([("a.weight", weight), ("n.weight", norm), ("o.weight", odd)])))
+    given = [("a.weight", weight), ("n.weight", norm), ("o.weight", odd)]
+    out = dict(LoadQuantizedWeights(QuantType.Q8_0).overlay(iter(given)))
     assert out["n.weight"] is norm and out["o.weight"] is odd  # 1-D, or rows not of whole blocks
     blocks = out["a.weight"]
     assert isinstance(blocks, GGUFBlocks) and blocks.qtype == QuantType.Q8_0 and blocks.shape == (8, HIDDEN)

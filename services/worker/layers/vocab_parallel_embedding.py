@@ -54,7 +54,8 @@ class VocabParallelEmbedding(nn.Module, BlockWeightHolder):
         return None if gathered is None else gathered[:, : self.vocab_size].float()
 
     def load_param(self, param: nn.Parameter, source: WeightSource, name: str) -> None:
-        rows, full_shape = slice(self.vocab_start, self.vocab_start + self.num_valid), (self.vocab_size, self.hidden_size)
+        rows = slice(self.vocab_start, self.vocab_start + self.num_valid)
+        full_shape = (self.vocab_size, self.hidden_size)
         if isinstance(source, GGUFBlocks):
             check_shape(source, name, full_shape)
             self.keep_blocks([(0, source[rows])], whole=True, padded_rows=param.shape[0] - self.num_valid)

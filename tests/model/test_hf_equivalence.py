@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from services import LLM, SamplingParams
-from services.processor.tokenizer import apply_chat_template
+from services.processor.tokenizer import apply_chat_template, load_tokenizer
 from tests.model.hf_reference import HFReference, Reference
 from tests.model.prompts import conversations, long_text, raw_prompts
 
@@ -43,8 +43,10 @@ def llm(request: pytest.FixtureRequest, model_path: Path):
 
 
 @pytest.fixture(scope="module")
-def prompt_token_ids(llm: LLM) -> list[list[int]]:
-    tokenizer = llm.get_tokenizer()
+def prompt_token_ids(model_path: Path) -> list[list[int]]:
+    # The folder's tokenizer (the GGUF file's, converted): not `llm`'s, so that the tests that build
+    # their own engine do not run once per `llm` parameter.
+    tokenizer = load_tokenizer(model_path)
     chats = [apply_chat_template(tokenizer, c) for c in conversations()]
     raws = [tokenizer.encode(p) for p in raw_prompts()]
     prompts = chats + raws

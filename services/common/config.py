@@ -21,7 +21,8 @@ from typing import Any
 
 from services.common.sampling_params import MAX_LOGPROBS
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+QUANTIZATIONS = ("auto", "gguf", "int8", "f16", "none")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 POLICIES = ("fcfs", "priority")
 ROUTING_POLICIES = ("round-robin", "least-load", "kv-aware", "session")
@@ -84,7 +85,15 @@ class ModelConfig:
     model: str = option("smollm2", "model: smollm2 (the embedded default), a Hugging Face folder or a .gguf file")
     served_model_name: str | None = option(
         None, "the name clients use and metrics are labelled with (default: --model)")
-    dtype: str = option("float32", "weights' and activations' dtype", choices=DTYPES)
+    dtype: str = option("float32", "weights' and activations' dtype; auto: the fastest this device runs natively "
+                                   "(float32 for weights in GGUF blocks; on a CPU bfloat16 with AVX512_BF16 or "
+                                   "AMX, else float32; on a GPU bfloat16, else float16)", choices=DTYPES)
+    quantization: str = option(
+        "auto", "weights in blocks for a native CPU kernel (float32 activations): gguf keeps a .gguf model's "
+                "own (Q4_1, Q8_0, F16: its exact weights), int8 quantizes any model's to Q8_0 at load (weight-only "
+                "int8, not exact), f16 rounds them to float16 (not exact), none keeps floats in --dtype, auto is "
+                "gguf where it can be (a .gguf model, CPU, float32, AVX2 or AVX-512), else none",
+        choices=QUANTIZATIONS)
     device: str = option("cpu", "torch device of the worker (cpu, cuda, cuda:1)")
     max_model_len: int | None = option(None, "context length (default: the model's own)", minimum=2)
     seed: int = option(0, "seed of the worker's random state")
@@ -95,9 +104,13 @@ class ModelConfig:
         check_fields(self)
         # The CPU's attention and fused kernels take float32 or bfloat16 only: refused here, at
         # start-up, rather than by every request's first step (issue 15).
-        if self.dtype == "float16" and self.device.split(":")[0] == "cpu":
+        on_cpu = self.device.split(":")[0] == "cpu"
+        if self.dtype == "float16" and on_cpu:
             raise ValueError("dtype float16 is not supported on the CPU (its kernels take float32 or bfloat16): "
                              "use --dtype bfloat16 or --dtype float32, or float16 with --device cuda")
+        if self.quantization not in ("auto", "none") and (self.dtype not in ("float32", "auto") or not on_cpu):
+            raise ValueError(f"quantization {self.quantization} runs on the CPU in float32: use --dtype float32 "
+                             "--device cpu, or --quantization none")
 
     @property
     def name(self) -> str:

@@ -3,7 +3,8 @@ tokenizer, is `services.common.model_files` (no torch).
 
 A GGUF file is dequantized once by transformers and cached as a Hugging Face folder under the cache
 directory (`model_files.cached_conversion`). Transformers only converts; the runtime model is ours
-(`services.worker.models`).
+(`services.worker.models`). Where the worker keeps a GGUF model's weights in their blocks
+(`--quantization`, services/worker/gguf_weights.py), the folder's floats of those weights are never read.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 from services.common.model_files import cached_conversion, locate_model
+from services.worker.gguf_weights import GGUFWeights
 from services.worker.layers.linear import WeightSource
 from services.worker.models.registry import get_model_class
 from services.worker.parallel_group import TensorParallelGroup
@@ -33,10 +35,11 @@ def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
     return path
 
 
-def load_model(model_path: Path, dtype: torch.dtype, device: torch.device,
-               tp: TensorParallelGroup | None = None) -> tuple[nn.Module, transformers.PretrainedConfig]:
+def load_model(model_path: Path, dtype: torch.dtype, device: torch.device, tp: TensorParallelGroup | None = None,
+               gguf_weights: GGUFWeights | None = None) -> tuple[nn.Module, transformers.PretrainedConfig]:
     """Build our model for `model_path`'s config.json in `dtype` on `device` and stream its weights
-    in; in a tensor-parallel group `tp`, only this rank's slices of them."""
+    in; in a tensor-parallel group `tp`, only this rank's slices of them. With `gguf_weights` (the
+    file `model_path` was converted from), the layers get its blocks where the kernel reads them."""
     config = AutoConfig.from_pretrained(model_path)
     model_class = get_model_class(config)
     files = sorted(Path(model_path).glob("*.safetensors"))
@@ -44,7 +47,8 @@ def load_model(model_path: Path, dtype: torch.dtype, device: torch.device,
         raise FileNotFoundError(f"model folder {model_path} has no *.safetensors files")
     with torch.device(device):
         model = model_class(config, dtype, tp)
-    model.load_weights(_iter_safetensors(files, device))
+    weights = _iter_safetensors(files, device)
+    model.load_weights(weights if gguf_weights is None else gguf_weights.overlay(weights))
     return model.eval(), config
 
 

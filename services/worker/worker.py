@@ -22,6 +22,7 @@ from services.common.config import (CacheConfig, DisaggregationConfig, ModelConf
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.attention import get_attention_backend
+from services.worker.gguf_weights import gguf_weights_for, resolve_dtype
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
 from services.common.model_files import model_id_of
 from services.worker.loader import load_model, resolve_model
@@ -29,15 +30,12 @@ from services.worker.model_runner import ModelRunner
 from services.worker.kv_transfer import KVTransferEndpoint
 from services.worker.parallel_group import TensorParallelGroup
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class Worker:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, worker_config: WorkerConfig,
                  parallel_config: ParallelConfig = ParallelConfig(),
                  disaggregation: DisaggregationConfig = DisaggregationConfig()) -> None:
         self.device = torch.device(model_config.device)
-        self.dtype = _DTYPES[model_config.dtype]
+        self.dtype = resolve_dtype(model_config.dtype, model_config.quantization, model_config.model, self.device)
         self.cache_config = cache_config
         torch.manual_seed(model_config.seed)
         cache_dir = model_config.cache_dir or default_cache_dir()
@@ -45,7 +43,9 @@ class Worker:
         if self.device.type == "cpu":
             cpu_fused_ops.available(cache_dir)  # built once here; without a compiler the layers use torch ops
         self.tp = TensorParallelGroup.create(parallel_config, self.device)  # waits for the other ranks
-        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device, self.tp)
+        gguf_weights = gguf_weights_for(model_config.quantization, model_config.model, self.device, self.dtype,
+                                        cache_dir)
+        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device, self.tp, gguf_weights)
         self.backend = get_attention_backend(worker_config.attention_backend, self.device, cache_dir)
         max_len = self.hf_config.max_position_embeddings
         if model_config.max_model_len is not None:

@@ -5,7 +5,11 @@ tests/model/hf_reference.py), and our top-5 logprobs within 1e-3 of the referenc
 
 The one tolerated difference is vLLM's rule for float near-ties: where the two sequences part,
 each side's token must be in the other's top-5 with a logprob gap under 1e-3; the comparison
-stops there and the test reports how many such partings it saw."""
+stops there and the test reports how many such partings it saw.
+
+The engine runs the default model both ways the worker can hold it: from its GGUF file with the
+weights kept in their Q4_1/Q8_0 blocks (the CPU default, `--quantization auto`: the same weights,
+computed by the native kernel) and from the converted float32 folder, as the reference is."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import pytest
 import torch
 
 from services import LLM, SamplingParams
-from services.processor.tokenizer import apply_chat_template
+from services.processor.tokenizer import apply_chat_template, load_tokenizer
 from tests.model.hf_reference import HFReference, Reference
 from tests.model.prompts import conversations, long_text, raw_prompts
 
@@ -27,17 +31,22 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
 TEST_KV_BYTES = 256 * 2**20
 
 
-@pytest.fixture(scope="module")
-def llm(model_path: Path):
-    engine = LLM(model=str(model_path), kv_cache_memory=TEST_KV_BYTES)
+@pytest.fixture(scope="module", params=["gguf-blocks", pytest.param("float32-folder", marks=pytest.mark.slow)])
+def llm(request: pytest.FixtureRequest, model_path: Path):
+    if request.param == "gguf-blocks":
+        engine = LLM(model="smollm2", quantization="gguf", kv_cache_memory=TEST_KV_BYTES)
+    else:
+        engine = LLM(model=str(model_path), kv_cache_memory=TEST_KV_BYTES)
     yield engine
     del engine
     gc.collect()
 
 
 @pytest.fixture(scope="module")
-def prompt_token_ids(llm: LLM) -> list[list[int]]:
-    tokenizer = llm.get_tokenizer()
+def prompt_token_ids(model_path: Path) -> list[list[int]]:
+    # The folder's tokenizer (the GGUF file's, converted): not `llm`'s, so that the tests that build
+    # their own engine do not run once per `llm` parameter.
+    tokenizer = load_tokenizer(model_path)
     chats = [apply_chat_template(tokenizer, c) for c in conversations()]
     raws = [tokenizer.encode(p) for p in raw_prompts()]
     prompts = chats + raws

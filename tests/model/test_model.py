@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 
-from kernels import cpu_fused_ops
-from services.common.config import default_cache_dir
+from kernels import cpu_fused_ops, cpu_quant_matmul
+from services.common.config import ModelConfig, default_cache_dir
 from services.worker import loader
 from services.worker.attention import AttentionMetadata
 from services.worker.attention.torch_backend import TorchAttentionBackend
@@ -27,6 +27,7 @@ from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches
 from services.worker.layers.rotary_embedding import rope_inv_freq, rope_parameters_of
 from services.common import model_files
 from services.common.model_files import model_id_of
+from services.worker.gguf_weights import NotQuantizable, gguf_weights_for
 from services.worker.loader import load_model, resolve_model
 from services.worker.models.llama import Qwen2ForCausalLM, head_size_of
 
@@ -121,6 +122,32 @@ def test_smollm2_matches_transformers_prefill_and_decode(smollm2, model_path: Pa
     assert (len(short), len(long)) == (7, 40)
     # Blocks deliberately out of order and interleaved between the requests.
     check_prefill_then_decode(model, hf_model, config, [short, long], [[5], [2, 9, 3]], SMOLLM2_ATOL)
+
+
+def test_smollm2_in_gguf_blocks_holds_the_folders_weights_and_matches_transformers(smollm2, model_path: Path) -> None:
+    # The worker's CPU default for a GGUF model: its weights in the file's blocks (issue 16).
+    model, hf_model, config = smollm2
+    cache_dir = default_cache_dir()
+    weights = gguf_weights_for("gguf", model_files.DEFAULT_MODEL, torch.device("cpu"), torch.float32, cache_dir)
+    quantized, _ = load_model(model_path, torch.float32, torch.device("cpu"), gguf_weights=weights)
+    kept = {name: module.block_weight for name, module in quantized.named_modules()
+            if getattr(module, "block_weight", None) is not None}
+    assert len(kept) == 1 + 4 * config.num_hidden_layers  # embedding (= LM head), qkv, o, gate_up, down
+    assert {w.qtype.name for w in kept.values()} == {"Q4_1", "Q8_0"}
+    floats = dict(model.named_modules())
+    for name, weight in kept.items():  # q and k rows un-permuted as transformers does: bit for bit
+        assert torch.equal(cpu_quant_matmul.dequantize(weight.blocks, weight.qtype, weight.cols), floats[name].weight)
+    prompt = AutoTokenizer.from_pretrained(model_path)("The capital of France is a city")["input_ids"][:7]
+    check_prefill_then_decode(quantized, hf_model, config, [prompt], [[3]], SMOLLM2_ATOL)
+
+
+def test_quantization_gguf_says_why_it_cannot_be(model_path: Path) -> None:
+    with pytest.raises(NotQuantizable, match="not a .gguf file"):
+        gguf_weights_for("gguf", str(model_path), torch.device("cpu"), torch.float32, default_cache_dir())
+    assert gguf_weights_for("auto", str(model_path), torch.device("cpu"), torch.float32, default_cache_dir()) is None
+    assert gguf_weights_for("auto", "smollm2", torch.device("cpu"), torch.bfloat16, default_cache_dir()) is None
+    with pytest.raises(ValueError, match="quantization gguf runs on the CPU in float32"):
+        ModelConfig(dtype="bfloat16", quantization="gguf")
 
 
 def test_smollm2_config_and_tokenizer(model_path: Path) -> None:

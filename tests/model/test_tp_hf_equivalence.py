@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
@@ -22,7 +23,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from services.common.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, WorkerConfig
+from kernels import cpu_quant_matmul
+from services.common.config import (CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, WorkerConfig,
+                                    default_cache_dir)
 from services.common.engine_output import EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.sampling_params import SamplingParams
@@ -30,6 +33,7 @@ from services.common.scheduler_output import SchedulerOutput
 from services.engine.engine_core import EngineCore
 from services.processor.tokenizer import apply_chat_template
 from services.worker.client import GrpcWorkerClient, InProcessWorkerClient
+from services.worker.gguf_weights import gguf_weights_for
 from services.worker.loader import load_model
 from services.worker.parallel_group import TensorParallelGroup, free_loopback_address
 from services.worker.worker import Worker
@@ -230,12 +234,35 @@ def _anon_rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
 
-def load_in_processes(model_path: Path, size: int) -> dict:
+def _compare_rank_blocks(rank: int, size: int, address: str, model_path: str, results: dict) -> None:
+    """In a spawned process: this rank's shards kept in the GGUF file's blocks (issue 16) against the
+    same shards loaded as floats from the converted folder: (weights kept in blocks, all bit for bit)."""
+    torch.set_num_threads(1)
+    tp = TensorParallelGroup.create(ParallelConfig(size, rank, address, 30.0), torch.device("cpu"))
+    cpu = torch.device("cpu")
+    weights = gguf_weights_for("gguf", "smollm2", cpu, torch.float32, default_cache_dir())
+    blocks, _ = load_model(Path(model_path), torch.float32, cpu, tp, weights)
+    floats = dict(load_model(Path(model_path), torch.float32, cpu, tp)[0].named_modules())
+    kept = [(name, m.block_weight) for name, m in blocks.named_modules() if getattr(m, "block_weight", None)]
+    results[rank] = (len(kept), all(torch.equal(cpu_quant_matmul.dequantize(w.blocks, w.qtype, w.cols),
+                                                floats[name].weight) for name, w in kept))
+    tp.close()
+
+
+def test_each_rank_keeps_its_shards_in_the_gguf_blocks(model_path: Path):
+    # Rows of q|k|v by KV head, o_proj's and down_proj's columns (384 / 192, 768: whole blocks of 32),
+    # half the vocabulary each: every weight of both ranks stays in blocks, equal to its float shard.
+    ranks = load_in_processes(model_path, 2, _compare_rank_blocks)
+    assert ranks == {0: (1 + 4 * 30, True), 1: (1 + 4 * 30, True)}
+
+
+def load_in_processes(model_path: Path, size: int,
+                      target: Callable[[int, int, str, str, dict], None] = _load_rank) -> dict:
     context = mp.get_context("spawn")
     with context.Manager() as manager:
         results = manager.dict()
         address = free_loopback_address()
-        procs = [context.Process(target=_load_rank, args=(r, size, address, str(model_path), results))
+        procs = [context.Process(target=target, args=(r, size, address, str(model_path), results))
                  for r in range(size)]
         for p in procs:
             p.start()

@@ -9,7 +9,9 @@ of their slices from a checkpoint.
 With a group of one both are plain nn.Linear layers over whole projections: no collective, no copy.
 
 Weights arrive as a `WeightSource`: a torch tensor, or a safetensors slice (`safe_open(...).get_slice`)
-that reads from the file only the rows or columns asked for, so a rank never holds a whole tensor.
+that reads from the file only the rows or columns asked for, so a rank never holds a whole tensor, or
+a GGUF file's blocks (`GGUFBlocks`, issue 16), which the layers keep as they are where the native
+kernel reads them (services/worker/layers/quantized_weight.py) and dequantize otherwise.
 """
 
 from __future__ import annotations
@@ -18,22 +20,29 @@ from typing import Any, NamedTuple, TypeAlias
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
+from services.worker.layers.quantized_weight import BlockWeightHolder, GGUFBlocks
 from services.worker.parallel_group import TensorParallelGroup
 
-WeightSource: TypeAlias = Any  # torch.Tensor or safetensors' slice: both index as `source[a:b]`, `source[:, a:b]`
+# torch.Tensor, safetensors' slice or GGUFBlocks: all index as `source[a:b]`, `source[:, a:b]`
+WeightSource: TypeAlias = Any
 
 
 def shape_of(source: WeightSource) -> tuple[int, ...]:
     return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
 
 
+def check_shape(source: WeightSource, name: str, full_shape: tuple[int, ...]) -> None:
+    if shape_of(source) != full_shape:
+        raise ValueError(f"checkpoint tensor {name} has shape {shape_of(source)}, the model expects {full_shape}")
+
+
 def copy_checked(target: torch.Tensor, source: WeightSource, name: str, full_shape: tuple[int, ...],
                  read: slice | tuple[slice, slice] = slice(None)) -> None:
     """Copy `source[read]` into `target` after checking the checkpoint tensor's whole shape."""
-    if shape_of(source) != full_shape:
-        raise ValueError(f"checkpoint tensor {name} has shape {shape_of(source)}, the model expects {full_shape}")
+    check_shape(source, name, full_shape)
+    if isinstance(source, GGUFBlocks):  # a weight kept as floats: gguf's dequantization, as transformers'
+        source = source.dequantize()
     target.copy_(source[read])
 
 
@@ -49,10 +58,10 @@ class ShardRows(NamedTuple):
         return cls(0, size, size)
 
 
-class MergedLinear(nn.Linear):
+class MergedLinear(nn.Linear, BlockWeightHolder):
     """Column-parallel. `shards` names the stacked projections in output order with the rows of each
     that this rank holds; `shard_offsets[name]` is the (start, size) of that projection's rows in
-    `weight` (and `bias`)."""
+    `weight` (and `bias`). Given GGUF blocks for every shard, it keeps them once the last shard is in."""
 
     def __init__(self, in_features: int, shards: dict[str, ShardRows], bias: bool, dtype: torch.dtype) -> None:
         super().__init__(in_features, sum(s.size for s in shards.values()), bias=bias, dtype=dtype)
@@ -62,17 +71,33 @@ class MergedLinear(nn.Linear):
         for name, rows in shards.items():
             self.shard_offsets[name] = (start, rows.size)
             start += rows.size
+        self.block_weight = None
+        self._weight_shards: dict[str, GGUFBlocks | None] = {}  # loaded so far: their blocks, None if floats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.bias)
 
     def load_shard(self, param: nn.Parameter, shard: str, source: WeightSource, name: str) -> None:
         start, size = self.shard_offsets[shard]
         rows = self.shards[shard]
-        copy_checked(param.data[start : start + size], source, name, (rows.total, *param.shape[1:]),
-                     slice(rows.start, rows.start + rows.size))
+        full_shape, read = (rows.total, *param.shape[1:]), slice(rows.start, rows.start + rows.size)
+        if param is not self.weight or not isinstance(source, GGUFBlocks):
+            copy_checked(param.data[start : start + size], source, name, full_shape, read)
+            if param is self.weight:
+                self._weight_shards[shard] = None
+        else:
+            check_shape(source, name, full_shape)
+            self._weight_shards[shard] = source[read]
+        if param is self.weight and len(self._weight_shards) == len(self.shards):
+            blocks = [(self.shard_offsets[s][0], b) for s, b in self._weight_shards.items() if b is not None]
+            blocks.sort(key=lambda part: part[0])
+            self.keep_blocks(blocks, whole=len(blocks) == len(self.shards))
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(nn.Linear, BlockWeightHolder):
     """This rank's columns [col_start, col_start + in_features) of a [out, in_total] projection; the
-    bias (whole on every rank) is added once, after the all-reduce."""
+    bias (whole on every rank) is added once, after the all-reduce. GGUF blocks are kept when the
+    columns fall on block boundaries."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  tp: TensorParallelGroup, col_start: int = 0, in_total: int | None = None) -> None:
@@ -80,16 +105,21 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
         self.col_start = col_start
         self.in_total = in_features if in_total is None else in_total
+        self.block_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))  # [n, out] partial sums -> sums
+            return self.linear(x, self.bias)
+        out = self.tp.all_reduce(self.linear(x))  # [n, out] partial sums -> sums
         return out if self.bias is None else out + self.bias
 
     def load_param(self, param: nn.Parameter, source: WeightSource, name: str) -> None:
         if param is self.bias:
             copy_checked(param.data, source, name, tuple(param.shape))
+            return
+        full_shape, cols = (self.out_features, self.in_total), slice(self.col_start, self.col_start + self.in_features)
+        if isinstance(source, GGUFBlocks) and source.splits_columns_at(cols.start, cols.stop):
+            check_shape(source, name, full_shape)
+            self.keep_blocks([(0, source[:, cols])], whole=True)
         else:
-            cols = slice(self.col_start, self.col_start + self.in_features)
-            copy_checked(param.data, source, name, (self.out_features, self.in_total), (slice(None), cols))
+            copy_checked(param.data, source, name, full_shape, (slice(None), cols))

@@ -1,0 +1,90 @@
+"""torch's float32 `F.linear` against the quantized-weight kernel (kernels/cpu_quant_matmul.py) at
+the default model's weight shapes, with the weights of its GGUF file (SmolLM2-135M Q4_1, LM head
+Q8_0): per shape and M, microseconds a call and the weight bytes streamed per second.
+
+    kernel     the native tiles (`matmul`), the decode path
+    deq+gemm   `dequantize` then torch's GEMM, the path from GEMM_ROWS up (`linear`)
+
+As in a decode step, where each weight is read once and the model is far larger than the caches,
+the calls cycle through copies of the weight worth `--stream-mib` of float32 (default 384 MiB),
+so that every call reads its weight from memory, not from a cache a previous call warmed.
+
+Run from the repository root (a few seconds a row):
+
+    .venv/bin/python -m loadtests.quant_matmul_bench
+    .venv/bin/python -m loadtests.quant_matmul_bench --rows 1 8 32 64 128 --threads 2 --isa avx2
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_quant_matmul as qm
+from services.common.config import default_cache_dir
+from services.common.model_files import locate_model
+
+# (name, GGUF tensor): the projections of one layer and the LM head (the tied embedding).
+SHAPES = (
+    ("q_proj / o_proj 576x576", "blk.0.attn_q.weight"),
+    ("k_proj / v_proj 192x576", "blk.0.attn_k.weight"),
+    ("gate / up 1536x576", "blk.0.ffn_gate.weight"),
+    ("down 576x1536", "blk.0.ffn_down.weight"),
+    ("lm_head 49152x576", "token_embd.weight"),
+)
+
+
+def time_call(fn: Callable[[int], object], copies: int, seconds: float) -> float:
+    """Mean seconds a call `fn(copy)` over ~`seconds` of calls, the copies in turn, after a warm-up
+    round."""
+    for i in range(copies):
+        fn(i)
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds or calls < copies:
+        fn(calls % copies)
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128], help="M values")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--isa", default="native", help="the kernel build: native, avx2, scalar")
+    parser.add_argument("--seconds", type=float, default=0.3, help="timing per cell")
+    parser.add_argument("--stream-mib", type=int, default=384, help="float32 bytes the copies of a weight span")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    lib = qm.variant(args.isa, default_cache_dir())
+    reader = gguf.GGUFReader(locate_model("smollm2"))
+    tensors = {t.name: t for t in reader.tensors}
+    print(f"threads {args.threads}, kernel build {args.isa} (vector bits {qm.isa(lib)})")
+    print("| shape | type | M | torch fp32 µs | kernel µs | deq+gemm µs | torch GB/s | kernel GB/s "
+          "| kernel ÷ torch |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, name in SHAPES:
+        t = tensors[name]
+        data = np.asarray(t.data)
+        qtype = qm.QuantType(int(t.tensor_type))
+        k = data.shape[1] // qm.BLOCK_BYTES[qtype] * qm.BLOCK
+        copies = max(1, args.stream_mib * 2**20 // (data.shape[0] * k * 4))
+        blocks = [torch.from_numpy(data.copy()) for _ in range(copies)]
+        weights = [qm.dequantize(b, qtype, k, lib) for b in blocks]
+        for m in args.rows:
+            x = torch.randn(m, k)
+            t_torch = time_call(lambda i: F.linear(x, weights[i]), copies, args.seconds)
+            t_kernel = time_call(lambda i: qm.matmul(x, blocks[i], qtype, k, lib), copies, args.seconds)
+            t_deq = time_call(lambda i: F.linear(x, qm.dequantize(blocks[i], qtype, k, lib)), copies, args.seconds)
+            print(f"| {label} | {qtype.name} | {m} | {t_torch * 1e6:.0f} | {t_kernel * 1e6:.0f} | {t_deq * 1e6:.0f} "
+                  f"| {weights[0].numel() * 4 / t_torch / 1e9:.1f} | {blocks[0].numel() / t_kernel / 1e9:.1f} "
+                  f"| {t_torch / t_kernel:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

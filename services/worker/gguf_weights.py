@@ -1,0 +1,178 @@
+"""Weights kept in GGUF blocks for the native CPU kernel (issue 16, `--quantization`): a GGUF model's
+own (`gguf`, `GGUFWeights`), or any model's quantized at load (`int8`: Q8_0 blocks, `f16`: float16;
+`LoadQuantizedWeights`).
+
+The worker still builds its model from the Hugging Face folder the file was converted to
+(services/worker/loader.py): config, tokenizer and every tensor kept as floats come from there. This
+module hands the layers, under the Hugging Face names, the blocks of the 2-D weights instead
+(`GGUFWeights.overlay`), in the converted model's row order, so that the native kernel computes
+with exactly the weights the folder holds in float32 at a sixth of the bytes (Q4_1).
+
+The rows: llama.cpp's converter permutes the rows of q and k of a Llama for its RoPE (pairs of
+rotated values interleaved); transformers un-permutes them when it converts (`LlamaTensorProcessor`),
+and so does `_row_order` here, on whole rows of blocks. Only architectures whose tensors transformers
+converts without other changes are kept in blocks (`_ARCHITECTURES`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from kernels import cpu_quant_matmul
+from kernels.cpu_quant_matmul import QuantType
+from kernels.native import NativeKernelUnavailable, cpu_has
+from services.common.model_files import locate_model
+from services.worker.layers.linear import WeightSource, shape_of
+from services.worker.layers.quantized_weight import GGUFBlocks
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --quantization -> the blocks a checkpoint's weights are quantized to at load.
+_AT_LOAD = {"int8": QuantType.Q8_0, "f16": QuantType.F16}
+# GGUF architecture -> whether its q and k rows are permuted (see the module's docstring).
+_ARCHITECTURES = {"llama": True, "qwen2": False}
+
+
+class NotQuantizable(ValueError):
+    """Why a model's weights cannot stay in their GGUF blocks."""
+
+
+class GGUFWeights:
+    """The tensors of one GGUF file (memory-mapped: a tensor is read when a layer copies it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.reader = gguf.GGUFReader(path)
+        self.architecture = self._field("general.architecture")
+        if self.architecture not in _ARCHITECTURES:
+            raise NotQuantizable(f"{path}: weights of a {self.architecture!r} GGUF model are not kept in blocks "
+                             f"(architectures: {', '.join(_ARCHITECTURES)})")
+        arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}[self.architecture]
+        self.names = gguf.get_tensor_name_map(arch, int(self._field(f"{self.architecture}.block_count")))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.num_heads = self._field(f"{self.architecture}.attention.head_count")
+        self.num_kv_heads = self._field(f"{self.architecture}.attention.head_count_kv")
+
+    def _field(self, key: str) -> object | None:
+        field = self.reader.fields.get(key)
+        return None if field is None else field.contents()
+
+    def blocks(self, name: str) -> GGUFBlocks | None:
+        """The blocks of checkpoint tensor `name` (a Hugging Face name), or None where it is no 2-D
+        weight in blocks the kernel reads (those stay the folder's floats)."""
+        base, _, suffix = name.rpartition(".")
+        gguf_name = self.names.get_name(base)
+        tensor = self.tensors.get(f"{gguf_name}.{suffix}") if gguf_name else None
+        if tensor is None or len(tensor.shape) != 2:
+            return None
+        try:
+            qtype = QuantType(int(tensor.tensor_type))
+        except ValueError:
+            return None
+        cols, rows = (int(n) for n in tensor.shape)  # GGUF lists the fastest dimension first
+        data = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
+        if cols % cpu_quant_matmul.BLOCK or data.shape[1] != cpu_quant_matmul.row_bytes(qtype, cols):
+            return None
+        order = self._row_order(gguf_name, rows)
+        return GGUFBlocks(qtype, data if order is None else data[order], cols)
+
+    def _row_order(self, gguf_name: str, rows: int) -> np.ndarray | None:
+        """transformers' `_reverse_permute_weights` as a row order, or None to keep the file's."""
+        if not _ARCHITECTURES[self.architecture] or None in (self.num_heads, self.num_kv_heads):
+            return None
+        if gguf_name.endswith(".attn_q"):
+            heads = self.num_heads
+        elif gguf_name.endswith(".attn_k"):
+            heads = self.num_kv_heads
+        else:
+            return None
+        half = rows // heads // 2
+        # [heads, 2, half] in the file -> [heads, half, 2] in the model: row (h, j, i) of the model
+        # is row (h, i, j) of the file.
+        return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)
+
+    def overlay(self, weights: Iterator[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
+        """`weights` (the converted folder's), each 2-D weight the kernel reads replaced by its blocks."""
+        for name, source in weights:
+            blocks = self.blocks(name)
+            yield name, source if blocks is None else blocks
+
+
+class LoadQuantizedWeights:
+    """Every 2-D weight (layers, embedding, LM head) of a checkpoint quantized at load by gguf's own
+    quantizer: Q8_0 is weight-only int8 (int8 values, one f16 scale per 32: finer than a scale per
+    output channel), F16 rounds to float16. Not the checkpoint's weights any more: the agreement
+    with the float model is measured (docs/benchmarks.md), not tested for exactness."""
+
+    def __init__(self, qtype: QuantType) -> None:
+        self.qtype = qtype
+
+    def overlay(self, weights: Iterator[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
+        for name, source in weights:
+            shape = shape_of(source)
+            if not name.endswith(".weight") or len(shape) != 2 or shape[1] % cpu_quant_matmul.BLOCK:
+                yield name, source
+                continue
+            values = source[:].float().numpy()
+            data = gguf.quants.quantize(values, gguf.GGMLQuantizationType(self.qtype))
+            yield name, GGUFBlocks(self.qtype, data.view(np.uint8).reshape(shape[0], -1), shape[1])
+
+
+def resolve_dtype(dtype: str, quantization: str, model: str, device: torch.device) -> torch.dtype:
+    """`--dtype` as a torch dtype, `auto` resolved to the fastest this device runs natively: float32
+    where the weights stay in GGUF blocks (their kernel computes in float32, exactly); else on a CPU
+    bfloat16 where it has bfloat16 instructions (AVX512_BF16, AMX-BF16: torch's GEMM uses them),
+    float32 otherwise (without them torch's bfloat16 and float16 matmuls are slower than float32's
+    from a batch of 8 up, issue 16; float16 is refused by the CPU's attention kernels anyway); on a GPU
+    bfloat16 where supported, else float16."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type != "cpu":
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float16
+    in_blocks = quantization in _AT_LOAD or (quantization in ("auto", "gguf") and locate_model(model).is_file())
+    if not in_blocks and (cpu_has("avx512_bf16") or cpu_has("amx_bf16")):
+        return torch.bfloat16
+    return torch.float32
+
+
+def gguf_weights_for(quantization: str, model: str, device: torch.device, dtype: torch.dtype,
+                     cache_dir: Path) -> GGUFWeights | LoadQuantizedWeights | None:
+    """The weights to keep in GGUF blocks for `--quantization` (config.QUANTIZATIONS), or None for
+    floats. `auto` keeps a GGUF model's where they can be (a .gguf model, float32 on the CPU, a vector
+    build of the kernel) and logs why not otherwise; the others raise instead."""
+    if quantization == "none":
+        return None
+    try:
+        if quantization in _AT_LOAD:
+            _check_kernel(device, dtype, cache_dir, vector_build=False)
+            return LoadQuantizedWeights(_AT_LOAD[quantization])
+        if not locate_model(model).is_file():
+            raise NotQuantizable("the model is not a .gguf file")
+        _check_kernel(device, dtype, cache_dir, vector_build=quantization == "auto")
+        return GGUFWeights(locate_model(model))
+    except NotQuantizable as exc:
+        if quantization != "auto":
+            raise NotQuantizable(f"--quantization {quantization}: {exc}") from exc
+        logger.info("weights dequantized to %s: %s", dtype, exc)
+        return None
+
+
+def _check_kernel(device: torch.device, dtype: torch.dtype, cache_dir: Path, vector_build: bool) -> None:
+    if device.type != "cpu":
+        raise NotQuantizable(f"the native kernel runs on the CPU, not on {device}")
+    if dtype != torch.float32:
+        raise NotQuantizable(f"the kernel computes in float32 (--dtype float32), not {dtype}")
+    try:
+        cpu_quant_matmul.build(cache_dir)
+    except NativeKernelUnavailable as exc:
+        raise NotQuantizable(f"the native kernel could not be built: {exc}") from exc
+    if vector_build and cpu_quant_matmul.isa() == 0:
+        raise NotQuantizable("this CPU has neither AVX2 nor AVX-512 (the portable kernel is slower than float32 "
+                             "weights)")

@@ -1,0 +1,139 @@
+"""Weights kept in a GGUF file's blocks (issue 16): the checkpoint-side source and the layer-side weight.
+
+    GGUFBlocks   a WeightSource: one tensor's blocks as the file holds them, rows in the model's
+                 order; sliced like a safetensors slice (whole rows; columns in whole blocks)
+    BlockWeight  what a linear layer, the LM head or the embedding computes with instead of a float
+                 weight: [rows, row_bytes] uint8 blocks and the native matmul
+                 (kernels/cpu_quant_matmul.py), bit for bit the dequantized weights
+
+A layer given GGUFBlocks for all of its weight keeps them (`block_weight_of`) when they are of one
+type the kernel reads; otherwise the blocks are dequantized into its float weight (`copy_checked`),
+exactly as the converted Hugging Face folder holds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_quant_matmul
+from kernels.cpu_quant_matmul import BLOCK, QuantType
+
+
+class GGUFBlocks:
+    """Rows of one GGUF tensor in its `qtype` blocks: data [rows, row_bytes] uint8 for a logical
+    [rows, cols] weight."""
+
+    def __init__(self, ggml_type: int, data: np.ndarray, cols: int) -> None:
+        if data.dtype != np.uint8 or data.ndim != 2:
+            raise ValueError(f"GGUF blocks must be [rows, row_bytes] uint8, got {data.dtype} {data.shape}")
+        self.ggml_type = ggml_type
+        self.data = data
+        self.cols = cols
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.cols
+
+    def get_shape(self) -> list[int]:  # as a safetensors slice says it (linear.shape_of)
+        return list(self.shape)
+
+    @property
+    def qtype(self) -> QuantType | None:
+        """The kernel's type for these blocks, or None when it reads no such blocks."""
+        try:
+            qtype = QuantType(self.ggml_type)
+        except ValueError:
+            return None
+        return qtype if self.cols % BLOCK == 0 else None
+
+    def splits_columns_at(self, *cols: int) -> bool:
+        """Whether a column slice at `cols` cuts only between blocks."""
+        block_size, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(self.ggml_type)]
+        return all(c % block_size == 0 for c in cols)
+
+    def __getitem__(self, index: slice | tuple[slice, slice]) -> GGUFBlocks:
+        rows, cols = (index, slice(None)) if isinstance(index, slice) else index
+        data = self.data[rows]
+        start, stop, step = cols.indices(self.cols)
+        if (start, stop) != (0, self.cols):
+            if step != 1 or not self.splits_columns_at(start, stop):
+                raise ValueError(f"columns [{start}, {stop}) of a GGUF tensor do not fall on its block boundaries")
+            block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(self.ggml_type)]
+            data = data[:, start // block_size * type_size : stop // block_size * type_size]
+        return GGUFBlocks(self.ggml_type, data, stop - start)
+
+    def dequantize(self) -> torch.Tensor:
+        """[rows, cols] float32: gguf's own dequantization, the one transformers converts with."""
+        values = gguf.quants.dequantize(self.data, gguf.GGMLQuantizationType(self.ggml_type))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
+
+
+class BlockWeight(NamedTuple):
+    """A [rows, cols] weight as GGUF blocks: row n is blocks[n]."""
+
+    blocks: torch.Tensor  # [rows, row_bytes] uint8
+    qtype: QuantType
+    cols: int
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, W, bias): x [..., cols] float32 -> [..., rows]."""
+        return cpu_quant_matmul.linear(x, self.blocks, self.qtype, self.cols, bias)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """F.embedding(ids, W): the rows of `ids`, dequantized -> [len(ids), cols] float32."""
+        return cpu_quant_matmul.dequantize(self.blocks[ids], self.qtype, self.cols)
+
+
+def block_weight_of(sources: Sequence[GGUFBlocks], padded_rows: int = 0) -> BlockWeight | None:
+    """The sources' rows stacked in order (then `padded_rows` rows of zeros, which dequantize to 0)
+    as one BlockWeight, or None where the kernel cannot take them: mixed or unread block types, or
+    the kernel not built."""
+    qtypes = {source.qtype for source in sources}
+    cols = {source.cols for source in sources}
+    if len(qtypes) != 1 or None in qtypes or len(cols) != 1 or not cpu_quant_matmul.is_built():
+        return None
+    parts = [source.data for source in sources]
+    if padded_rows:
+        parts.append(np.zeros((padded_rows, parts[0].shape[1]), dtype=np.uint8))
+    blocks = torch.from_numpy(np.concatenate(parts))  # a copy: the file's pages stay unpinned
+    return BlockWeight(blocks, qtypes.pop(), cols.pop())
+
+
+class BlockWeightHolder:
+    """A layer's float `weight` [rows, cols] that GGUF blocks may replace: mixed into MergedLinear,
+    RowParallelLinear and VocabParallelEmbedding, which call `keep_blocks` once all their weight's
+    rows have arrived, and `linear` / `embedding` to compute with whichever weight they hold."""
+
+    weight: torch.Tensor | None
+    block_weight: BlockWeight | None
+
+    def keep_blocks(self, parts: Sequence[tuple[int, GGUFBlocks]], whole: bool, padded_rows: int = 0) -> None:
+        """`parts`: (first row, blocks) of the weight's rows given as GGUF blocks. With `whole` (they
+        are all of its rows, in order, then `padded_rows` of zeros) and a float32 weight the kernel
+        can take them as, they become the weight and the float one is dropped; otherwise each part
+        is dequantized into the float weight."""
+        assert self.weight is not None, "the weight's blocks were kept already"
+        if whole and self.weight.dtype == torch.float32 and self.weight.device.type == "cpu":
+            kept = block_weight_of([blocks for _, blocks in parts], padded_rows)
+            if kept is not None:
+                self.block_weight = kept
+                self.weight = None  # never read again: its memory goes
+                return
+        for start, blocks in parts:
+            self.weight.data[start : start + blocks.shape[0]].copy_(blocks.dequantize())
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.block_weight is not None:
+            return self.block_weight.linear(x, bias)
+        return F.linear(x, self.weight, bias)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.block_weight is not None:
+            return self.block_weight.embedding(ids)
+        return F.embedding(ids, self.weight)

@@ -1,0 +1,91 @@
+"""The quantized-weight matmul (kernels/cpu_quant_matmul.py) in every build this CPU runs (native,
+AVX2 built explicitly, portable C): its dequantization bit for bit gguf's (what transformers
+converts a GGUF file with), its matmul a float32 matmul over those weights up to the sum's order,
+over odd shapes, both of `linear`'s paths and every block type it reads."""
+
+from __future__ import annotations
+
+import ctypes
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_quant_matmul as qm
+from kernels.cpu_quant_matmul import QuantType
+from services.common.config import default_cache_dir
+
+
+@pytest.fixture
+def lib(isa: str) -> ctypes.CDLL:
+    return qm.variant(isa, default_cache_dir())
+
+
+def quantized(rows: int, cols: int, qtype: QuantType, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random [rows, cols] weights in `qtype` blocks (gguf's own quantizer) and gguf's dequantization."""
+    values = np.random.default_rng(seed).standard_normal((rows, cols), dtype=np.float32)
+    values[:, :32] *= 1e-6  # small blocks: scales and minimums far apart in exponent
+    data = gguf.quants.quantize(values, gguf.GGMLQuantizationType(qtype)).view(np.uint8).reshape(rows, -1)
+    reference = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(qtype)).reshape(rows, cols)
+    return torch.from_numpy(data.copy()), torch.from_numpy(np.ascontiguousarray(reference, dtype=np.float32))
+
+
+def test_the_build_runs_the_path_it_was_built_for(isa, lib):
+    want = {"avx2": 256, "scalar": 0}.get(isa)
+    if want is None:
+        want = 512 if "avx512f" in open("/proc/cpuinfo").read() else 256
+    assert qm.isa(lib) == want
+
+
+@pytest.mark.parametrize("qtype", list(QuantType))
+def test_dequantize_is_gguf_bit_for_bit(lib, qtype):
+    blocks, reference = quantized(13, 96, qtype, seed=int(qtype))
+    assert torch.equal(qm.dequantize(blocks, qtype, 96, lib), reference)
+
+
+@pytest.mark.parametrize("qtype", list(QuantType))
+@pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 37, 96), (2, 5, 64), (3, 17, 576), (4, 8, 32), (5, 3, 160),
+                                     (9, 4, 96), (33, 19, 64), (70, 6, 32)])
+def test_matmul_is_a_float32_matmul_over_the_dequantized_weights(lib, qtype, m, n, k):
+    blocks, weight = quantized(n, k, qtype, seed=m * n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    want = (x.double() @ weight.double().T).float()
+    got = qm.matmul(x, blocks, qtype, k, lib)
+    assert got.shape == (m, n)
+    # float32 sums of k products in another order than float64's: well under 1e-5 relative here.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+def test_matmul_reads_x_rows_at_their_stride(lib):
+    blocks, weight = quantized(6, 64, QuantType.Q4_1, seed=1)
+    wide = torch.randn(5, 100)
+    x = wide[:, 10:74]  # rows 100 floats apart
+    torch.testing.assert_close(qm.matmul(x, blocks, QuantType.Q4_1, 64, lib), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 300])
+def test_linear_either_path_equals_f_linear_with_bias(lib, rows):
+    blocks, weight = quantized(24, 128, QuantType.Q8_0, seed=rows)
+    x, bias = torch.randn(rows, 128), torch.randn(24)
+    got = qm.linear(x.reshape(1, rows, 128), blocks, QuantType.Q8_0, 128, bias, lib)
+    assert got.shape == (1, rows, 24)
+    torch.testing.assert_close(got[0], F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_the_portable_build_leaves_every_row_count_to_torch_gemm(lib):
+    # Where the tiles are slower than dequantize + GEMM (docs/benchmarks.md), linear never takes them.
+    assert qm.gemm_rows(lib) == {0: 1, 256: 64, 512: 256}[qm.isa(lib)]
+
+
+def test_bad_inputs_are_refused_with_a_reason(lib):
+    blocks, _ = quantized(4, 64, QuantType.Q4_1, seed=0)
+    with pytest.raises(ValueError, match="not a whole number"):
+        qm.row_bytes(QuantType.Q4_1, 48)
+    with pytest.raises(ValueError, match="do not hold"):
+        qm.matmul(torch.randn(1, 96), blocks, QuantType.Q4_1, 96, lib)
+    with pytest.raises(ValueError, match="float32"):
+        qm.matmul(torch.randn(1, 64, dtype=torch.float64), blocks, QuantType.Q4_1, 64, lib)
+    with pytest.raises(ValueError, match="uint8"):
+        qm.dequantize(blocks.view(torch.int8), QuantType.Q4_1, 64, lib)

@@ -33,18 +33,6 @@ _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_flo
 _NAME = "fused_ops"
 
 
-def build(cache_dir: Path) -> None:
-    """Compile (or find the cached build of) the ops under `cache_dir` for this CPU, to serve; raises
-    NativeKernelUnavailable."""
-    _declare(native.build(_NAME, (*_BASE_FLAGS, *native.ISA_FLAGS["native"]), cache_dir))
-
-
-def variant(isa: str, cache_dir: Path) -> ctypes.CDLL:
-    """The ops compiled for `isa` (a key of native.ISA_FLAGS), beside the served ones: pass it as
-    `lib` (the last argument of each op) to run that code path."""
-    return _declare(native.load(_NAME, (*_BASE_FLAGS, *native.ISA_FLAGS[isa]), cache_dir))
-
-
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     signatures = {
         "kv_write": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64],
@@ -56,6 +44,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, argtypes
     return lib
+
+
+# The served build (`build(cache_dir)`) and the other instruction sets' (`variant(isa, cache_dir)`).
+_KERNEL = native.Kernel(_NAME, _BASE_FLAGS, _declare)
+build, variant = _KERNEL.build, _KERNEL.variant
 
 
 def _library() -> ctypes.CDLL:

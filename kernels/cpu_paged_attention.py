@@ -25,18 +25,6 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _NAME = "paged_decode_attention"
 
 
-def build(cache_dir: Path) -> None:
-    """Compile (or find the cached build of) the kernel under `cache_dir` for this CPU, to serve;
-    raises NativeKernelUnavailable."""
-    _declare(native.build(_NAME, (*_BASE_FLAGS, *native.ISA_FLAGS["native"]), cache_dir))
-
-
-def variant(isa: str, cache_dir: Path) -> ctypes.CDLL:
-    """The kernel compiled for `isa` (a key of native.ISA_FLAGS), beside the served one: pass it as
-    `lib` to run that code path."""
-    return _declare(native.load(_NAME, (*_BASE_FLAGS, *native.ISA_FLAGS[isa]), cache_dir))
-
-
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vector_width.restype, lib.vector_width.argtypes = ctypes.c_int, []
     fn = lib.paged_decode_attention
@@ -45,6 +33,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                                                 ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                                                                 ctypes.c_int]
     return lib
+
+
+# The served build (`build(cache_dir)`) and the other instruction sets' (`variant(isa, cache_dir)`).
+_KERNEL = native.Kernel(_NAME, _BASE_FLAGS, _declare)
+build, variant = _KERNEL.build, _KERNEL.variant
 
 
 def vector_width(lib: ctypes.CDLL | None = None) -> int:

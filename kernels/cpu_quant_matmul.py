@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import functools
 from enum import IntEnum
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -56,18 +55,6 @@ def row_bytes(qtype: QuantType, k: int) -> int:
     return k // BLOCK * BLOCK_BYTES[qtype]
 
 
-def build(cache_dir: Path) -> None:
-    """Compile (or find the cached build of) the kernel for this CPU under `cache_dir`, to serve;
-    raises NativeKernelUnavailable."""
-    _declare(native.build(_NAME, (*_BASE_FLAGS, *native.ISA_FLAGS["native"]), cache_dir))
-
-
-def variant(isa: str, cache_dir: Path) -> ctypes.CDLL:
-    """The kernel compiled for `isa` (a key of native.ISA_FLAGS), beside the served one: pass it as
-    `lib` to run that code path."""
-    return _declare(native.load(_NAME, (*_BASE_FLAGS, *native.ISA_FLAGS[isa]), cache_dir))
-
-
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     signatures = {
         "quant_matmul": (None, [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _INT, _INT]),
@@ -81,6 +68,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for qtype, size in BLOCK_BYTES.items():
         assert lib.quant_block_bytes(qtype) == size, f"{qtype.name} blocks disagree with quant_matmul.c"
     return lib
+
+
+# The served build (`build(cache_dir)`) and the other instruction sets' (`variant(isa, cache_dir)`).
+_KERNEL = native.Kernel(_NAME, _BASE_FLAGS, _declare)
+build, variant = _KERNEL.build, _KERNEL.variant
 
 
 def is_built() -> bool:

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 SOURCES = Path(__file__).parent / "cpu"
@@ -70,6 +71,26 @@ def build(name: str, flags: tuple[str, ...], cache_dir: Path) -> ctypes.CDLL:
     if name not in _libraries:
         _libraries[name] = load(name, flags, cache_dir)
     return _libraries[name]
+
+
+class Kernel:
+    """One C file under kernels/cpu/ as its Python module serves it: compiled with the module's flags
+    for this CPU (`build`, the served library) or for another instruction set (`variant`, for tests),
+    each library given its functions' signatures by `declare`."""
+
+    def __init__(self, name: str, base_flags: tuple[str, ...],
+                 declare: Callable[[ctypes.CDLL], ctypes.CDLL]) -> None:
+        self.name, self.base_flags, self.declare = name, base_flags, declare
+
+    def build(self, cache_dir: Path) -> None:
+        """Compile (or find the cached build of) the kernel under `cache_dir` for this CPU, to serve;
+        raises NativeKernelUnavailable."""
+        self.declare(build(self.name, (*self.base_flags, *ISA_FLAGS["native"]), cache_dir))
+
+    def variant(self, isa: str, cache_dir: Path) -> ctypes.CDLL:
+        """The kernel compiled for `isa` (a key of ISA_FLAGS), beside the served one: pass it as `lib`
+        to run that code path."""
+        return self.declare(load(self.name, (*self.base_flags, *ISA_FLAGS[isa]), cache_dir))
 
 
 def load(name: str, flags: tuple[str, ...], cache_dir: Path) -> ctypes.CDLL:

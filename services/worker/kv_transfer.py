@@ -28,6 +28,7 @@ from __future__ import annotations
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import NamedTuple
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 RECEIVER_RANK, SENDER_RANK = 0, 1
+READY_POLL_S = 0.002  # how often a sender checks that its receiver is ready (a store round trip)
 
 
 class KVTransferError(ConnectionError):
@@ -147,10 +149,13 @@ class KVTransferEndpoint:
         """Send blocks `block_ids` to `peer` (its receive with the same tag); the bytes sent."""
         blocks = gather_blocks(kv_caches, block_ids)
         try:
+            # Wait for the receiver outside the pair's lock: it may be rendezvousing for another
+            # transfer first, whose send must be able to take the lock meanwhile (or both wait out
+            # the timeout: the two sides would hold the pair for different transfers).
+            store = self._peer_store(peer)
+            self._wait_ready(store, f"ready/{tag}")
+            gen = int(store.get(f"ready/{tag}"))
             with self._pair_lock("send", peer):
-                store = self._peer_store(peer)
-                store.wait([f"ready/{tag}"], self.timeout)
-                gen = int(store.get(f"ready/{tag}"))
                 pair = self._sending.get(peer)
                 if pair is None or pair.gen != gen:
                     self._forget_predecessors(self._sending, peer)
@@ -164,6 +169,15 @@ class KVTransferEndpoint:
                 self._peer_stores.pop(peer, None)
             raise KVTransferError(f"sending {len(block_ids)} KV blocks to {peer} failed: {exc}") from exc
         return blocks.numel() * blocks.element_size()
+
+    def _wait_ready(self, store: dist.TCPStore, key: str) -> None:
+        """Polls rather than `store.wait`: the peer's store client is shared by this worker's
+        transfers to it, and a blocking wait would hold its one connection from the others."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not store.check([key]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the receiver was not ready for {key} within {self.timeout.total_seconds():g} s")
+            time.sleep(READY_POLL_S)
 
     def _peer_store(self, peer: str) -> dist.TCPStore:
         with self._lock:

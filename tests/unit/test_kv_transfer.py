@@ -67,3 +67,25 @@ def test_a_restarted_peer_replaces_its_predecessors_group():
     transfer(second, d, src, dst, [1], [0], tag=2)
     assert torch.equal(dst[0][:, 0], src[0][:, 1])
     assert d.num_groups == 1
+
+
+def test_two_first_transfers_in_opposite_orders_on_each_side_both_arrive():
+    """Two transfers over a new pair at once, the receiver starting one first and the sender the
+    other: neither side may hold the pair while it waits for a transfer the other side is not at."""
+    p, d = KVTransferEndpoint("127.0.0.1:0", CPU, 3.0), KVTransferEndpoint("127.0.0.1:0", CPU, 3.0)
+    src, dst = caches(4, seed=2), caches(4, seed=None)
+    received: dict[int, int] = {}
+    sent: dict[int, int] = {}
+    receive_a = threading.Thread(target=lambda: received.__setitem__(1, d.receive(p.endpoint_id, 1, dst, [0])))
+    receive_a.start()
+    send_b = threading.Thread(target=lambda: sent.__setitem__(2, p.send(d.endpoint_id, 2, src, [3])))
+    send_b.start()  # the sender is at B while the receiver rendezvouses for A
+    threading.Event().wait(0.2)
+    receive_b = threading.Thread(target=lambda: received.__setitem__(2, d.receive(p.endpoint_id, 2, dst, [1])))
+    receive_b.start()
+    sent[1] = p.send(d.endpoint_id, 1, src, [2])
+    for thread in (receive_a, send_b, receive_b):
+        thread.join(10)
+    assert received == sent and set(sent) == {1, 2}
+    assert torch.equal(dst[0][:, 0], src[0][:, 2]) and torch.equal(dst[0][:, 1], src[0][:, 3])
+    assert p.num_groups == d.num_groups == 1

@@ -5,6 +5,8 @@ float32's 4) and are dequantized exactly, a panel at a time, next to a float32 m
   matmul      the native tiles: each weight read and dequantized once per call (decode, small M)
   dequantize  the whole weight to float32 (for a large M, where torch's GEMM over it is faster)
   linear      either, by the number of rows (`GEMM_ROWS`, per build), plus an optional bias
+  pack        Q4_1 blocks repacked for the kernel (a vector's lanes are 16 output rows); the
+              `*_packed` functions and `linear(..., packed=True)` compute with them: the layers' path
 
 The activations are float32 and stay so (llama.cpp's own Q4_1 path quantizes them to 8 bits; this
 one does not): the result is a float32 matmul over the dequantized weights up to the order of the
@@ -61,6 +63,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "quant_dequantize": (None, [_P, _P, _I64, _I64, _I64, _INT, _INT]),
         "quant_block_bytes": (_I64, [_INT]),
         "quant_matmul_isa": (_INT, []),
+        "quant_packed_bytes": (_I64, [_I64, _I64]),
+        "quant_pack_q4_1": (None, [_P, _P, _I64, _I64, _I64]),
+        "quant_matmul_packed": (None, [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT]),
+        "quant_dequantize_packed": (None, [_P, _P, _I64, _I64, _INT]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -105,8 +111,7 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int,
            lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x: [M, k] float32 with unit-stride rows; blocks: [N, row_bytes] -> a new [M, N] float32."""
     _check_weight(blocks, qtype, k)
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-        raise ValueError(f"x must be [M, {k}] float32 with unit-stride rows, got {x.dtype} {tuple(x.shape)}")
+    _check_x(x, k)
     m, n = x.shape[0], blocks.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     if m and n:
@@ -126,16 +131,73 @@ def dequantize(blocks: torch.Tensor, qtype: QuantType, k: int, lib: ctypes.CDLL 
     return out
 
 
+def _check_x(x: torch.Tensor, k: int) -> None:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"x must be [M, {k}] float32 with unit-stride rows, got {x.dtype} {tuple(x.shape)}")
+
+
+# ------------------------------------------------------------------ packed Q4_1 (the layers' weights)
+
+PACKABLE = (QuantType.Q4_1,)
+
+
+def pack(blocks: torch.Tensor, qtype: QuantType, k: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """[N, row_bytes] Q4_1 blocks -> the same weights in the kernel's panel layout (quant_matmul.c,
+    "packed Q4_1"): a 1-D uint8 tensor of about the same size (rows padded to a multiple of 32)."""
+    if qtype not in PACKABLE:
+        raise ValueError(f"{qtype.name} blocks are not packed; only {', '.join(t.name for t in PACKABLE)}")
+    _check_weight(blocks, qtype, k)
+    lib = lib or native.library(_NAME)
+    out = torch.empty(lib.quant_packed_bytes(blocks.shape[0], k), dtype=torch.uint8)
+    lib.quant_pack_q4_1(out.data_ptr(), blocks.data_ptr(), blocks.shape[1], blocks.shape[0], k)
+    return out
+
+
+def _check_packed(packed: torch.Tensor, n: int, k: int, lib: ctypes.CDLL) -> None:
+    if k % BLOCK:
+        raise ValueError(f"a row of {k} weights is not a whole number of {BLOCK}-weight blocks")
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or not packed.is_contiguous() or packed.device.type != "cpu" \
+            or packed.numel() != lib.quant_packed_bytes(n, k):
+        raise ValueError(f"not a packed [{n}, {k}] weight: {packed.dtype} {tuple(packed.shape)}")
+
+
+def matmul_packed(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x: [M, k] float32 with unit-stride rows; packed: `pack`'s [n, k] weight -> a new [M, n] float32."""
+    lib = lib or native.library(_NAME)
+    _check_packed(packed, n, k, lib)
+    _check_x(x, k)
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m and n:
+        lib.quant_matmul_packed(y.data_ptr(), n, x.data_ptr(), x.stride(0), packed.data_ptr(), m, n, k,
+                                _threads(m * n * k))
+    return y
+
+
+def dequantize_packed(packed: torch.Tensor, n: int, k: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """`pack`'s [n, k] weight -> a new [n, k] float32 tensor, bit for bit `dequantize` of its blocks."""
+    lib = lib or native.library(_NAME)
+    _check_packed(packed, n, k, lib)
+    out = torch.empty(n, k, dtype=torch.float32)
+    if n:
+        lib.quant_dequantize_packed(out.data_ptr(), packed.data_ptr(), n, k, _threads(out.numel()))
+    return out
+
+
 def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int, bias: torch.Tensor | None = None,
-           lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """F.linear(x, W, bias) for W in blocks: x [..., k] float32 -> [..., N] float32."""
+           lib: ctypes.CDLL | None = None, n: int | None = None) -> torch.Tensor:
+    """F.linear(x, W, bias) for W in blocks: x [..., k] float32 -> [..., N] float32. With `n`, `blocks`
+    is `pack`'s [n, k] weight."""
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    packed = n is not None
+    n = n if packed else blocks.shape[0]
     if rows.shape[0] >= gemm_rows(lib):
-        y = F.linear(rows, dequantize(blocks, qtype, k, lib), bias)
+        weight = dequantize_packed(blocks, n, k, lib) if packed else dequantize(blocks, qtype, k, lib)
+        y = F.linear(rows, weight, bias)
     else:
-        y = matmul(rows, blocks, qtype, k, lib)
+        y = matmul_packed(rows, blocks, n, k, lib) if packed else matmul(rows, blocks, qtype, k, lib)
         if bias is not None:
             y += bias
-    return y.reshape(*x.shape[:-1], blocks.shape[0])
+    return y.reshape(*x.shape[:-1], n)

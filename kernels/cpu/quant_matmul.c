@@ -323,3 +323,219 @@ void quant_dequantize(float *out, const uint8_t *w, int64_t row_bytes, int64_t N
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++) dequantize_row(out + n * K, w + n * row_bytes, K, type);
 }
+
+/* ------------------------------------------------------------------------------ packed Q4_1
+ *
+ * The layers' Q4_1 weights repacked at load so that a vector's lanes are output rows, not weights
+ * of one row (llama.cpp repacks its weights for the same reason). A panel is PANEL = 16 rows; for
+ * each block b of 32 columns it holds 320 bytes, the same as its 16 rows' file blocks:
+ *
+ *   16 f16 d (row r at r) | 16 f16 m | 16 groups j < 16 of 16 bytes: byte r = the file's qs[j] of row r
+ *
+ * so a group's byte r carries row r's weights j (low nibble) and j + 16 (high nibble). One vector
+ * then dequantizes the weight at column 32b + j of 16 (or 8) rows with one FMA, exactly as in
+ * file order (d * q + m rounded once), and every x value is one broadcast: no horizontal sums, no
+ * shuffles within a row, and the nibble-to-float step is one table lookup (vpermps) on AVX-512.
+ * Panels are padded to a whole number of GROUP_ROWS rows with zero rows (d = m = 0).
+ *
+ * Each output row sums its products in one fixed order, whatever M and whichever path: columns
+ * 32b + j (j < 16) into one accumulator, 32b + j + 16 into another, for b and j ascending, then
+ * the two added. So a request's logits do not depend on the batch it is in. */
+
+#define PANEL 16
+#define PANEL_BLOCK_BYTES (PANEL * 20)
+#define GROUP_VECS 2                       /* vectors of rows a group computes at once */
+#define GROUP_ROWS (GROUP_VECS * VL)       /* 32 rows (AVX-512), 16 (AVX2, portable) */
+#define PMR 4                              /* rows of x per register tile */
+
+#define PACK_ROWS 32 /* every build pads to the widest group, so one packing serves them all */
+int64_t quant_packed_rows(int64_t n) { return (n + PACK_ROWS - 1) / PACK_ROWS * PACK_ROWS; }
+
+int64_t quant_packed_bytes(int64_t n, int64_t k) { return quant_packed_rows(n) / PANEL * (k / QK) * PANEL_BLOCK_BYTES; }
+
+/* src: N rows of Q4_1 blocks (row_bytes apart) -> dst: quant_packed_bytes(N, K) bytes. */
+void quant_pack_q4_1(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t N, int64_t K) {
+    const int64_t nb = K / QK, panels = quant_packed_rows(N) / PANEL;
+    memset(dst, 0, (size_t)quant_packed_bytes(N, K));
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *out = dst + (p * nb + b) * PANEL_BLOCK_BYTES;
+            for (int r = 0; r < PANEL && p * PANEL + r < N; r++) {
+                const uint8_t *blk = src + (p * PANEL + r) * row_bytes + b * 20;
+                memcpy(out + 2 * r, blk, 2);
+                memcpy(out + 32 + 2 * r, blk + 2, 2);
+                for (int j = 0; j < 16; j++) out[64 + 16 * j + r] = blk[4 + j];
+            }
+        }
+}
+
+/* Where the group's vector u (rows GROUP_ROWS * g + VL * u ..) reads block b: its d at D(), its m
+ * at M(), its bytes of group j at Q(j); a vector covers lanes `off` .. off + VL of a panel. */
+typedef struct { const uint8_t *panel; int off; } unit_ptr;
+static inline unit_ptr unit_at(const uint8_t *packed, int64_t nb, int64_t g, int u, int64_t b) {
+    const int64_t row0 = g * GROUP_ROWS + (int64_t)u * VL;
+    unit_ptr p = {packed + ((row0 / PANEL) * nb + b) * PANEL_BLOCK_BYTES, (int)(row0 % PANEL)};
+    return p;
+}
+#define UNIT_D(p) ((p).panel + 2 * (p).off)
+#define UNIT_M(p) ((p).panel + 32 + 2 * (p).off)
+#define UNIT_Q(p, j) ((p).panel + 64 + 16 * (j) + (p).off)
+
+#if ISA == 512
+static inline vec load_f16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+/* lanes' weights at columns j and j + 16 from the VL bytes at p */
+static inline void unit_weights(vec *lo, vec *hi, const uint8_t *p, vec d, vec m) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(bytes, iota), d, m); /* vpermps reads the low 4 bits */
+    *hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), iota), d, m);
+}
+static inline vec VBCAST(const float *p) { return _mm512_set1_ps(*p); }
+static inline vec VADD(vec a, vec b) { return _mm512_add_ps(a, b); }
+#elif ISA == 256
+static inline vec load_f16(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline void unit_weights(vec *lo, vec *hi, const uint8_t *p, vec d, vec m) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15))), d, m);
+    *hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), d, m);
+}
+static inline vec VBCAST(const float *p) { return _mm256_set1_ps(*p); }
+static inline vec VADD(vec a, vec b) { return _mm256_add_ps(a, b); }
+#else
+static inline vec load_f16(const uint8_t *p) {
+    vec r;
+    for (int i = 0; i < VL; i++) r.v[i] = f16_to_f32(read_u16(p + 2 * i));
+    return r;
+}
+static inline void unit_weights(vec *lo, vec *hi, const uint8_t *p, vec d, vec m) {
+    for (int i = 0; i < VL; i++) {
+        lo->v[i] = d.v[i] * (float)(p[i] & 15) + m.v[i];
+        hi->v[i] = d.v[i] * (float)(p[i] >> 4) + m.v[i];
+    }
+}
+static inline vec VBCAST(const float *p) { vec r; for (int i = 0; i < VL; i++) r.v[i] = *p; return r; }
+static inline vec VADD(vec a, vec b) { for (int i = 0; i < VL; i++) a.v[i] += b.v[i]; return a; }
+#endif
+
+/* Rows GROUP_ROWS * g .. of y for mr (<= PMR) rows of x, dequantizing in registers (small M). */
+static inline __attribute__((always_inline)) void packed_tile_direct(
+    float out[PMR][GROUP_ROWS], const float *x, int64_t ldx, const uint8_t *packed, int64_t nb, int64_t g, const int mr)
+{
+    vec lo_acc[PMR][GROUP_VECS], hi_acc[PMR][GROUP_VECS];
+    for (int r = 0; r < mr; r++)
+        for (int u = 0; u < GROUP_VECS; u++) lo_acc[r][u] = hi_acc[r][u] = VZERO();
+    for (int64_t b = 0; b < nb; b++) {
+        unit_ptr at[GROUP_VECS];
+        vec d[GROUP_VECS], m[GROUP_VECS];
+        for (int u = 0; u < GROUP_VECS; u++) {
+            at[u] = unit_at(packed, nb, g, u, b);
+            d[u] = load_f16(UNIT_D(at[u]));
+            m[u] = load_f16(UNIT_M(at[u]));
+        }
+        const float *xb = x + b * QK;
+        for (int j = 0; j < 16; j++)
+            for (int u = 0; u < GROUP_VECS; u++) {
+                vec lo, hi;
+                unit_weights(&lo, &hi, UNIT_Q(at[u], j), d[u], m[u]);
+                for (int r = 0; r < mr; r++) {
+                    lo_acc[r][u] = VFMA(VBCAST(xb + r * ldx + j), lo, lo_acc[r][u]);
+                    hi_acc[r][u] = VFMA(VBCAST(xb + r * ldx + j + 16), hi, hi_acc[r][u]);
+                }
+            }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int u = 0; u < GROUP_VECS; u++) vstore(out[r] + u * VL, VADD(lo_acc[r][u], hi_acc[r][u]));
+}
+
+/* The group's weights as float32, column-major: buf[k][GROUP_ROWS] (for M > PMR: once per group). */
+static void packed_group_dequantize(float *buf, const uint8_t *packed, int64_t nb, int64_t g) {
+    for (int64_t b = 0; b < nb; b++)
+        for (int u = 0; u < GROUP_VECS; u++) {
+            const unit_ptr at = unit_at(packed, nb, g, u, b);
+            const vec d = load_f16(UNIT_D(at)), m = load_f16(UNIT_M(at));
+            for (int j = 0; j < 16; j++) {
+                vec lo, hi;
+                unit_weights(&lo, &hi, UNIT_Q(at, j), d, m);
+                vstore(buf + (b * QK + j) * GROUP_ROWS + u * VL, lo);
+                vstore(buf + (b * QK + j + 16) * GROUP_ROWS + u * VL, hi);
+            }
+        }
+}
+
+/* The same sums as packed_tile_direct, over the group's dequantized weights in buf. */
+static inline __attribute__((always_inline)) void packed_tile_buffered(
+    float out[PMR][GROUP_ROWS], const float *x, int64_t ldx, const float *buf, int64_t nb, const int mr)
+{
+    vec lo_acc[PMR][GROUP_VECS], hi_acc[PMR][GROUP_VECS];
+    for (int r = 0; r < mr; r++)
+        for (int u = 0; u < GROUP_VECS; u++) lo_acc[r][u] = hi_acc[r][u] = VZERO();
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * QK, *wb = buf + b * QK * GROUP_ROWS;
+        for (int j = 0; j < 16; j++)
+            for (int u = 0; u < GROUP_VECS; u++) {
+                const vec lo = VLOAD(wb + j * GROUP_ROWS + u * VL), hi = VLOAD(wb + (j + 16) * GROUP_ROWS + u * VL);
+                for (int r = 0; r < mr; r++) {
+                    lo_acc[r][u] = VFMA(VBCAST(xb + r * ldx + j), lo, lo_acc[r][u]);
+                    hi_acc[r][u] = VFMA(VBCAST(xb + r * ldx + j + 16), hi, hi_acc[r][u]);
+                }
+            }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int u = 0; u < GROUP_VECS; u++) vstore(out[r] + u * VL, VADD(lo_acc[r][u], hi_acc[r][u]));
+}
+
+#define PACKED_MR(fn, ...) \
+    switch (mr) { \
+    case 4: fn(__VA_ARGS__, 4); break; \
+    case 3: fn(__VA_ARGS__, 3); break; \
+    case 2: fn(__VA_ARGS__, 2); break; \
+    default: fn(__VA_ARGS__, 1); break; \
+    }
+
+/* y[m][n] = sum_k x[m][k] * W[n][k], W packed by quant_pack_q4_1 (N rows, K columns). Threads split
+ * the groups of GROUP_ROWS rows. */
+void quant_matmul_packed(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *packed,
+                         int64_t M, int64_t N, int64_t K, int num_threads)
+{
+    const int64_t nb = K / QK, groups = (N + GROUP_ROWS - 1) / GROUP_ROWS; /* of the packing's padding, only what N needs */
+    if (num_threads > groups) num_threads = (int)groups;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        float *buf = M > PMR ? aligned_alloc(64, sizeof(float) * GROUP_ROWS * K) : NULL;
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t n0 = g * GROUP_ROWS;
+            const int nr = N - n0 < GROUP_ROWS ? (int)(N - n0) : GROUP_ROWS;
+            if (M > PMR) packed_group_dequantize(buf, packed, nb, g);
+            for (int64_t m0 = 0; m0 < M; m0 += PMR) {
+                const int mr = M - m0 < PMR ? (int)(M - m0) : PMR;
+                float out[PMR][GROUP_ROWS] __attribute__((aligned(64)));
+                if (M > PMR) {
+                    PACKED_MR(packed_tile_buffered, out, x + m0 * ldx, ldx, buf, nb);
+                } else {
+                    PACKED_MR(packed_tile_direct, out, x + m0 * ldx, ldx, packed, nb, g);
+                }
+                for (int r = 0; r < mr; r++) memcpy(y + (m0 + r) * ldy + n0, out[r], sizeof(float) * nr);
+            }
+        }
+        free(buf);
+    }
+}
+
+/* out[n][k] = W[n][k] as float32 (rows K floats apart) from the packed weight: for large M. */
+void quant_dequantize_packed(float *out, const uint8_t *packed, int64_t N, int64_t K, int num_threads) {
+    const int64_t nb = K / QK, groups = (N + GROUP_ROWS - 1) / GROUP_ROWS; /* of the packing's padding, only what N needs */
+    if (num_threads > groups) num_threads = (int)groups;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        float *buf = aligned_alloc(64, sizeof(float) * GROUP_ROWS * K);
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            packed_group_dequantize(buf, packed, nb, g);
+            const int64_t n0 = g * GROUP_ROWS;
+            for (int64_t n = n0; n < N && n < n0 + GROUP_ROWS; n++)
+                for (int64_t k = 0; k < K; k++) out[n * K + k] = buf[k * GROUP_ROWS + (n - n0)];
+        }
+        free(buf);
+    }
+}

@@ -89,3 +89,53 @@ def test_bad_inputs_are_refused_with_a_reason(lib):
         qm.matmul(torch.randn(1, 64, dtype=torch.float64), blocks, QuantType.Q4_1, 64, lib)
     with pytest.raises(ValueError, match="uint8"):
         qm.dequantize(blocks.view(torch.int8), QuantType.Q4_1, 64, lib)
+
+
+# ------------------------------------------------------------------ packed Q4_1 (the layers' path)
+
+
+@pytest.mark.parametrize("n, k", [(1, 32), (17, 96), (32, 64), (45, 576), (100, 160)])
+def test_packed_weights_dequantize_to_gguf_bit_for_bit(lib, n, k):
+    blocks, reference = quantized(n, k, QuantType.Q4_1, seed=n + k)
+    assert torch.equal(qm.dequantize_packed(qm.pack(blocks, QuantType.Q4_1, k, lib), n, k, lib), reference)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 37, 96), (2, 5, 64), (3, 17, 576), (4, 33, 32), (5, 3, 160),
+                                     (9, 40, 96), (33, 19, 64), (70, 6, 32)])
+def test_packed_matmul_is_a_float32_matmul_over_the_dequantized_weights(lib, m, n, k):
+    blocks, weight = quantized(n, k, QuantType.Q4_1, seed=m * n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    got = qm.matmul_packed(x, qm.pack(blocks, QuantType.Q4_1, k, lib), n, k, lib)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, (x.double() @ weight.double().T).float(), rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+@pytest.mark.parametrize("m", [2, 4, 5, 11])
+def test_a_packed_row_sums_alike_whatever_the_batch(lib, m):
+    # Up to four rows dequantize in registers, more through a buffer: the same sum order either way,
+    # so a request's logits do not depend on the requests beside it.
+    blocks, _ = quantized(50, 96, QuantType.Q4_1, seed=m)
+    packed = qm.pack(blocks, QuantType.Q4_1, 96, lib)
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+    batch = qm.matmul_packed(x, packed, 50, 96, lib)
+    for i in range(m):
+        assert torch.equal(qm.matmul_packed(x[i : i + 1], packed, 50, 96, lib)[0], batch[i])
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_packed_linear_either_path_equals_f_linear_with_bias(lib, rows):
+    blocks, weight = quantized(40, 128, QuantType.Q4_1, seed=rows)
+    x, bias = torch.randn(rows, 128), torch.randn(40)
+    packed = qm.pack(blocks, QuantType.Q4_1, 128, lib)
+    got = qm.linear(x.reshape(1, rows, 128), packed, QuantType.Q4_1, 128, bias, lib, n=40)
+    assert got.shape == (1, rows, 40)
+    torch.testing.assert_close(got[0], F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_only_q4_1_is_packed_and_a_packed_weight_must_fit_its_shape(lib):
+    blocks, _ = quantized(8, 64, QuantType.Q8_0, seed=0)
+    with pytest.raises(ValueError, match="Q8_0 blocks are not packed"):
+        qm.pack(blocks, QuantType.Q8_0, 64, lib)
+    packed = qm.pack(quantized(8, 64, QuantType.Q4_1, seed=0)[0], QuantType.Q4_1, 64, lib)
+    with pytest.raises(ValueError, match="not a packed"):
+        qm.matmul_packed(torch.randn(1, 64), packed, 40, 64, lib)  # 40 rows pad to 64: more bytes than 8's

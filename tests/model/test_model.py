@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 
-from kernels import cpu_fused_ops, cpu_quant_matmul
+from kernels import cpu_fused_ops
 from services.common.config import ModelConfig, default_cache_dir
 from services.worker import loader
 from services.worker.attention import AttentionMetadata
@@ -136,7 +136,7 @@ def test_smollm2_in_gguf_blocks_holds_the_folders_weights_and_matches_transforme
     assert {w.qtype.name for w in kept.values()} == {"Q4_1", "Q8_0"}
     floats = dict(model.named_modules())
     for name, weight in kept.items():  # q and k rows un-permuted as transformers does: bit for bit
-        assert torch.equal(cpu_quant_matmul.dequantize(weight.blocks, weight.qtype, weight.cols), floats[name].weight)
+        assert torch.equal(weight.dequantize(), floats[name].weight)
     prompt = AutoTokenizer.from_pretrained(model_path)("The capital of France is a city")["input_ids"][:7]
     check_prefill_then_decode(quantized, hf_model, config, [prompt], [[3]], SMOLLM2_ATOL)
 

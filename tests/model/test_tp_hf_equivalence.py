@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from kernels import cpu_quant_matmul
 from services.common.config import (CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, WorkerConfig,
                                     default_cache_dir)
 from services.common.engine_output import EngineCoreRequest
@@ -244,7 +243,7 @@ def _compare_rank_blocks(rank: int, size: int, address: str, model_path: str, re
     blocks, _ = load_model(Path(model_path), torch.float32, cpu, tp, weights)
     floats = dict(load_model(Path(model_path), torch.float32, cpu, tp)[0].named_modules())
     kept = [(name, m.block_weight) for name, m in blocks.named_modules() if getattr(m, "block_weight", None)]
-    results[rank] = (len(kept), all(torch.equal(cpu_quant_matmul.dequantize(w.blocks, w.qtype, w.cols),
+    results[rank] = (len(kept), all(torch.equal(w.dequantize(),
                                                 floats[name].weight) for name, w in kept))
     tp.close()
 

@@ -91,7 +91,7 @@ class MergedLinear(nn.Linear, BlockWeightHolder):
         if param is self.weight and len(self._weight_shards) == len(self.shards):
             blocks = [(self.shard_offsets[s][0], b) for s, b in self._weight_shards.items() if b is not None]
             blocks.sort(key=lambda part: part[0])
-            self.keep_blocks(blocks, whole=len(blocks) == len(self.shards))
+            self.keep_blocks(blocks, whole=len(blocks) == len(self.shards), pack=True)
 
 
 class RowParallelLinear(nn.Linear, BlockWeightHolder):
@@ -120,6 +120,6 @@ class RowParallelLinear(nn.Linear, BlockWeightHolder):
         full_shape, cols = (self.out_features, self.in_total), slice(self.col_start, self.col_start + self.in_features)
         if isinstance(source, GGUFBlocks) and source.splits_columns_at(cols.start, cols.stop):
             check_shape(source, name, full_shape)
-            self.keep_blocks([(0, source[:, cols])], whole=True)
+            self.keep_blocks([(0, source[:, cols])], whole=True, pack=True)
         else:
             copy_checked(param.data, source, name, full_shape, (slice(None), cols))

@@ -34,9 +34,11 @@ _NAME = "quant_matmul"
 # up with torch's GEMM to ~512 rows, AVX2 ones to ~64; the portable C ones never do.
 GEMM_ROWS = {512: 256, 256: 64, 0: 1}
 # Below this many multiply-adds (or weights dequantized) a call stays on one thread: waking a second
-# OpenMP thread costs more than it saves. A decode step of one sequence ran its layers' matmuls (up to
-# 0.9 M multiply-adds, ~35 µs) in 7.0 ms on one thread against 9.6 ms on two (docs/benchmarks.md).
-_PARALLEL_WORK = 1 << 22
+# OpenMP thread costs more than it saves. A decode step streams its weights from memory, at about one
+# core's bandwidth a thread, so two threads pay from a few hundred thousand multiply-adds up: one
+# sequence's decode step took 18.1 ms with every layer on one thread (the bound at 1 << 22, chosen on
+# a machine crowded with other jobs) and 15.2 ms on two, on a quiet 2-core Xeon (docs/benchmarks.md).
+_PARALLEL_WORK = 1 << 18
 
 
 class QuantType(IntEnum):

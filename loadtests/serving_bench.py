@@ -297,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="what ../shared/anchors/build-llama-server.sh built")
     group.add_argument("--llama-file-type", default="f16", choices=["f16", "f32", "bf16", "q8_0", "q4_1"])
     group.add_argument("--llama-slots", type=int, default=32)
+    group.add_argument("--llama-repack", default="on", choices=["on", "off"],
+                       help="llama.cpp's weight repacking (off where its AMX path dies: Xeon VMs here)")
     parser.add_argument("--json", type=Path, default=None, help="also write the summaries here")
     return parser
 
@@ -333,7 +335,7 @@ def report(args: argparse.Namespace, summaries: Sequence[Summary], unavailable: 
              f"{args.num_requests} requests per run; model {args.model}, {args.dtype} on {args.device}, "
              f"KV cache {args.kv_cache_memory / 2**30:g} GiB; server threads: {threads}"
              + (f"; llama-server: smollm2-{args.llama_file_type}.gguf, {args.llama_slots} slots of "
-                f"{LLAMA_SLOT_TOKENS} tokens, continuous batching" if "llama-server" in args.targets else "") + ".",
+                f"{LLAMA_SLOT_TOKENS} tokens, continuous batching, repack {args.llama_repack}" if "llama-server" in args.targets else "") + ".",
              table(summaries, unavailable)]
     parts += ["\n".join(block) for block in (ratios(summaries), anchor_ratios(summaries),
                                               notes(summaries, args.max_tokens)) if block]
@@ -351,7 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     config = ServerConfig(args.model, args.dtype, args.device, args.kv_cache_memory, args.max_num_seqs,
                           args.max_num_batched_tokens, args.startup_timeout, log_dir, args.threads,
-                          args.llama_server_dir, args.llama_file_type, args.llama_slots)
+                          args.llama_server_dir, args.llama_file_type, args.llama_slots,
+                          args.llama_repack == "on")
 
     load_before, started_at = os.getloadavg()[0], time.time()
     summaries: list[Summary] = []

@@ -6,7 +6,9 @@
     llama-server  llama.cpp's `llama-server` (the CPU anchor, issue 16), built by
                   ../shared/anchors/build-llama-server.sh into --llama-server-dir, serving the GGUF of
                   --llama-file-type (SmolLM2 requantised from the wheel's Q4_1) with --llama-slots
-                  slots of 2,048 tokens, continuous batching, --threads threads (default: every core)
+                  slots of 2,048 tokens, continuous batching, --threads threads (default: every core),
+                  its weight repacking as --llama-repack says (off: llama.cpp's AMX repack of Q4_1 /
+                  Q8_0 dies with SIGILL in this workplace's Xeon VMs; no other repack applies to Q4_1)
     url           a server already running at --url (not started, not stopped)
 
 Every started server gets the same model folder, dtype, device and KV cache size; kvmesh and
@@ -74,6 +76,7 @@ class ServerConfig:
     llama_server_dir: Path = DEFAULT_ANCHOR_DIR
     llama_file_type: str = "f16"  # models/smollm2-<this>.gguf: f16, f32, bf16, q8_0, q4_1
     llama_slots: int = 32
+    llama_repack: bool = True  # llama-server's --repack / --no-repack
 
 
 @contextmanager
@@ -133,7 +136,7 @@ def server_command(target: str, config: ServerConfig, port: int) -> list[str]:
         threads = str(config.threads or os.cpu_count() or 1)
         return [str(exe), "-m", str(gguf), "--host", LOOPBACK, "--port", str(port), "-t", threads, "-tb", threads,
                 "-np", str(config.llama_slots), "-cb", "-c", str(config.llama_slots * LLAMA_SLOT_TOKENS),
-                "--no-webui"]
+                "--no-webui", "--repack" if config.llama_repack else "--no-repack"]
     raise ValueError(f"unknown target {target!r}; choose from {TARGETS}")
 
 

@@ -51,10 +51,14 @@ DEFAULT_PORT = 50053
 DEFAULT_METRICS_PORT = 9053
 ENV_PREFIX = "KVMESH_WORKER"  # KVMESH_WORKER_PORT for --port, ...
 T = TypeVar("T")
-INLINE_STEP_TOKENS = 256  # see WorkerServicer
 TRANSFER_THREADS = 8  # KV transfers in flight at once (each waits on its peer)
 SERVICE_NAME = service_name(worker_pb2.DESCRIPTOR, "Worker")
 GROUP_FAILED_EXIT_STATUS = 1  # the tensor-parallel group broke: restart this worker (and its peers)
+
+
+def new_step_thread() -> ThreadPoolExecutor:
+    """The one thread a worker computes on (WorkerServicer)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
 
 
 class WorkerClaimedError(EngineDeadError):
@@ -63,12 +67,15 @@ class WorkerClaimedError(EngineDeadError):
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Converts proto <-> core and calls the in-process worker client. Decode steps (one token per
-    request, at most INLINE_STEP_TOKENS in all) run on the event loop itself: the hop to another
-    thread and back costs ~0.2 ms, a sixth of the whole step RPC on loopback, and such a step is
-    short. Steps with a prefill chunk (and cache set-up) run on one dedicated thread, so that
-    health checks — the engine's liveness checks during a step — are answered while a chunk is
-    computed, however long it takes. Steps never overlap either way: the engine sends one at a time.
+    """Converts proto <-> core and calls the in-process worker client. Every step and the cache set-up
+    run on one dedicated thread (`step_thread`, which `main` also loads the model on), so that health
+    checks — the engine's liveness checks during a step — are answered while a long prefill chunk is
+    computed, and so that one thread alone ever starts the process's OpenMP teams: each thread that
+    starts one keeps a team of its own, and with more OpenMP threads alive than cores libgomp stops
+    spinning between parallel regions, so every region of a step paid a wake-up. A decode step of one
+    sequence took 24 ms that way against 16 ms with one team (docs/benchmarks.md); decode steps used
+    to run on the event loop to save the hop (~0.2 ms), which made that second team. Steps never
+    overlap: the engine sends one at a time.
 
     Ownership: a worker serves one engine. Each engine session (a random id its GrpcWorkerClient
     sends with every call, SESSION_METADATA_KEY) must claim the worker with InitializeCache; each
@@ -89,13 +96,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self, worker: WorkerClient, metrics: WorkerMetrics | None = None,
                  owner_lease: float = WorkerConfig.owner_lease,
-                 on_group_failure: Callable[[], None] | None = None) -> None:
+                 on_group_failure: Callable[[], None] | None = None,
+                 step_thread: ThreadPoolExecutor | None = None) -> None:
         self.worker = worker
         self.on_group_failure = on_group_failure  # called once a collective has failed (GroupError)
         self.group_failed = False
         self.metrics = metrics
         self.owner_lease = owner_lease
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
+        self._thread = step_thread or new_step_thread()
         # KV transfers (issue 14) wait on their peer for up to their timeout: never on the step thread.
         self._transfers = ThreadPoolExecutor(max_workers=TRANSFER_THREADS, thread_name_prefix="kv-transfer")
         self._owner: str | None = None  # the engine session that claimed the worker
@@ -165,17 +173,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return convert.model_runner_output_to_proto(runner_output)
 
     async def _step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        num_tokens = scheduler_output.total_num_scheduled_tokens
-        if num_tokens <= INLINE_STEP_TOKENS and num_tokens == len(scheduler_output.num_scheduled_tokens):
-            runner_output = self._execute_model(scheduler_output)
-        else:
-            self._steps_in_flight += 1
-            try:
-                runner_output = await self._call(self._execute_model, scheduler_output)
-            finally:
-                self._steps_in_flight -= 1
-                self._owner_seen = time.monotonic()
-        return runner_output
+        self._steps_in_flight += 1
+        try:
+            return await self._call(self._execute_model, scheduler_output)
+        finally:
+            self._steps_in_flight -= 1
+            self._owner_seen = time.monotonic()
 
     @contextmanager
     def _group_guard(self) -> Iterator[None]:
@@ -205,12 +208,14 @@ def session_of(context: grpc.aio.ServicerContext) -> str:
 
 
 async def serve(worker: WorkerClient, serving: ServingConfig, metrics: WorkerMetrics | None = None,
-                security: RpcSecurity = RpcSecurity(), owner_lease: float = WorkerConfig.owner_lease) -> int:
-    """Serve `worker` until SIGTERM/SIGINT (exit status 0) or a failed tensor-parallel group
+                security: RpcSecurity = RpcSecurity(), owner_lease: float = WorkerConfig.owner_lease,
+                step_thread: ThreadPoolExecutor | None = None) -> int:
+    """Serve `worker` (computing on `step_thread`, a new one by default) until SIGTERM/SIGINT (exit status 0) or a failed tensor-parallel group
     (GROUP_FAILED_EXIT_STATUS), then NOT_SERVING and stop(grace)."""
     interceptors = [metrics.service.grpc.server_interceptor()] if metrics is not None else []
     server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors, security)
-    servicer = WorkerServicer(worker, metrics, owner_lease, on_group_failure=server.request_termination)
+    servicer = WorkerServicer(worker, metrics, owner_lease, on_group_failure=server.request_termination,
+                              step_thread=step_thread)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server.server)
     await server.start()
     await server.wait_for_termination_signal()
@@ -235,19 +240,21 @@ def main(argv: list[str] | None = None) -> int:
         for c in (ModelConfig, CacheConfig, WorkerConfig, ParallelConfig, ServingConfig, SecurityConfig))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker: %(message)s")
     security = RpcSecurity.load(security_config)  # before the model loads: a bad file fails at once
-    worker = Worker(model_config, cache_config, worker_config, parallel_config,
-                    build(parser, DisaggregationConfig, args))
+    step_thread = new_step_thread()  # the model loads where it will compute: one OpenMP team (WorkerServicer)
+    worker = step_thread.submit(Worker, model_config, cache_config, worker_config, parallel_config,
+                                build(parser, DisaggregationConfig, args)).result()
     metrics = WorkerMetrics(ServiceMetrics.create("worker"), model_config.served_model_name or worker.info.model_id)
     metrics.watch_forward(worker.model, worker.device)
     endpoint = MetricsEndpoint.start(metrics.service.registry, serving.host, serving.metrics_port)
     try:
         status = asyncio.run(serve(InProcessWorkerClient(worker, worker_config.max_num_seqs), serving, metrics,
-                                   security, worker_config.owner_lease))
+                                   security, worker_config.owner_lease, step_thread))
     finally:
         if endpoint is not None:
             endpoint.close()
     if status == 0:
-        worker.close()  # a broken group is not left politely: its peers are gone
+        step_thread.submit(worker.close).result()  # a broken group is not left politely: its peers are gone
+    step_thread.shutdown(wait=False)
     return status
 
 

@@ -143,6 +143,14 @@ def _check_x(x: torch.Tensor, k: int) -> None:
 PACKABLE = (QuantType.Q4_1,)
 
 
+def packs_faster(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether layers should pack their Q4_1 weights for this build: the AVX-512 one (1.3-1.7x at one
+    to four rows, even from eight). The AVX2 build gains at one to four rows but loses 25-33 % at 32
+    (eight lanes leave its buffered tiles short of registers), and the portable one never multiplies
+    in tiles (docs/benchmarks.md, "llama-server side by side"), so they keep the file's row order."""
+    return isa(lib) == 512
+
+
 def pack(blocks: torch.Tensor, qtype: QuantType, k: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """[N, row_bytes] Q4_1 blocks -> the same weights in the kernel's panel layout (quant_matmul.c,
     "packed Q4_1"): a 1-D uint8 tensor of about the same size (rows padded to a multiple of 32)."""

@@ -2,7 +2,9 @@
 the default model's weight shapes, with the weights of its GGUF file (SmolLM2-135M Q4_1, LM head
 Q8_0): per shape and M, microseconds a call and the weight bytes streamed per second.
 
-    kernel     the native tiles (`matmul`), the decode path
+    kernel     the native tiles over the file's row-ordered blocks (`matmul`: the LM head's path)
+    packed     Q4_1 only: the same weights repacked for the kernel (`pack`, `matmul_packed`: the
+               layers' decode path), lanes across 16 output rows
     deq+gemm   `dequantize` then torch's GEMM, the path from GEMM_ROWS up (`linear`)
 
 As in a decode step, where each weight is read once and the model is far larger than the caches,
@@ -65,9 +67,9 @@ def main() -> None:
     reader = gguf.GGUFReader(locate_model("smollm2"))
     tensors = {t.name: t for t in reader.tensors}
     print(f"threads {args.threads}, kernel build {args.isa} (vector bits {qm.isa(lib)})")
-    print("| shape | type | M | torch fp32 µs | kernel µs | deq+gemm µs | torch GB/s | kernel GB/s "
-          "| kernel ÷ torch |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| shape | type | M | torch fp32 µs | kernel µs | packed µs | deq+gemm µs | torch GB/s | kernel GB/s "
+          "| kernel ÷ torch | packed ÷ kernel |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, name in SHAPES:
         t = tensors[name]
         data = np.asarray(t.data)
@@ -76,14 +78,20 @@ def main() -> None:
         copies = max(1, args.stream_mib * 2**20 // (data.shape[0] * k * 4))
         blocks = [torch.from_numpy(data.copy()) for _ in range(copies)]
         weights = [qm.dequantize(b, qtype, k, lib) for b in blocks]
+        n = data.shape[0]
+        packs = [qm.pack(b, qtype, k, lib) for b in blocks] if qtype in qm.PACKABLE else None
         for m in args.rows:
             x = torch.randn(m, k)
             t_torch = time_call(lambda i: F.linear(x, weights[i]), copies, args.seconds)
             t_kernel = time_call(lambda i: qm.matmul(x, blocks[i], qtype, k, lib), copies, args.seconds)
+            t_packed = (time_call(lambda i: qm.matmul_packed(x, packs[i], n, k, lib), copies, args.seconds)
+                        if packs else None)
             t_deq = time_call(lambda i: F.linear(x, qm.dequantize(blocks[i], qtype, k, lib)), copies, args.seconds)
-            print(f"| {label} | {qtype.name} | {m} | {t_torch * 1e6:.0f} | {t_kernel * 1e6:.0f} | {t_deq * 1e6:.0f} "
-                  f"| {weights[0].numel() * 4 / t_torch / 1e9:.1f} | {blocks[0].numel() / t_kernel / 1e9:.1f} "
-                  f"| {t_torch / t_kernel:.2f}x |", flush=True)
+            packed = f"{t_packed * 1e6:.0f}" if t_packed else "-"
+            speedup = f"{t_kernel / t_packed:.2f}x" if t_packed else "-"
+            print(f"| {label} | {qtype.name} | {m} | {t_torch * 1e6:.0f} | {t_kernel * 1e6:.0f} | {packed} "
+                  f"| {t_deq * 1e6:.0f} | {weights[0].numel() * 4 / t_torch / 1e9:.1f} "
+                  f"| {blocks[0].numel() / t_kernel / 1e9:.1f} | {t_torch / t_kernel:.2f}x | {speedup} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@
  * each weight is read from memory and dequantized once per call, whatever M, and each x chunk
  * loaded serves NR rows. The vector path is chosen when the file is compiled (AVX-512F, or AVX2 +
  * FMA + F16C; else portable C): `quant_matmul_isa` says which.
+ *
+ * The layers' Q4_1 weights take another layout and path ("packed Q4_1" below): the tiles here serve
+ * the LM head / embedding (Q8_0, looked up by row too) and the other block types.
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -50,7 +50,10 @@ def test_merged_layer_keeps_its_shards_blocks_and_computes_over_their_rows():
         assert layer.block_weight is None  # kept only once the last shard is in
         layer.load_shard(layer.weight, shard, source, shard)
     assert layer.weight is None and layer.block_weight.qtype == QuantType.Q4_1
+    # A linear layer's Q4_1 blocks are repacked for the kernel where that build is faster with them.
+    assert layer.block_weight.packed == cpu_quant_matmul.packs_faster()
     whole = torch.cat([sources["q"][1][2:5], sources["k"][1][1:3], sources["v"][1][1:3]])
+    assert torch.equal(layer.block_weight.dequantize(), whole)
     x = torch.randn(3, HIDDEN)
     torch.testing.assert_close(layer(x), F.linear(x, whole), rtol=1e-5, atol=1e-5)
 

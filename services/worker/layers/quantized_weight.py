@@ -6,7 +6,7 @@
                  weight: [rows, row_bytes] uint8 blocks and the native matmul
                  (kernels/cpu_quant_matmul.py), bit for bit the dequantized weights; a linear
                  layer's Q4_1 blocks are repacked for the kernel (`pack`: a vector's lanes are
-                 output rows, 1.3-1.9x faster at one to four rows), the same bytes in another order
+                 output rows, 1.3-1.9x faster at one to four rows with AVX-512), the same bytes in another order
 
 A layer given GGUFBlocks for all of its weight keeps them (`block_weight_of`) when they are of one
 type the kernel reads; otherwise the blocks are dequantized into its float weight (`copy_checked`),
@@ -105,7 +105,8 @@ class BlockWeight(NamedTuple):
 def block_weight_of(sources: Sequence[GGUFBlocks], padded_rows: int = 0, pack: bool = False) -> BlockWeight | None:
     """The sources' rows stacked in order (then `padded_rows` rows of zeros, which dequantize to 0)
     as one BlockWeight, or None where the kernel cannot take them: mixed or unread block types, or
-    the kernel not built. With `pack`, blocks of a type the kernel packs are packed."""
+    the kernel not built. With `pack`, blocks of a type the kernel packs are packed where that is
+    faster (the AVX-512 build)."""
     qtypes = {source.qtype for source in sources}
     cols = {source.cols for source in sources}
     if len(qtypes) != 1 or None in qtypes or len(cols) != 1 or not cpu_quant_matmul.is_built():
@@ -115,7 +116,7 @@ def block_weight_of(sources: Sequence[GGUFBlocks], padded_rows: int = 0, pack: b
         parts.append(np.zeros((padded_rows, parts[0].shape[1]), dtype=np.uint8))
     blocks = torch.from_numpy(np.concatenate(parts))  # a copy: the file's pages stay unpinned
     qtype, k = qtypes.pop(), cols.pop()
-    if pack and qtype in cpu_quant_matmul.PACKABLE:
+    if pack and qtype in cpu_quant_matmul.PACKABLE and cpu_quant_matmul.packs_faster():
         return BlockWeight(cpu_quant_matmul.pack(blocks, qtype, k), qtype, k, blocks.shape[0], packed=True)
     return BlockWeight(blocks, qtype, k, blocks.shape[0])
 

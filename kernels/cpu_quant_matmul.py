@@ -6,7 +6,8 @@ float32's 4) and are dequantized exactly, a panel at a time, next to a float32 m
   dequantize  the whole weight to float32 (for a large M, where torch's GEMM over it is faster)
   linear      either, by the number of rows (`GEMM_ROWS`, per build), plus an optional bias
   pack        Q4_1 blocks repacked for the kernel (a vector's lanes are 16 output rows); the
-              `*_packed` functions and `linear(..., packed=True)` compute with them: the layers' path
+              `*_packed` functions and `linear(..., n=rows)` compute with them: the layers' path on
+              the AVX-512 build (`packs_faster`)
 
 The activations are float32 and stay so (llama.cpp's own Q4_1 path quantizes them to 8 bits; this
 one does not): the result is a float32 matmul over the dequantized weights up to the order of the
@@ -144,8 +145,8 @@ PACKABLE = (QuantType.Q4_1,)
 
 
 def packs_faster(lib: ctypes.CDLL | None = None) -> bool:
-    """Whether layers should pack their Q4_1 weights for this build: the AVX-512 one (1.3-1.7x at one
-    to four rows, even from eight). The AVX2 build gains at one to four rows but loses 25-33 % at 32
+    """Whether layers should pack their Q4_1 weights for this build: the AVX-512 one (1.3-2.2x faster
+    calls at one to four rows, level from eight). The AVX2 build gains at one to four rows but loses 25-33 % at 32
     (eight lanes leave its buffered tiles short of registers), and the portable one never multiplies
     in tiles (docs/benchmarks.md, "llama-server side by side"), so they keep the file's row order."""
     return isa(lib) == 512

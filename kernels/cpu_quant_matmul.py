@@ -164,11 +164,17 @@ def pack(blocks: torch.Tensor, qtype: QuantType, k: int, lib: ctypes.CDLL | None
     return out
 
 
+@functools.cache
+def _packed_bytes(n: int, k: int, lib: ctypes.CDLL) -> int:
+    """quant_packed_bytes, asked once per shape: the check runs on every layer's call of a step."""
+    return lib.quant_packed_bytes(n, k)
+
+
 def _check_packed(packed: torch.Tensor, n: int, k: int, lib: ctypes.CDLL) -> None:
     if k % BLOCK:
         raise ValueError(f"a row of {k} weights is not a whole number of {BLOCK}-weight blocks")
     if packed.dtype != torch.uint8 or packed.dim() != 1 or not packed.is_contiguous() or packed.device.type != "cpu" \
-            or packed.numel() != lib.quant_packed_bytes(n, k):
+            or packed.numel() != _packed_bytes(n, k, lib):
         raise ValueError(f"not a packed [{n}, {k}] weight: {packed.dtype} {tuple(packed.shape)}")
 
 

@@ -1,23 +1,25 @@
-"""How long a prefill chunk may be: the scheduler's answer to "how many prompt tokens of one request
-may this step compute?".
+"""How many prompt tokens a step may compute: the scheduler's answer to "how much prefill fits in
+one step?".
 
 A step computes every running request's next token and prefill chunks of the prompts still being
 read; nobody gets a token before the whole step is done. On a CPU one 2,048-token chunk at long
-context takes tens of seconds, during which every stream stalls. AdaptiveChunking cuts a request's
-chunk to the tokens recent steps computed in `target_seconds`, measured (seconds per token, a
-moving average) from the steps themselves, so it follows the device, the model and the context
-length (a chunk at 7,000 tokens of context costs more per token than one at 100, and the
+context takes seconds, during which every stream stalls. AdaptiveChunking cuts the step's prompt
+tokens (all requests together) to what recent steps computed in `target_seconds`, measured (seconds
+per token, a moving average) from the steps themselves, so it follows the device, the model and the
+context length (a chunk at 7,000 tokens of context costs more per token than one at 100, and the
 measurement after each chunk sees it). A GPU, where a full chunk takes milliseconds, is never cut.
 
-    chunk = clamp(target_seconds / seconds_per_token, min_tokens, max_tokens)
+    prefill tokens = clamp(target_seconds / seconds_per_token, min_tokens, max_tokens)
 
-The cap is per request (as vLLM's long_prefill_token_threshold): a short prompt arriving during a
-long one's prefill is admitted in the next step instead of waiting for all of it.
+The cap is the step's, shared first come, first served (services/engine/scheduler.py): eight
+1,000-token prompts arriving together are read one after another, the first one's first token after
+its own prefill (~1/8 of the time), where a cap per request read them side by side and gave every
+one its first token only at the end (docs/benchmarks.md, long prompts).
 """
 
 from __future__ import annotations
 
-# Until a step was measured, chunks are this long: short on any device, and on a GPU the next
+# Until a step was measured, a step reads this many prompt tokens: short on any device, and on a GPU the next
 # (measured) step goes to the full budget.
 INITIAL_CHUNK = 256
 # Steps computing fewer tokens measure the step's fixed cost (reading the weights), not the cost of
@@ -34,8 +36,8 @@ class AdaptiveChunking:
         self.min_tokens = min(min_tokens, max_tokens)
         self.seconds_per_token: float | None = None  # unknown until a step is measured
 
-    def max_chunk(self) -> int:
-        """Prompt tokens one request may compute in the next step."""
+    def max_prefill_tokens(self) -> int:
+        """Prompt tokens the next step may compute, all requests together."""
         if not self.target_seconds:
             return self.max_tokens
         if self.seconds_per_token is None:

@@ -107,7 +107,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        max_chunk = self.chunking.max_chunk()  # a decode's one token always fits
+        # Prompt tokens this whole step may compute, shared first come, first served: a decode's one
+        # token is never cut, and prompts are read one after another rather than side by side, so the
+        # first prompt's first token comes after its own prefill, not after everyone's.
+        prefill_budget = self.chunking.max_prefill_tokens()
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: dict[str, CachedRequestData] = {}
@@ -118,8 +121,14 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget, max_chunk)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request with nothing to compute: {request}"
+            if num_new > 1:  # a prompt still being read (or recomputed)
+                num_new = min(num_new, prefill_budget)
+                if num_new == 0:
+                    index += 1  # its turn comes when the prompts ahead of it are read
+                    continue
+                prefill_budget -= num_new
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
                 # Only requests not yet scheduled this step are candidates: a scheduled one has
@@ -141,13 +150,15 @@ class Scheduler:
             index += 1
 
         # Then waiting requests, unless this step preempted (they would only evict each other).
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (not preempted and self.waiting and budget > 0 and prefill_budget > 0
+               and len(self.running) < self.max_num_seqs):
             request = self.waiting.peek()
             hits, num_hit_tokens = self._prefix_hits(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget, max_chunk)
+            num_new = min(request.num_tokens - num_hit_tokens, budget, prefill_budget)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit_tokens)
             if new_blocks is None:
                 break
+            prefill_budget -= num_new
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING

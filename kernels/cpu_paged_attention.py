@@ -10,7 +10,6 @@ prefill chunks, each attending causally up to its own position, all in one call.
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
@@ -37,7 +36,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 # The served build (`build(cache_dir)`) and the other instruction sets' (`variant(isa, cache_dir)`).
 _KERNEL = native.Kernel(_NAME, _BASE_FLAGS, _declare)
-build, variant = _KERNEL.build, _KERNEL.variant
+build, variant, is_available = _KERNEL.build, _KERNEL.variant, _KERNEL.available
 
 
 def vector_width(lib: ctypes.CDLL | None = None) -> int:
@@ -48,13 +47,6 @@ def vector_width(lib: ctypes.CDLL | None = None) -> int:
 def _library() -> ctypes.CDLL:
     return native.library(_NAME)
 
-
-def is_available(cache_dir: Path) -> bool:
-    try:
-        build(cache_dir)
-    except NativeKernelUnavailable:
-        return False
-    return True
 
 
 def paged_decode_attention(

@@ -39,7 +39,7 @@ GEMM_ROWS = {512: 256, 256: 64, 0: 1}
 # core's bandwidth a thread, so two threads pay from a few hundred thousand multiply-adds up: one
 # sequence's decode step took 18.1 ms with every layer on one thread (the bound at 1 << 22, chosen on
 # a machine crowded with other jobs) and 15.2 ms on two, on a quiet 2-core Xeon (docs/benchmarks.md).
-_PARALLEL_WORK = 1 << 18
+PARALLEL_WORK = 1 << 18
 
 
 class QuantType(IntEnum):
@@ -107,7 +107,7 @@ def _check_weight(blocks: torch.Tensor, qtype: QuantType, k: int) -> None:
 
 
 def _threads(work: int) -> int:
-    return torch.get_num_threads() if work >= _PARALLEL_WORK else 1
+    return torch.get_num_threads() if work >= PARALLEL_WORK else 1
 
 
 def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int,

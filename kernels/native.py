@@ -87,6 +87,14 @@ class Kernel:
         raises NativeKernelUnavailable."""
         self.declare(build(self.name, (*self.base_flags, *ISA_FLAGS["native"]), cache_dir))
 
+    def available(self, cache_dir: Path) -> bool:
+        """`build`, and whether it could (False without a compiler, or where the source does not build)."""
+        try:
+            self.build(cache_dir)
+        except NativeKernelUnavailable:
+            return False
+        return True
+
     def variant(self, isa: str, cache_dir: Path) -> ctypes.CDLL:
         """The kernel compiled for `isa` (a key of ISA_FLAGS), beside the served one: pass it as `lib`
         to run that code path."""

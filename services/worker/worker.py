@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_fused_ops
+from kernels import cpu_decoder, cpu_fused_ops
 from services.common.clients import WorkerInfo
 from services.common.config import (CacheConfig, DisaggregationConfig, ModelConfig, ParallelConfig, WorkerConfig,
                                    default_cache_dir)
@@ -27,6 +27,7 @@ from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks
 from services.common.model_files import model_id_of
 from services.worker.loader import load_model, resolve_model
 from services.worker.model_runner import ModelRunner
+from services.worker import native_decoder
 from services.worker.kv_transfer import KVTransferEndpoint
 from services.worker.parallel_group import TensorParallelGroup
 
@@ -47,6 +48,8 @@ class Worker:
                                         cache_dir)
         self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device, self.tp, gguf_weights)
         self.backend = get_attention_backend(worker_config.attention_backend, self.device, cache_dir)
+        if self.device.type == "cpu" and cpu_decoder.available(cache_dir):
+            native_decoder.enable(self.model)  # the CPU's small steps as one native call, where it can
         max_len = self.hf_config.max_position_embeddings
         if model_config.max_model_len is not None:
             if model_config.max_model_len > max_len:

@@ -106,6 +106,16 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm(dtype, isa):
     assert torch.equal(new_residual, want_residual)
 
 
+def test_silu_and_mul_is_torchs_within_16_ulps_over_the_whole_range(isa):
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(N, 2 * 1536, generator=gen) * 6
+    x[0, :8] = torch.tensor([-200.0, -88.0, -87.0, -1e-4, 0.0, 1e-4, 88.0, 200.0])  # e^-g under/overflows
+    got = cpu_fused_ops.silu_and_mul(x, lib=cpu_fused_ops.variant(isa, default_cache_dir()))
+    gate, up = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(got, want, atol=1e-37, rtol=16 * torch.finfo(torch.float32).eps)
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="int64"):
         k = torch.zeros(4, HKV, D)

@@ -183,10 +183,17 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, qkv_bias, o_bias, dtype, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # The layers as one native call for the CPU's small steps (services/worker/native_decoder.py),
+        # set by the worker where the model can take it; the same kernels as the modules below.
+        self.native_decoder = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos_sin = self.rotary_emb(positions)  # [num_tokens, head_size]
+        if self.native_decoder is not None:
+            normed = self.native_decoder.forward(hidden_states, cos_sin)
+            if normed is not None:
+                return normed
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(hidden_states, residual, cos_sin)

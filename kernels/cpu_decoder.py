@@ -1,0 +1,114 @@
+"""The decoder stack in one native call (kernels/cpu/decoder.c): the CPU's small steps (decodes, short
+chunks) call every layer's kernels from C instead of from ~10 Python modules per layer, bit for bit
+the same kernels, arguments, thread counts and order, so the same result.
+
+    ops()          the kernels' entry points (quant_matmul, fused_ops, paged_decode_attention), as
+                   the struct the driver calls through; None until all of them are built
+    Weight, Layer  a layer's weights (GGUF blocks, row order or packed) and KV cache, as C structs
+    Dims           the model's sizes and the thread rule
+    forward        one step: embeddings in, the final RMSNorm's output out
+
+The caller (services/worker/native_decoder.py) builds the Layer array once and decides per step
+whether the step is one this path takes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import native
+from kernels.native import FAST_MATH
+
+_P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+_NAME = "decoder"
+_BASE_FLAGS = ("-O3", *FAST_MATH, "-ffp-contract=off")
+
+
+class Ops(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("matmul", "matmul_packed", "rms_norm", "add_rms_norm", "rope", "kv_write",
+                                        "attention", "silu_and_mul")]
+
+
+class Weight(ctypes.Structure):
+    _fields_ = [("data", _P), ("bias", _P), ("row_bytes", _I64), ("rows", _I64), ("cols", _I64), ("qtype", _I32),
+                ("packed", _I32)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", Weight), ("o", Weight), ("gate_up", Weight),
+                ("down", Weight), ("k_cache", _P), ("v_cache", _P), ("sliding_window", _I32)]
+
+
+class Dims(ctypes.Structure):
+    _fields_ = [("hidden", _I32), ("num_heads", _I32), ("num_kv_heads", _I32), ("head_size", _I32), ("inter", _I32),
+                ("block_size", _I32), ("eps", _F), ("scale", _F), ("soft_cap", _F), ("num_threads", _I32),
+                ("parallel_work", _I64)]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [("num_tokens", _I64), ("cos_sin", _P), ("slot_mapping", _P), ("block_table", _P), ("seq_lens", _P),
+                ("seq_of_row", _P), ("max_blocks", _I32)]
+
+
+class Scratch(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("normed", "residual", "out", "qkv", "attn", "gate_up", "act")]
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    fn = lib.decoder_forward
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(Ops), ctypes.POINTER(Dims), ctypes.POINTER(Layer), ctypes.c_int, _P,
+                   ctypes.POINTER(Step), _P, ctypes.POINTER(Scratch)]
+    return lib
+
+
+_KERNEL = native.Kernel(_NAME, _BASE_FLAGS, _declare)
+build, available = _KERNEL.build, _KERNEL.available
+
+
+
+def ops() -> Ops | None:
+    """The kernels' served builds as the driver's Ops, or None when any of them (or the driver) is not built."""
+    names = ("quant_matmul", "fused_ops", "paged_decode_attention", _NAME)
+    if not all(native.is_built(name) for name in names):
+        return None
+    qm, fo, pa = (native.library(name) for name in names[:3])
+    address = lambda fn: ctypes.cast(fn, _P).value  # noqa: E731
+    return Ops(address(qm.quant_matmul), address(qm.quant_matmul_packed), address(fo.rms_norm),
+               address(fo.add_rms_norm), address(fo.rope_inplace), address(fo.kv_write),
+               address(pa.paged_decode_attention), address(fo.silu_and_mul))
+
+
+def weight(block_weight, bias: torch.Tensor | None) -> Weight:
+    """A layer's BlockWeight (services/worker/layers/quantized_weight.py) as the driver's Weight."""
+    blocks = block_weight.blocks
+    return Weight(blocks.data_ptr(), None if bias is None else bias.data_ptr(),
+                  0 if block_weight.packed else blocks.shape[1], block_weight.rows, block_weight.cols,
+                  int(block_weight.qtype), int(block_weight.packed))
+
+
+def forward(ops_: Ops, dims: Dims, layers: ctypes.Array, final_norm: torch.Tensor, hidden: torch.Tensor,
+            cos_sin: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+            seq_of_row: torch.Tensor | None, qkv_size: int) -> torch.Tensor:
+    """hidden: [n, hidden] float32 embeddings -> a new [n, hidden]: the final RMSNorm of the last
+    layer's residual stream. The step's tensors as the attention plan holds them (contiguous; int64
+    slots, int32 tables)."""
+    n, h = hidden.shape
+    dims.num_threads = torch.get_num_threads()
+    normed, residual, out = (torch.empty(n, h) for _ in range(3))
+    qkv = torch.empty(n, qkv_size)
+    attn = torch.empty(n, dims.num_heads * dims.head_size)
+    gate_up = torch.empty(n, 2 * dims.inter)
+    act = torch.empty(n, dims.inter)
+    scratch = Scratch(normed.data_ptr(), residual.data_ptr(), out.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
+                      gate_up.data_ptr(), act.data_ptr())
+    step = Step(n, cos_sin.data_ptr(), slot_mapping.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(),
+                None if seq_of_row is None else seq_of_row.data_ptr(), block_table.shape[1])
+    rc = native.library(_NAME).decoder_forward(ctypes.byref(ops_), ctypes.byref(dims), layers, len(layers),
+                                               final_norm.data_ptr(), ctypes.byref(step), hidden.data_ptr(),
+                                               ctypes.byref(scratch))
+    if rc != 0:
+        raise ValueError(f"decoder_forward: the attention kernel rejected its arguments ({rc})")
+    return normed

@@ -1,0 +1,93 @@
+"""A Llama-family model's decoder stack as one native call on the CPU (kernels/cpu_decoder.py) for
+the steps where Python's per-layer glue is a large share: fewer tokens than the quantized matmul's
+GEMM threshold, so every linear layer is the native kernel's (decodes, short chunks).
+
+It takes a model whose every linear layer keeps its weight in GGUF blocks (the CPU default for a
+GGUF model; `--quantization int8|f16` too), in float32, at tensor-parallel size 1, with the native
+attention plan; any other model or step goes through the layers' modules. Both paths call the same
+kernels in the same order, so they agree bit for bit (tests/unit/test_native_decoder.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import cpu_decoder, cpu_quant_matmul
+from services.worker.attention.torch_backend import NativeAttentionPlan
+from services.worker.forward_context import get_forward_context
+
+
+class NativeDecoder:
+    def __init__(self, model, ops: cpu_decoder.Ops) -> None:
+        """`model`: a LlamaModel (services/worker/models/llama.py) that `supports` passed."""
+        self.model = model
+        self.ops = ops
+        first = model.layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        self.qkv_size = attn.q_size + 2 * attn.kv_size
+        self.max_tokens = cpu_quant_matmul.gemm_rows()  # from here linear layers call torch's GEMM
+        self.dims = cpu_decoder.Dims(
+            hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+            head_size=attn.head_size, inter=mlp.down_proj.in_features,
+            block_size=0, eps=first.input_layernorm.eps, scale=attn.attn.scale,
+            soft_cap=attn.attn.logits_soft_cap or 0.0, num_threads=torch.get_num_threads(),
+            parallel_work=cpu_quant_matmul.PARALLEL_WORK)
+        self._layers: ctypes.Array | None = None
+        self._caches: list[torch.Tensor] | None = None
+
+    @staticmethod
+    def supports(model) -> bool:
+        """Whether `model`'s layers can run natively (see the module's docstring)."""
+        if cpu_decoder.ops() is None:
+            return False
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(lin.block_weight is None for lin in linears):
+                return False
+            if attn.o_proj.tp.size != 1 or layer.input_layernorm.weight.dtype != torch.float32:
+                return False
+        return True
+
+    def _bind(self, kv_caches: list[torch.Tensor]) -> ctypes.Array:
+        """The layers' structs, built for this list of KV caches (the worker's, fixed once allocated)."""
+        if self._caches is not kv_caches:
+            layers = (cpu_decoder.Layer * len(self.model.layers))()
+            for i, layer in enumerate(self.model.layers):
+                attn, mlp, cache = layer.self_attn, layer.mlp, kv_caches[i]
+                if not cache.is_contiguous() or cache.dtype != torch.float32:
+                    raise ValueError("the native decoder needs contiguous float32 KV caches")
+                layers[i] = cpu_decoder.Layer(
+                    layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                    cpu_decoder.weight(attn.qkv_proj.block_weight, attn.qkv_proj.bias),
+                    cpu_decoder.weight(attn.o_proj.block_weight, attn.o_proj.bias),
+                    cpu_decoder.weight(mlp.gate_up_proj.block_weight, mlp.gate_up_proj.bias),
+                    cpu_decoder.weight(mlp.down_proj.block_weight, mlp.down_proj.bias),
+                    cache[0].data_ptr(), cache[1].data_ptr(), attn.attn.sliding_window or 0)
+            self.dims.block_size = kv_caches[0].shape[2]
+            self._layers, self._caches = layers, kv_caches
+        return self._layers
+
+    def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor | None:
+        """The final norm's output for this step's embeddings `hidden` [n, hidden], or None when the
+        step is not one this path takes (the modules run it)."""
+        ctx = get_forward_context()
+        plan = ctx.plan
+        if not isinstance(plan, NativeAttentionPlan) or hidden.shape[0] >= self.max_tokens:
+            return None
+        layers = self._bind(ctx.kv_caches)
+        return cpu_decoder.forward(self.ops, self.dims, layers, self.model.norm.weight, hidden.contiguous(),
+                                   cos_sin.contiguous(), plan.slot_mapping, plan.block_table, plan.seq_lens,
+                                   plan.seq_of_row, self.qkv_size)
+
+
+def enable(model: torch.nn.Module) -> bool:
+    """Give `model` (a LlamaForCausalLM) the native decoder where it can take it (kernels built, see
+    `NativeDecoder.supports`). Returns whether it did."""
+    ops = cpu_decoder.ops()
+    if ops is None or not NativeDecoder.supports(model.model):
+        return False
+    model.model.native_decoder = NativeDecoder(model.model, ops)
+    return True

@@ -1,0 +1,79 @@
+"""The decoder stack as one native call (services/worker/native_decoder.py) against the layers'
+modules it replaces on the CPU's small steps: the same kernels in the same order, so the same bits.
+The default model (its GGUF file's blocks) generates with the native path and again without it:
+every token and every logprob is equal, over decode steps of many sequences, prefill chunks mixed
+with decodes, and prompt logprobs; steps of more tokens than the GEMM threshold keep the modules."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from kernels import cpu_quant_matmul
+from services import LLM, SamplingParams
+from services.worker.attention.torch_backend import NativeAttentionPlan
+from services.worker.forward_context import ForwardContext, set_forward_context
+from services.worker.native_decoder import NativeDecoder
+
+KV_BYTES = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # A small step budget: the prompts are read in chunks beside the other requests' decodes.
+    engine = LLM(model="smollm2", quantization="gguf", kv_cache_memory=KV_BYTES, max_num_batched_tokens=48,
+                 max_num_seqs=8)
+    yield engine
+    del engine
+    gc.collect()
+
+
+def model_of(llm: LLM):
+    return llm.worker.runner.model.model
+
+
+def generate(llm: LLM, native: NativeDecoder | None, prompts: list[list[int]], params: SamplingParams):
+    model = model_of(llm)
+    served, model.native_decoder = model.native_decoder, native
+    try:
+        return llm.generate(prompts, params)
+    finally:
+        model.native_decoder = served
+
+
+def test_the_default_model_on_the_cpu_takes_the_native_decoder(llm: LLM):
+    assert isinstance(model_of(llm).native_decoder, NativeDecoder)
+
+
+def test_native_and_module_paths_give_the_same_tokens_and_logprobs(llm: LLM):
+    served = model_of(llm).native_decoder
+    assert served is not None
+    calls = []
+    native = NativeDecoder(model_of(llm), served.ops)  # its own, to count its steps
+    native.forward = lambda hidden, cos_sin: calls.append(hidden.shape[0]) or served.forward(hidden, cos_sin)
+    tokenizer = llm.get_tokenizer()
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
+             "1, 2, 3, 5, 8,", "A short story about a robot who learns to paint. " * 3]
+    prompts = [tokenizer.encode(t) for t in texts]
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)]
+    with_native = generate(llm, native, prompts, params)
+    assert calls and max(calls) > 8 and 1 in calls  # chunks mixed with decodes; one sequence decoding alone
+    without = generate(llm, None, prompts, params)
+    for a, b in zip(with_native, without):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # floats equal to the last bit
+        assert a.prompt_logprobs == b.prompt_logprobs
+
+
+def test_steps_of_many_tokens_go_through_the_modules(llm: LLM):
+    native = model_of(llm).native_decoder
+    hidden = torch.zeros(cpu_quant_matmul.gemm_rows(), 8)
+    plan = NativeAttentionPlan(*(torch.zeros(1),) * 6)
+    with set_forward_context(ForwardContext(None, plan, [], None)):
+        assert native.forward(hidden, torch.zeros(hidden.shape[0], 64)) is None

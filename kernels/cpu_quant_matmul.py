@@ -6,8 +6,8 @@ float32's 4) and are dequantized exactly, a panel at a time, next to a float32 m
   dequantize  the whole weight to float32 (for a large M, where torch's GEMM over it is faster)
   linear      either, by the number of rows (`GEMM_ROWS`, per build), plus an optional bias
   pack        Q4_1 blocks repacked for the kernel (a vector's lanes are 16 output rows); the
-              `*_packed` functions and `linear(..., n=rows)` compute with them: the layers' path on
-              the AVX-512 build (`packs_faster`)
+              `*_packed` functions and `linear(..., n=rows)` compute with them: the layers' path
+              where `packs_faster` measures it faster on the CPU at hand
 
 The activations are float32 and stay so (llama.cpp's own Q4_1 path quantizes them to 8 bits; this
 one does not): the result is a float32 matmul over the dequantized weights up to the order of the
@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import time
 from enum import IntEnum
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -144,12 +146,90 @@ def _check_x(x: torch.Tensor, k: int) -> None:
 PACKABLE = (QuantType.Q4_1,)
 
 
+# packs_faster's probe: a synthetic Q4_1 weight of the default model's gate / up shape (553 KB either
+# way), timed at these rows of x on one thread, the best of REPEATS calls a path, each call on its
+# own copy of the weight. The copies of both paths span 1.5 times the L3 (32 MB where unknown), at
+# least 48 MB and at most 192, so that the first ones, which the calls read, are back in memory.
+_PROBE_N, _PROBE_K, _PROBE_ROWS, _PROBE_REPEATS = 1536, 576, (1, 8), 5
+_PROBE_SPAN_MIN, _PROBE_SPAN_MAX = 48 << 20, 192 << 20
+# Packed wins at one row by at least this factor, and at eight by at least this one (level within noise).
+_PROBE_GAIN_ONE_ROW, _PROBE_GAIN_EIGHT_ROWS = 1.05, 0.97
+
+
 def packs_faster(lib: ctypes.CDLL | None = None) -> bool:
-    """Whether layers should pack their Q4_1 weights for this build: the AVX-512 one (1.3-2.2x faster
-    calls at one to four rows, level from eight). The AVX2 build gains at one to four rows but loses 25-33 % at 32
-    (eight lanes leave its buffered tiles short of registers), and the portable one never multiplies
-    in tiles (docs/benchmarks.md, "llama-server side by side"), so they keep the file's row order."""
-    return isa(lib) == 512
+    """Whether layers should pack their Q4_1 weights (`pack`, `matmul_packed`) on this CPU with this
+    build, decided by measurement once per process and library (cached).
+
+    The rule: the portable build never packs (`linear` leaves all its rows to torch's GEMM). A vector
+    build times `matmul` against `matmul_packed` on a synthetic Q4_1 weight of the gate / up shape
+    (1536x576) at 1 and 8 rows of x, on one thread, as a decode step reads a weight: from memory
+    (each call reads its own copy of the weight, written before 1.5 L3's worth of others: about
+    15 ms on the 2-core Zen 5), interleaved, the best of 5 calls each. It packs when the packed
+    calls are at least 5 % faster at one row and not slower at eight (at least 0.97x, the noise).
+    Where it was tuned, on a Sapphire Rapids Xeon, the AVX-512 build packed faster (1.3-1.9x at one
+    to four rows); on a Zen 5 EPYC the row-order tiles (with their prefetching) are about twice as
+    fast as the panels at 1 and 8 rows, so it does not pack; the AVX2 build loses at eight rows and
+    more on both (docs/benchmarks.md, "Quantized matmul on the AMD EPYC Zen 5 (issue 16)").
+
+    Both paths compute the float32 matmul over the same exactly dequantized weights; they sum in
+    different orders, so the choice can move logits by a rounding, never a weight."""
+    return _packs_faster(lib or native.library(_NAME))
+
+
+@functools.cache
+def _packs_faster(lib: ctypes.CDLL) -> bool:
+    if isa(lib) == 0:
+        return False
+    best_row, best_packed = _probe_packing(lib)
+    gains = [row / packed for row, packed in zip(best_row, best_packed)]
+    return gains[0] >= _PROBE_GAIN_ONE_ROW and gains[1] >= _PROBE_GAIN_EIGHT_ROWS
+
+
+def _probe_packing(lib: ctypes.CDLL) -> tuple[list[int], list[int]]:
+    """packs_faster's timings: per row count in _PROBE_ROWS, the best ns of a call of each path."""
+    n, k = _PROBE_N, _PROBE_K
+    width = row_bytes(QuantType.Q4_1, k)
+    block = torch.arange(20, dtype=torch.int64).mul(37).remainder(256).to(torch.uint8)  # nibbles of all values
+    block[:4] = torch.tensor([0x66, 0x2E, 0x66, 0xAE], dtype=torch.uint8)  # d = 0.1, m = -0.1 (f16): no subnormals
+    one = block.repeat(n * (k // BLOCK)).reshape(n, width)
+    packed_one = pack(one, QuantType.Q4_1, k, lib)
+    copy_bytes = packed_one.numel()
+    span = min(max(_l3_bytes() * 3 // 2, _PROBE_SPAN_MIN), _PROBE_SPAN_MAX)
+    copies = max(span // (one.numel() + copy_bytes), 2 * len(_PROBE_ROWS) * _PROBE_REPEATS)
+    rows = one.repeat(copies, 1)  # copy c: rows c * n ..
+    packed = packed_one.repeat(copies)  # n is a multiple of 32: a copy is a slice of the packing
+    best_row, best_packed = [], []
+    call = 0
+    for m in _PROBE_ROWS:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        y = torch.empty(m, n)
+        times = {False: [], True: []}
+        for _ in range(_PROBE_REPEATS):
+            for is_packed in (False, True):
+                c, call = call // 2, call + 1  # the copies written first
+                start = time.perf_counter_ns()
+                if is_packed:
+                    lib.quant_matmul_packed(y.data_ptr(), n, x.data_ptr(), k, packed.data_ptr() + c * copy_bytes,
+                                            m, n, k, 1)
+                else:
+                    lib.quant_matmul(y.data_ptr(), n, x.data_ptr(), k, rows.data_ptr() + c * n * width, width,
+                                     m, n, k, QuantType.Q4_1, 1)
+                times[is_packed].append(time.perf_counter_ns() - start)
+        best_row.append(min(times[False]))
+        best_packed.append(min(times[True]))
+    return best_row, best_packed
+
+
+def _l3_bytes() -> int:
+    """The L3 cache's size from sysfs (Linux), else 32 MB."""
+    try:
+        for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+            if (index / "level").read_text().strip() == "3":
+                size = (index / "size").read_text().strip()
+                return int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20}[size[-1]] if size[-1] in "KM" else int(size)
+    except (OSError, ValueError):
+        pass
+    return 32 << 20
 
 
 def pack(blocks: torch.Tensor, qtype: QuantType, k: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:

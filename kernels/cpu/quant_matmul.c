@@ -16,8 +16,9 @@
  * The work is cut into panels of NR output rows: a thread dequantizes a panel's rows into a small
  * float32 buffer (L1/L2), then runs one MR x NR tile of dot products per MR rows of x over it. So
  * each weight is read from memory and dequantized once per call, whatever M, and each x chunk
- * loaded serves NR rows. The vector path is chosen when the file is compiled (AVX-512F, or AVX2 +
- * FMA + F16C; else portable C): `quant_matmul_isa` says which.
+ * loaded serves NR rows; a thread prefetches the panel PF_PANELS ahead of the one it multiplies
+ * (a call streams its weights from memory). The vector path is chosen when the file is compiled
+ * (AVX-512F, or AVX2 + FMA + F16C; else portable C): `quant_matmul_isa` says which.
  *
  * The layers' Q4_1 weights take another layout and path ("packed Q4_1" below): the tiles here serve
  * the LM head / embedding (Q8_0, looked up by row too) and the other block types.
@@ -29,9 +30,16 @@
 #include <immintrin.h>
 #endif
 
+/* A read-ahead hint (no fault, whatever the address). */
+#define PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
+
 enum { TYPE_F16 = 1, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 };
 #define QK 32 /* weights per block, all three types */
 #define NR 4  /* output rows per panel */
+/* Panels ahead that a thread prefetches its weights (2.9 KB of Q4_1, 4.9 KB of Q8_0 at K = 576):
+ * the hardware prefetchers alone left the tiles waiting on memory (the Q8_0 LM head at one row:
+ * 7 GB/s on one Zen 5 core, about 30 GB/s with these; docs/benchmarks.md, issue 16). */
+#define PF_PANELS 2
 
 #if defined(__AVX512F__)
 #define ISA 512
@@ -143,17 +151,18 @@ static inline __attribute__((always_inline)) void load_block(vec out[NV], const 
         }
 #endif
     } else if (type == TYPE_Q8_0) {
-        const float d = f16_to_f32(read_u16(src));
         const int8_t *qs = (const int8_t *)(src + 2);
 #if ISA == 512
-        const __m512 vd = _mm512_set1_ps(d);
+        /* d broadcast as f16, then converted: two instructions (a scalar conversion takes three) */
+        const __m512 vd = _mm512_cvtph_ps(_mm256_set1_epi16((short)read_u16(src)));
         for (int i = 0; i < 2; i++)
             out[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16 * i)))), vd);
 #elif ISA == 256
-        const __m256 vd = _mm256_set1_ps(d);
+        const __m256 vd = _mm256_cvtph_ps(_mm_set1_epi16((short)read_u16(src)));
         for (int i = 0; i < 4; i++)
             out[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * i)))), vd);
 #else
+        const float d = f16_to_f32(read_u16(src));
         for (int j = 0; j < QK; j++) out[j / VL].v[j % VL] = d * (float)qs[j];
 #endif
     } else { /* TYPE_F16 */
@@ -166,6 +175,14 @@ static inline __attribute__((always_inline)) void load_block(vec out[NV], const 
 #endif
     }
 }
+
+/* Keeps v in a register: the compiler would otherwise fold its load into every FMA that reads it
+ * (vfmadd231ps mem), loading the same vector once per row of x. */
+#if ISA
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define IN_REGISTER(v) ((void)0)
+#endif
 
 static inline void vstore(float *p, vec v) {
 #if ISA == 512
@@ -196,6 +213,30 @@ static void dequantize_row(float *dst, const uint8_t *src, int64_t k, int type) 
 
 /* ------------------------------------------------------------------------------ the tiles */
 
+/* y[c] = VSUM(acc[c]) for c < nr (<= NR = 4). On AVX-512 the four vectors are summed side by side,
+ * in the very tree of _mm512_reduce_add_ps (lanes i + 8, then i + 4, i + 2, i + 1): 9 shuffles
+ * and 5 adds for four sums where one at a time takes 16 of each, the same floats. Both tiles
+ * store through it, so a row's sums do not depend on M. */
+static inline __attribute__((always_inline)) void store_sums(float *y, const vec acc[NR], const int nr) {
+#if ISA == 512
+    const __m512 a = acc[0], b = nr > 1 ? acc[1] : a, c = nr > 2 ? acc[2] : a, d = nr > 3 ? acc[3] : a;
+    /* [a's lanes i + (i + 8) | b's], [c's | d's] */
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* a 128-bit quarter per vector: lanes i + (i + 4) */
+    __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2))); /* i + (i + 2) */
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1))); /* i + (i + 1) */
+    const __m512 sums = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), t);
+    _mm512_mask_storeu_ps(y, (__mmask16)((1u << nr) - 1), sums);
+#else
+    for (int c = 0; c < nr; c++) y[c] = VSUM(acc[c]);
+#endif
+}
+
 /* y[r][c] (r < mr, c < nr) = x[r] . w[c] over k, w dequantized rows k floats apart; inlined with
  * constant mr, nr so that the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void tile(
@@ -206,36 +247,55 @@ static inline __attribute__((always_inline)) void tile(
         for (int c = 0; c < nr; c++) acc[r][c] = VZERO();
     for (int64_t i = 0; i < k; i += VL) {
         vec wv[NR];
-        for (int c = 0; c < nr; c++) wv[c] = VLOAD(w + c * k + i);
+        for (int c = 0; c < nr; c++) {
+            wv[c] = VLOAD(w + c * k + i);
+            IN_REGISTER(wv[c]);
+        }
         for (int r = 0; r < mr; r++) {
-            const vec xv = VLOAD(x + r * ldx + i);
+            vec xv = VLOAD(x + r * ldx + i);
+            IN_REGISTER(xv);
             for (int c = 0; c < nr; c++) acc[r][c] = VFMA(xv, wv[c], acc[r][c]);
         }
     }
     for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nr; c++) y[r * ldy + c] = VSUM(acc[r][c]);
+        store_sums(y + r * ldy, acc[r], nr);
 }
 
 /* The same tile straight from the blocks (rows row_bytes apart), each block dequantized in
  * registers: for M <= MR, where a panel's weights serve one tile only and a buffer would be a
- * store and a load more per weight. Same sum order as `tile`. */
+ * store and a load more per weight. Same sum order as `tile`. While it reads block b of its rows,
+ * it prefetches the same share (NR blocks' bytes) of the panel at `pf`, PF_PANELS ahead. */
 static inline __attribute__((always_inline)) void tile_blocks(
     float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t k,
-    const int mr, const int nr, const int type, const int64_t block_bytes)
+    const int mr, const int nr, const int type, const int64_t block_bytes, const uint8_t *pf)
 {
     vec acc[MR][NR];
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < nr; c++) acc[r][c] = VZERO();
     for (int64_t b = 0; b < k / QK; b++) {
+        for (int64_t o = 0; o < NR * block_bytes; o += 64) PREFETCH(pf + b * NR * block_bytes + o);
+#if ISA == 512
+        /* the block's x loaded once for the nr rows (32 registers hold them beside 16 accumulators) */
+        vec xv[MR][NV];
+        for (int r = 0; r < mr; r++)
+            for (int i = 0; i < NV; i++) {
+                xv[r][i] = VLOAD(x + r * ldx + b * QK + i * VL);
+                IN_REGISTER(xv[r][i]);
+            }
+#define XV(r, i) xv[r][i]
+#else
+#define XV(r, i) VLOAD(x + (r) * ldx + b * QK + (i) * VL)
+#endif
         for (int c = 0; c < nr; c++) {
             vec wv[NV];
             load_block(wv, w + c * row_bytes + b * block_bytes, type);
             for (int i = 0; i < NV; i++)
-                for (int r = 0; r < mr; r++) acc[r][c] = VFMA(VLOAD(x + r * ldx + b * QK + i * VL), wv[i], acc[r][c]);
+                for (int r = 0; r < mr; r++) acc[r][c] = VFMA(XV(r, i), wv[i], acc[r][c]);
         }
+#undef XV
     }
     for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nr; c++) y[r * ldy + c] = VSUM(acc[r][c]);
+        store_sums(y + r * ldy, acc[r], nr);
 }
 
 #define TILE_NR(mr_, nr_) \
@@ -257,10 +317,10 @@ static void tile_any(float *y, int64_t ldy, const float *x, int64_t ldx, const f
 
 #define BLOCKS_NR(mr_, type_, bytes_) \
     switch (nr) { \
-    case 4: tile_blocks(y, ldy, x, ldx, w, row_bytes, k, mr_, 4, type_, bytes_); break; \
-    case 3: tile_blocks(y, ldy, x, ldx, w, row_bytes, k, mr_, 3, type_, bytes_); break; \
-    case 2: tile_blocks(y, ldy, x, ldx, w, row_bytes, k, mr_, 2, type_, bytes_); break; \
-    default: tile_blocks(y, ldy, x, ldx, w, row_bytes, k, mr_, 1, type_, bytes_); break; \
+    case 4: tile_blocks(y, ldy, x, ldx, w, row_bytes, k, mr_, 4, type_, bytes_, pf); break; \
+    case 3: tile_blocks(y, ldy, x, ldx, w, row_bytes, k, mr_, 3, type_, bytes_, pf); break; \
+    case 2: tile_blocks(y, ldy, x, ldx, w, row_bytes, k, mr_, 2, type_, bytes_, pf); break; \
+    default: tile_blocks(y, ldy, x, ldx, w, row_bytes, k, mr_, 1, type_, bytes_, pf); break; \
     }
 
 #if MR == 4
@@ -280,7 +340,7 @@ static void tile_any(float *y, int64_t ldy, const float *x, int64_t ldx, const f
 #endif
 
 static void tile_blocks_any(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
-                            int64_t k, int mr, int nr, int type) {
+                            int64_t k, int mr, int nr, int type, const uint8_t *pf) {
     switch (type) {
     case TYPE_Q4_1: BLOCKS_MR(TYPE_Q4_1, 20); break;
     case TYPE_Q8_0: BLOCKS_MR(TYPE_Q8_0, 34); break;
@@ -304,10 +364,14 @@ void quant_matmul(float *y, int64_t ldy, const float *x, int64_t ldx, const uint
         for (int64_t p = 0; p < panels; p++) {
             const int64_t n0 = p * NR;
             const int nr = N - n0 < NR ? (int)(N - n0) : NR;
+            /* the panel PF_PANELS ahead, or this one near the end (a prefetch never faults, but
+             * one past the last panel would only waste a read) */
+            const uint8_t *pf = w + (p + PF_PANELS < panels ? n0 + PF_PANELS * NR : n0) * row_bytes;
             if (M <= MR) {
-                tile_blocks_any(y + n0, ldy, x, ldx, w + n0 * row_bytes, row_bytes, K, (int)M, nr, type);
+                tile_blocks_any(y + n0, ldy, x, ldx, w + n0 * row_bytes, row_bytes, K, (int)M, nr, type, pf);
                 continue;
             }
+            for (int64_t o = 0; o < NR * row_bytes; o += 64) PREFETCH(pf + o);
             for (int c = 0; c < nr; c++) dequantize_row(buf + c * K, w + (n0 + c) * row_bytes, K, type);
             for (int64_t m0 = 0; m0 < M; m0 += MR) {
                 const int mr = M - m0 < MR ? (int)(M - m0) : MR;

@@ -58,6 +58,21 @@ def test_matmul_is_a_float32_matmul_over_the_dequantized_weights(lib, qtype, m, 
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k**0.5)
 
 
+@pytest.mark.parametrize("qtype", list(QuantType))
+@pytest.mark.parametrize("m", [2, 4, 5, 11])
+def test_a_row_sums_alike_whatever_the_batch(lib, qtype, m):
+    # Up to MR rows of x multiply the blocks in registers, more a panel's dequantized buffer: the same
+    # sum order (and the same horizontal sums) either way, so a request's logits (the LM head's Q8_0)
+    # do not depend on the requests beside it.
+    if qm.isa(lib) == 0:
+        pytest.skip("the portable build's tiles are left to the compiler's vectorizer (and its linear to torch)")
+    blocks, _ = quantized(23, 96, qtype, seed=m)
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+    batch = qm.matmul(x, blocks, qtype, 96, lib)
+    for i in range(m):
+        assert torch.equal(qm.matmul(x[i : i + 1], blocks, qtype, 96, lib)[0], batch[i])
+
+
 def test_matmul_reads_x_rows_at_their_stride(lib):
     blocks, weight = quantized(6, 64, QuantType.Q4_1, seed=1)
     wide = torch.randn(5, 100)
@@ -92,6 +107,44 @@ def test_bad_inputs_are_refused_with_a_reason(lib):
 
 
 # ------------------------------------------------------------------ packed Q4_1 (the layers' path)
+
+
+def test_packs_faster_measures_once_per_library_and_answers_a_bool(lib):
+    # The answer depends on the CPU (it times both paths), so only its form and its caching are
+    # checked here; both paths are tested for their results below whatever it says.
+    choice = qm.packs_faster(lib)
+    assert isinstance(choice, bool)
+    hits = qm._packs_faster.cache_info().hits
+    assert qm.packs_faster(lib) is choice
+    assert qm._packs_faster.cache_info().hits == hits + 1
+    if qm.isa(lib) == 0:
+        assert choice is False  # the portable build's linear leaves every row count to torch's GEMM
+
+
+def test_the_probe_times_both_paths_at_one_and_eight_rows(lib):
+    if qm.isa(lib) == 0:
+        pytest.skip("the portable build is never probed")
+    best_row, best_packed = qm._probe_packing(lib)
+    assert len(best_row) == len(best_packed) == len(qm._PROBE_ROWS) == 2
+    assert all(isinstance(t, int) and t > 0 for t in best_row + best_packed)
+
+
+@pytest.mark.parametrize("timings, packs", [
+    (([100, 800], [94, 800]), True),   # 6 % faster at one row, level at eight
+    (([100, 800], [94, 820]), True),   # 2.4 % slower at eight: within the noise allowed
+    (([100, 800], [97, 700]), False),  # 3 % faster at one row only
+    (([100, 800], [60, 900]), False),  # far faster at one row, 11 % slower at eight
+    (([100, 800], [130, 700]), False),
+])
+def test_packs_faster_packs_when_clearly_faster_at_one_row_and_not_slower_at_eight(monkeypatch, lib, timings, packs):
+    if qm.isa(lib) == 0:
+        pytest.skip("the portable build never packs, whatever the timings")
+    monkeypatch.setattr(qm, "_probe_packing", lambda _lib: timings)
+    qm._packs_faster.cache_clear()
+    try:
+        assert qm.packs_faster(lib) is packs
+    finally:
+        qm._packs_faster.cache_clear()  # the next caller measures for real
 
 
 @pytest.mark.parametrize("n, k", [(1, 32), (17, 96), (32, 64), (45, 576), (100, 160)])

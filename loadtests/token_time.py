@@ -1,8 +1,9 @@
-"""Where a single stream's output token goes in `kvmesh serve` (issue 16, item 3).
+"""Where a step's time goes in `kvmesh serve` (issue 16, item 3): a single stream's output token, or
+with --concurrency N a step of N streams.
 
-Starts `kvmesh serve` (its four processes), sends --requests short chat completions one after
-another (concurrency 1, greedy, EOS ignored, --max-tokens each), and splits the time per output
-token from the services' own metrics (deltas over the run; a run is mostly decode steps, the one
+Starts `kvmesh serve` (its four processes), sends --requests short chat completions, --concurrency
+sessions each sending its share one after another (greedy, EOS ignored, --max-tokens each), and
+splits the time per engine step from the services' own metrics (deltas over the run; a run is mostly decode steps, the one
 prefill step per request is included, which makes "between steps" slightly negative) and the client's clock:
 
   model forward      the worker's forward pass (kvmesh_worker_forward_seconds)
@@ -55,11 +56,18 @@ def delta(before: dict[str, float], after: dict[str, float], name: str) -> float
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
-async def stream(url: str, requests: int, max_tokens: int) -> list[RequestResult]:
+async def stream(url: str, requests: int, max_tokens: int, concurrency: int = 1) -> list[RequestResult]:
+    """`requests` chat completions, `concurrency` sessions each sending its share one after another."""
+    sessions = [range(c, requests, concurrency) for c in range(concurrency)]
+    done = await asyncio.gather(*(session(url, numbers, max_tokens) for numbers in sessions))
+    return [result for results in done for result in results]
+
+
+async def session(url: str, numbers: range, max_tokens: int) -> list[RequestResult]:
     endpoint = Endpoint(url, "smollm2", {"ignore_eos": True})
     results = []
     async with httpx.AsyncClient(timeout=None) as client:
-        for i in range(requests):
+        for i in numbers:
             messages = [{"role": "user", "content": f"Question {i}: tell me about the history of the number {i}."}]
             result = await send(client, endpoint, messages, max_tokens, timeout=300)
             if result.error:
@@ -68,8 +76,9 @@ async def stream(url: str, requests: int, max_tokens: int) -> list[RequestResult
     return results
 
 
-def run(flags: list[str], env: dict[str, str], requests: int, max_tokens: int) -> dict[str, float]:
-    """ms per output token in each row of ROWS, plus the client's mean TPOT ("tpot")."""
+def run(flags: list[str], env: dict[str, str], requests: int, max_tokens: int, concurrency: int) -> dict[str, float]:
+    """ms per engine step in each row of ROWS (at concurrency 1 about one output token each), plus the
+    client's mean TPOT ("tpot")."""
     proc, ready, _ = start_serve(flags, env=env)
     try:
         api = ready["api"].removesuffix("/v1")
@@ -77,12 +86,12 @@ def run(flags: list[str], env: dict[str, str], requests: int, max_tokens: int) -
         worker_url, engine_url = services["worker"]["metrics"], services["engine"]["metrics"]
         asyncio.run(stream(api, 1, 8))  # warm-up
         w0, e0 = scrape(worker_url), scrape(engine_url)
-        results = asyncio.run(stream(api, requests, max_tokens))
+        results = asyncio.run(stream(api, requests, max_tokens, concurrency))
         w1, e1 = scrape(worker_url), scrape(engine_url)
     finally:
         stop_serve(proc)
-    tokens = delta(e0, e1, "vllm:generation_tokens_total")
-    ms = {name: 1e3 * delta(*pair, metric) / tokens for name, pair, metric in (
+    steps = delta(e0, e1, "kvmesh_engine_step_seconds_count")
+    ms = {name: 1e3 * delta(*pair, metric) / steps for name, pair, metric in (
         ("forward", (w0, w1), "kvmesh_worker_forward_seconds_sum"),
         ("execute", (w0, w1), "kvmesh_worker_execute_seconds_sum"),
         ("handling", (w0, w1), "kvmesh_grpc_server_handling_seconds_sum:ExecuteModel"),
@@ -91,7 +100,7 @@ def run(flags: list[str], env: dict[str, str], requests: int, max_tokens: int) -
     )}
     # The engine's inter-token latency counts one fewer gap per request than tokens.
     itl = 1e3 * delta(e0, e1, "vllm:inter_token_latency_seconds_sum") / delta(
-        e0, e1, "vllm:inter_token_latency_seconds_count")
+        e0, e1, "vllm:inter_token_latency_seconds_count")  # ~ a step at any concurrency
     tpot = 1e3 * statistics.mean(r.tpot for r in results)
     return {
         "model forward": ms["forward"],
@@ -109,6 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=1, help="sessions in flight")
     parser.add_argument("--variant", action="append", default=[], help="NAME=VAR=VALUE[,VAR=VALUE]")
     parser.add_argument("--flags", default="--kv-cache-memory 256MiB", help="kvmesh serve's flags")
     args = parser.parse_args()
@@ -119,9 +129,9 @@ def main() -> None:
     order = list(variants) + list(reversed(variants)) if len(variants) > 1 else ["default"]
     runs: dict[str, list[dict[str, float]]] = defaultdict(list)
     for name in order:
-        runs[name].append(run(args.flags.split(), variants[name], args.requests, args.max_tokens))
+        runs[name].append(run(args.flags.split(), variants[name], args.requests, args.max_tokens, args.concurrency))
         print(f"token_time: {name}: TPOT {runs[name][-1]['tpot']:.1f} ms", flush=True)
-    print(f"\nms per output token, {args.requests} requests x {args.max_tokens} tokens at concurrency 1 "
+    print(f"\nms per engine step, {args.requests} requests x {args.max_tokens} tokens at concurrency {args.concurrency} "
           f"(each cell: the runs of that variant, in order); load average {os.getloadavg()[0]:.1f} after")
     print("| | " + " | ".join(variants) + " |\n| --- |" + " ---: |" * len(variants))
     for row in (*ROWS, "tpot"):

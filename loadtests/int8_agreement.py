@@ -13,6 +13,7 @@ Run from the repository root (a few minutes on 2 cores):
 
     .venv/bin/python -m loadtests.int8_agreement
     .venv/bin/python -m loadtests.int8_agreement --quantization gguf --model smollm2   # the exact path
+    .venv/bin/python -m loadtests.int8_agreement --quantization gguf --model smollm2 --dtype auto  # bf16 prefill
 """
 
 from __future__ import annotations
@@ -31,11 +32,14 @@ from tests.model.prompts import conversations, raw_prompts
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quantization", default="int8")
+    parser.add_argument("--dtype", default="float32",
+                        help="auto: a GGUF model's prefill GEMMs in bfloat16 where the CPU has its instructions")
     parser.add_argument("--model", default=None, help="default: the converted float32 folder of smollm2")
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     folder = resolve_model("smollm2")
-    llm = LLM(model=args.model or str(folder), quantization=args.quantization, kv_cache_memory=256 * 2**20)
+    llm = LLM(model=args.model or str(folder), quantization=args.quantization, kv_cache_memory=256 * 2**20,
+              dtype=args.dtype)
     tokenizer = llm.get_tokenizer()
     prompts = [apply_chat_template(tokenizer, c) for c in conversations()]
     prompts += [tokenizer.encode(p) for p in raw_prompts()]

@@ -52,7 +52,7 @@ LOOPBACK = "127.0.0.1"
 URL_WAIT = 30.0  # seconds a --url server (already started) may take to answer /health
 STOP_TIMEOUT = 30.0  # seconds a server gets to stop after SIGTERM (kvmesh serve needs about 10)
 TRANSFORMERS_PAGE_SIZE = 256  # tokens per KV block of transformers' continuous batching (its default)
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "auto": 4, "bfloat16": 2, "float16": 2}  # auto: float32 KV for the GGUF default
 VLLM_EXTRAS = {"ignore_eos": True, "stream_options": {"include_usage": True}}
 
 

@@ -142,6 +142,17 @@ def resolve_dtype(dtype: str, quantization: str, model: str, device: torch.devic
     return torch.float32
 
 
+def prefill_gemm_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype of the large-M matmuls (prefill chunks) of weights kept in GGUF blocks: bfloat16 for
+    `--dtype auto` on a CPU with bfloat16 instructions (AVX512_BF16, AMX-BF16: torch's bfloat16 GEMM
+    runs 4-5x its float32 one there, docs/benchmarks.md), else float32. Decode steps stay float32 over
+    the exact weights either way; a prompt's KV then carries bfloat16 rounding, as llama.cpp's bf16
+    files do (its agreement with transformers: loadtests/int8_agreement.py --dtype auto)."""
+    if dtype == "auto" and device.type == "cpu" and (cpu_has("avx512_bf16") or cpu_has("amx_bf16")):
+        return torch.bfloat16
+    return torch.float32
+
+
 def gguf_weights_for(quantization: str, model: str, device: torch.device, dtype: torch.dtype,
                      cache_dir: Path) -> GGUFWeights | LoadQuantizedWeights | None:
     """The weights to keep in GGUF blocks for `--quantization` (config.QUANTIZATIONS), or None for

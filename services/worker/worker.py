@@ -22,7 +22,9 @@ from services.common.config import (CacheConfig, DisaggregationConfig, ModelConf
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.attention import get_attention_backend
-from services.worker.gguf_weights import gguf_weights_for, resolve_dtype
+from services.worker.gguf_weights import gguf_weights_for, prefill_gemm_dtype, resolve_dtype
+from services.worker.layers.linear import MergedLinear, RowParallelLinear
+from services.worker.layers.quantized_weight import use_gemm_dtype
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
 from services.common.model_files import model_id_of
 from services.worker.loader import load_model, resolve_model
@@ -47,6 +49,10 @@ class Worker:
         gguf_weights = gguf_weights_for(model_config.quantization, model_config.model, self.device, self.dtype,
                                         cache_dir)
         self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device, self.tp, gguf_weights)
+        gemm_dtype = prefill_gemm_dtype(model_config.dtype, self.device)
+        if gguf_weights is not None and gemm_dtype != torch.float32:  # the layers', not the LM head's
+            linears = [m for m in self.model.modules() if isinstance(m, (MergedLinear, RowParallelLinear))]
+            use_gemm_dtype(linears, gemm_dtype)
         self.backend = get_attention_backend(worker_config.attention_backend, self.device, cache_dir)
         if self.device.type == "cpu" and cpu_decoder.available(cache_dir):
             native_decoder.enable(self.model)  # the CPU's small steps as one native call, where it can

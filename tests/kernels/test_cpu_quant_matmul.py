@@ -89,6 +89,18 @@ def test_linear_either_path_equals_f_linear_with_bias(lib, rows):
     torch.testing.assert_close(got[0], F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
+def test_linear_takes_its_gemm_in_bfloat16_when_asked_and_its_tiles_stay_float32(lib):
+    blocks, weight = quantized(24, 128, QuantType.Q8_0, seed=9)
+    bias = torch.randn(24)
+    for rows in (1, qm.gemm_rows(lib)):
+        x = torch.randn(rows, 128)
+        got = qm.linear(x, blocks, QuantType.Q8_0, 128, bias, lib, gemm_dtype=torch.bfloat16)
+        if rows < qm.gemm_rows(lib):  # the tiles: float32 over the exact weight, as without the option
+            assert torch.equal(got, qm.linear(x, blocks, QuantType.Q8_0, 128, bias, lib))
+        else:  # torch's bfloat16 GEMM over x and W rounded to bfloat16, then the float32 bias
+            assert torch.equal(got, F.linear(x.bfloat16(), weight.bfloat16()).float() + bias)
+
+
 def test_the_portable_build_leaves_every_row_count_to_torch_gemm(lib):
     # Where the tiles are slower than dequantize + GEMM (docs/benchmarks.md), linear never takes them.
     assert qm.gemm_rows(lib) == {0: 1, 256: 64, 512: 256}[qm.isa(lib)]

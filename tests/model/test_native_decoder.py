@@ -2,7 +2,8 @@
 modules it replaces on the CPU's small steps: the same kernels in the same order, so the same bits.
 The default model (its GGUF file's blocks) generates with the native path and again without it:
 every token and every logprob is equal, over decode steps of many sequences, prefill chunks mixed
-with decodes, and prompt logprobs; steps of more tokens than the GEMM threshold keep the modules."""
+with decodes, and prompt logprobs; steps of more tokens than the GEMM threshold keep the modules. And `--dtype auto`,
+whose prefill chunks multiply in bfloat16 where the CPU has its instructions."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from kernels import cpu_quant_matmul
 from services import LLM, SamplingParams
 from services.worker.attention.torch_backend import NativeAttentionPlan
 from services.worker.forward_context import ForwardContext, set_forward_context
+from services.worker.gguf_weights import prefill_gemm_dtype
+from services.worker.layers.linear import MergedLinear, RowParallelLinear
 from services.worker.native_decoder import NativeDecoder
 
 KV_BYTES = 64 << 20
@@ -77,3 +80,19 @@ def test_steps_of_many_tokens_go_through_the_modules(llm: LLM):
     plan = NativeAttentionPlan(*(torch.zeros(1),) * 6)
     with set_forward_context(ForwardContext(None, plan, [], None)):
         assert native.forward(hidden, torch.zeros(hidden.shape[0], 64)) is None
+
+
+def test_dtype_auto_reads_long_prompts_with_bfloat16_gemms_where_the_cpu_has_them(llm: LLM):
+    want = prefill_gemm_dtype("auto", torch.device("cpu"))
+    with LLM(model="smollm2", dtype="auto", kv_cache_memory=KV_BYTES) as auto:
+        model = auto.worker.runner.model
+        layers = [m for m in model.modules() if isinstance(m, (MergedLinear, RowParallelLinear))]
+        assert layers and {m.block_weight.gemm_dtype for m in layers} == {want}
+        assert model.lm_head.block_weight.gemm_dtype == torch.float32  # logits stay float32
+        prompt = llm.get_tokenizer().encode("The history of the river and its bridges. " * 60)
+        assert len(prompt) > cpu_quant_matmul.gemm_rows()  # read through the GEMM
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+        fast, exact = auto.generate([prompt], params)[0], llm.generate([prompt], params)[0]
+    assert len(fast.outputs[0].token_ids) == 8
+    if want == torch.float32:  # no bfloat16 instructions: auto is the exact path
+        assert fast.outputs[0].token_ids == exact.outputs[0].token_ids

@@ -15,9 +15,9 @@ from kernels import cpu_quant_matmul
 from kernels.cpu_quant_matmul import QuantType
 from kernels.native import cpu_has
 from services.common.config import ModelConfig, default_cache_dir
-from services.worker.gguf_weights import LoadQuantizedWeights, resolve_dtype
+from services.worker.gguf_weights import LoadQuantizedWeights, prefill_gemm_dtype, resolve_dtype
 from services.worker.layers.linear import MergedLinear, RowParallelLinear, ShardRows
-from services.worker.layers.quantized_weight import GGUFBlocks
+from services.worker.layers.quantized_weight import GGUFBlocks, use_gemm_dtype
 from services.worker.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from services.worker.parallel_group import TensorParallelGroup
 
@@ -133,3 +133,16 @@ def test_dtype_auto_is_float32_for_blocks_and_bfloat16_only_with_its_instruction
     assert resolve_dtype("auto", "auto", str(tmp_path), cpu) == floats
     assert resolve_dtype("bfloat16", "auto", "smollm2", cpu) == torch.bfloat16  # asked for: as asked
     assert ModelConfig(dtype="auto", quantization="gguf").dtype == "auto"
+
+
+def test_dtype_auto_multiplies_prefill_chunks_in_bfloat16_only_with_its_instructions():
+    cpu = torch.device("cpu")
+    has_bf16 = cpu_has("avx512_bf16") or cpu_has("amx_bf16")
+    assert prefill_gemm_dtype("auto", cpu) == (torch.bfloat16 if has_bf16 else torch.float32)
+    assert prefill_gemm_dtype("float32", cpu) == torch.float32  # the default stays exact
+    layer = qkv_layer()
+    for shard, (start, size) in layer.shard_offsets.items():
+        source, _ = blocks(layer.shards[shard].total, HIDDEN, QuantType.Q8_0, seed=start)
+        layer.load_shard(layer.weight, shard, source, f"{shard}.weight")
+    assert use_gemm_dtype([layer, qkv_layer()], torch.bfloat16) == 1  # the one holding blocks
+    assert layer.block_weight.gemm_dtype == torch.bfloat16

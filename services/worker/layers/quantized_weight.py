@@ -85,10 +85,12 @@ class BlockWeight(NamedTuple):
     cols: int
     rows: int
     packed: bool = False
+    gemm_dtype: torch.dtype = torch.float32  # of large-M calls (cpu_quant_matmul.linear): `use_gemm_dtype`
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, W, bias): x [..., cols] float32 -> [..., rows]."""
-        return cpu_quant_matmul.linear(x, self.blocks, self.qtype, self.cols, bias, n=self.rows if self.packed else None)
+        return cpu_quant_matmul.linear(x, self.blocks, self.qtype, self.cols, bias, n=self.rows if self.packed else None,
+                                       gemm_dtype=self.gemm_dtype)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """F.embedding(ids, W): the rows of `ids`, dequantized -> [len(ids), cols] float32."""
@@ -155,3 +157,14 @@ class BlockWeightHolder:
         if self.block_weight is not None:
             return self.block_weight.embedding(ids)
         return F.embedding(ids, self.weight)
+
+
+def use_gemm_dtype(layers: Sequence[BlockWeightHolder], dtype: torch.dtype) -> int:
+    """Large-M calls (prefill chunks) of these layers' block weights multiply in `dtype` (the weights
+    themselves stay as they are; small steps are unchanged). Returns how many layers it changed."""
+    changed = 0
+    for layer in layers:
+        if layer.block_weight is not None:
+            layer.block_weight = layer.block_weight._replace(gemm_dtype=dtype)
+            changed += 1
+    return changed

@@ -82,6 +82,7 @@ def test_steps_of_many_tokens_go_through_the_modules(llm: LLM):
         assert native.forward(hidden, torch.zeros(hidden.shape[0], 64)) is None
 
 
+@pytest.mark.slow  # a second model in memory
 def test_dtype_auto_reads_long_prompts_with_bfloat16_gemms_where_the_cpu_has_them(llm: LLM):
     want = prefill_gemm_dtype("auto", torch.device("cpu"))
     with LLM(model="smollm2", dtype="auto", kv_cache_memory=KV_BYTES) as auto:

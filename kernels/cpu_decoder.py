@@ -68,7 +68,6 @@ _KERNEL = native.Kernel(_NAME, _BASE_FLAGS, _declare)
 build, available = _KERNEL.build, _KERNEL.available
 
 
-
 def ops() -> Ops | None:
     """The kernels' served builds as the driver's Ops, or None when any of them (or the driver) is not built."""
     names = ("quant_matmul", "fused_ops", "paged_decode_attention", _NAME)

@@ -58,7 +58,6 @@ def _library() -> ctypes.CDLL:
     return native.library(_NAME)
 
 
-
 def usable(x: torch.Tensor) -> bool:
     """Whether the fused ops can take `x`: a CPU tensor of a supported dtype, and the ops built."""
     return x.device.type == "cpu" and x.dtype in _DTYPES and native.is_built(_NAME)

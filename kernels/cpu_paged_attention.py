@@ -48,7 +48,6 @@ def _library() -> ctypes.CDLL:
     return native.library(_NAME)
 
 
-
 def paged_decode_attention(
     out: torch.Tensor,  # [B, H, D], written
     q: torch.Tensor,  # [B, H, D]

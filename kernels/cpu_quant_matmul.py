@@ -11,7 +11,11 @@ float32's 4) and are dequantized exactly, a panel at a time, next to a float32 m
 
 The activations are float32 and stay so (llama.cpp's own Q4_1 path quantizes them to 8 bits; this
 one does not): the result is a float32 matmul over the dequantized weights up to the order of the
-sum. A block type is named by its GGML id (`QuantType`), as in the file.
+sum. A block type is named by its GGML id (`QuantType`), as in the file. The exception is BF16, the
+bfloat16 copy `--dtype auto` keeps of a layer's weights for its larger steps (never a file's blocks):
+on a CPU with AVX512_BF16 its tiles round x to bfloat16 and take the bfloat16 dot-product
+instruction, twice the float32 FMA's work per instruction; from `gemm_rows` its weight goes to
+torch's bfloat16 GEMM as it is.
 """
 
 from __future__ import annotations
@@ -50,9 +54,11 @@ class QuantType(IntEnum):
     F16 = 1
     Q4_1 = 3
     Q8_0 = 8
+    BF16 = 30  # `--dtype auto`'s copies only (above): a file's BF16 tensors are dequantized at load
 
 
-BLOCK_BYTES = {QuantType.F16: 64, QuantType.Q4_1: 20, QuantType.Q8_0: 34}
+BLOCK_BYTES = {QuantType.F16: 64, QuantType.Q4_1: 20, QuantType.Q8_0: 34, QuantType.BF16: 64}
+FILE_TYPES = (QuantType.F16, QuantType.Q4_1, QuantType.Q8_0)  # the blocks kept as a GGUF file holds them
 
 
 def row_bytes(qtype: QuantType, k: int) -> int:
@@ -68,6 +74,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "quant_dequantize": (None, [_P, _P, _I64, _I64, _I64, _INT, _INT]),
         "quant_block_bytes": (_I64, [_INT]),
         "quant_matmul_isa": (_INT, []),
+        "quant_matmul_bf16_dot": (_INT, []),
         "quant_packed_bytes": (_I64, [_I64, _I64]),
         "quant_pack_q4_1": (None, [_P, _P, _I64, _I64, _I64]),
         "quant_matmul_packed": (None, [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT]),
@@ -93,6 +100,12 @@ def is_built() -> bool:
 def isa(lib: ctypes.CDLL | None = None) -> int:
     """The vector width in bits the build runs (512, 256), 0 for the portable C path."""
     return (lib or native.library(_NAME)).quant_matmul_isa()
+
+
+def bf16_dot(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the build's BF16 tiles round x to bfloat16 for the dot-product instruction
+    (AVX512_BF16); without it they widen the weights to float32 instead."""
+    return bool((lib or native.library(_NAME)).quant_matmul_bf16_dot())
 
 
 @functools.cache
@@ -124,6 +137,11 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int,
             y.data_ptr(), n, x.data_ptr(), x.stride(0), blocks.data_ptr(), blocks.shape[1], m, n, k, qtype,
             _threads(m * n * k))
     return y
+
+
+def to_bf16_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """A float [N, k] weight rounded to bfloat16 as BF16 blocks: [N, 2k] uint8."""
+    return weight.to(torch.bfloat16).contiguous().view(torch.uint8)
 
 
 def dequantize(blocks: torch.Tensor, qtype: QuantType, k: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
@@ -282,25 +300,23 @@ def dequantize_packed(packed: torch.Tensor, n: int, k: int, lib: ctypes.CDLL | N
 
 
 def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int, bias: torch.Tensor | None = None,
-           lib: ctypes.CDLL | None = None, n: int | None = None,
-           gemm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+           lib: ctypes.CDLL | None = None, n: int | None = None) -> torch.Tensor:
     """F.linear(x, W, bias) for W in blocks: x [..., k] float32 -> [..., N] float32. With `n`, `blocks`
-    is `pack`'s [n, k] weight. From `gemm_rows` rows up the dequantized weight goes to torch's GEMM in
-    `gemm_dtype`: bfloat16 rounds x and W to bfloat16 there (4-5x float32's speed on a CPU with
-    AVX512_BF16 or AMX, `--dtype auto`), float32 keeps the exact weights."""
+    is `pack`'s [n, k] weight. From `gemm_rows` rows up the dequantized weight goes to torch's GEMM
+    (BF16: the weight as it is, with x rounded to bfloat16)."""
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     packed = n is not None
     n = n if packed else blocks.shape[0]
-    if rows.shape[0] >= gemm_rows(lib):
+    if rows.shape[0] >= gemm_rows(lib) and qtype == QuantType.BF16:
+        _check_weight(blocks, qtype, k)
+        y = F.linear(rows.to(torch.bfloat16), blocks.view(torch.bfloat16)).float()
+        if bias is not None:
+            y += bias
+    elif rows.shape[0] >= gemm_rows(lib):
         weight = dequantize_packed(blocks, n, k, lib) if packed else dequantize(blocks, qtype, k, lib)
-        if gemm_dtype == torch.float32:
-            y = F.linear(rows, weight, bias)
-        else:
-            y = F.linear(rows.to(gemm_dtype), weight.to(gemm_dtype)).float()
-            if bias is not None:
-                y += bias
+        y = F.linear(rows, weight, bias)
     else:
         y = matmul_packed(rows, blocks, n, k, lib) if packed else matmul(rows, blocks, qtype, k, lib)
         if bias is not None:

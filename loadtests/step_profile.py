@@ -7,6 +7,7 @@ only inside `model.forward`.
 
     .venv/bin/python -m loadtests.step_profile 1
     .venv/bin/python -m loadtests.step_profile 32
+    .venv/bin/python -m loadtests.step_profile 32 auto     # with --dtype auto
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def timed(owner, name: str, label: str) -> None:
 
 def main() -> None:
     rows = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-    llm = LLM(model="smollm2")
+    dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
+    llm = LLM(model="smollm2", dtype=dtype)
     for owner, name, label in (
         (quant_matmul, "matmul_packed", "matmul_packed"), (quant_matmul, "matmul", "matmul (LM head)"),
         (quant_matmul, "linear", "linear (all)"), (fused_ops, "add_rms_norm", "add_rms_norm"),
@@ -65,7 +67,7 @@ def main() -> None:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
         runs[tokens] = (time.perf_counter() - start, dict(TOTALS))
     (short, short_parts), (long, long_parts) = runs[4], runs[68]
-    print(f"M={rows}: per decode step {(long - short) / 64 * 1e3:.2f} ms")
+    print(f"M={rows} {dtype}: per decode step {(long - short) / 64 * 1e3:.2f} ms")
     per_step = {k: (v - short_parts.get(k, 0.0)) / 64 * 1e3 for k, v in long_parts.items()}
     for label, ms in sorted(per_step.items(), key=lambda item: -item[1]):
         print(f"  {label:32s} {ms:7.3f} ms")

@@ -7,6 +7,7 @@
  *                            q[j] = qs[j] & 15 for j < 16, qs[j - 16] >> 4 for j >= 16
  *   Q8_0 (type 8, 34 bytes)  f16 d | 32 int8 qs             w[j] = d * qs[j]
  *   F16  (type 1, 64 bytes)  32 f16                          w[j] = (float) h[j]
+ *   BF16 (type 30, 64 bytes) 32 bf16                         w[j] = (float) h[j]
  *
  * d * q is exact in float32 (an 11-bit mantissa times at most 8 bits), so d * q + m rounds once,
  * whether by an FMA or by a multiply and an add: the weights used are bit for bit those of gguf's
@@ -22,6 +23,11 @@
  *
  * The layers' Q4_1 weights take another layout and path ("packed Q4_1" below): the tiles here serve
  * the LM head / embedding (Q8_0, looked up by row too) and the other block types.
+ *
+ * BF16 weights (`--dtype auto`'s copy of a layer's weights for its larger steps) are the exception to
+ * "activations never quantized": on a CPU with AVX512_BF16, x is rounded to bfloat16 too and the
+ * tiles take vdpbf16ps, two multiply-adds a lane per instruction (twice the float32 FMA's), with no
+ * dequantization at all; elsewhere the weights are widened to float32 like the other types.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,7 +39,7 @@
 /* A read-ahead hint (no fault, whatever the address). */
 #define PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
 
-enum { TYPE_F16 = 1, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 };
+enum { TYPE_F16 = 1, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_BF16 = 30 };
 #define QK 32 /* weights per block, all three types */
 #define NR 4  /* output rows per panel */
 /* Panels ahead that a thread prefetches its weights (2.9 KB of Q4_1, 4.9 KB of Q8_0 at K = 576):
@@ -113,6 +119,7 @@ static inline float f16_to_f32(uint16_t h) {
 int64_t quant_block_bytes(int type) {
     switch (type) {
     case TYPE_F16: return 2 * QK;
+    case TYPE_BF16: return 2 * QK;
     case TYPE_Q4_1: return 4 + QK / 2;
     case TYPE_Q8_0: return 2 + QK;
     default: return 0;
@@ -165,6 +172,21 @@ static inline __attribute__((always_inline)) void load_block(vec out[NV], const 
         const float d = f16_to_f32(read_u16(src));
         for (int j = 0; j < QK; j++) out[j / VL].v[j % VL] = d * (float)qs[j];
 #endif
+    } else if (type == TYPE_BF16) { /* bfloat16 -> float32 is a 16-bit shift */
+#if ISA == 512
+        for (int i = 0; i < 2; i++)
+            out[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + 32 * i))), 16));
+#elif ISA == 256
+        for (int i = 0; i < 4; i++)
+            out[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 16 * i))), 16));
+#else
+        for (int j = 0; j < QK; j++) {
+            const uint32_t bits = (uint32_t)read_u16(src + 2 * j) << 16;
+            memcpy(&out[j / VL].v[j % VL], &bits, sizeof bits);
+        }
+#endif
     } else { /* TYPE_F16 */
 #if ISA == 512
         for (int i = 0; i < 2; i++) out[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 32 * i)));
@@ -208,6 +230,7 @@ static void dequantize_row(float *dst, const uint8_t *src, int64_t k, int type) 
     case TYPE_Q4_1: dequantize_row_t(dst, src, k, TYPE_Q4_1, 20); break;
     case TYPE_Q8_0: dequantize_row_t(dst, src, k, TYPE_Q8_0, 34); break;
     case TYPE_F16: dequantize_row_t(dst, src, k, TYPE_F16, 64); break;
+    case TYPE_BF16: dequantize_row_t(dst, src, k, TYPE_BF16, 64); break;
     }
 }
 
@@ -345,7 +368,94 @@ static void tile_blocks_any(float *y, int64_t ldy, const float *x, int64_t ldx, 
     case TYPE_Q4_1: BLOCKS_MR(TYPE_Q4_1, 20); break;
     case TYPE_Q8_0: BLOCKS_MR(TYPE_Q8_0, 34); break;
     case TYPE_F16: BLOCKS_MR(TYPE_F16, 64); break;
+    case TYPE_BF16: BLOCKS_MR(TYPE_BF16, 64); break;
     }
+}
+
+/* ------------------------------------------------------------------------------ bfloat16 dot products */
+
+#if defined(__AVX512BF16__) && ISA == 512
+#define BF16_DOT 1
+/* y[r][c] (r < mr, c < nr) = xb[r] . w[c] over k, both bfloat16 (rows ldx and ldw elements apart):
+ * 32 products per vdpbf16ps, pairs summed in float32 in each lane; then `store_sums`. */
+static inline __attribute__((always_inline)) void tile_bf16(
+    float *y, int64_t ldy, const uint16_t *xb, int64_t ldx, const uint16_t *w, int64_t ldw, int64_t k,
+    const int mr, const int nr, const uint16_t *pf)
+{
+    vec acc[MR][NR];
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nr; c++) acc[r][c] = VZERO();
+    for (int64_t i = 0; i < k; i += 2 * VL) {
+        if (pf != NULL)
+            for (int c = 0; c < NR; c++) PREFETCH(pf + c * ldw + i);
+        __m512bh wv[NR];
+        for (int c = 0; c < nr; c++) {
+            wv[c] = (__m512bh)_mm512_loadu_si512(w + c * ldw + i);
+            IN_REGISTER(wv[c]);
+        }
+        for (int r = 0; r < mr; r++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + r * ldx + i);
+            IN_REGISTER(xv);
+            for (int c = 0; c < nr; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        store_sums(y + r * ldy, acc[r], nr);
+}
+
+#define TILE_BF16_NR(mr_) \
+    switch (nr) { \
+    case 4: tile_bf16(y, ldy, xb, ldx, w, ldw, k, mr_, 4, pf); break; \
+    case 3: tile_bf16(y, ldy, xb, ldx, w, ldw, k, mr_, 3, pf); break; \
+    case 2: tile_bf16(y, ldy, xb, ldx, w, ldw, k, mr_, 2, pf); break; \
+    default: tile_bf16(y, ldy, xb, ldx, w, ldw, k, mr_, 1, pf); break; \
+    }
+
+static void tile_bf16_any(float *y, int64_t ldy, const uint16_t *xb, int64_t ldx, const uint16_t *w, int64_t ldw,
+                          int64_t k, int mr, int nr, const uint16_t *pf) {
+    switch (mr) {
+    case 4: TILE_BF16_NR(4); break;
+    case 3: TILE_BF16_NR(3); break;
+    case 2: TILE_BF16_NR(2); break;
+    default: TILE_BF16_NR(1); break;
+    }
+}
+
+/* quant_matmul for BF16 weights: x rounded to bfloat16 once (to nearest even), then the tiles. */
+static void matmul_bf16(float *y, int64_t ldy, const float *x, int64_t ldx, const uint16_t *w,
+                        int64_t M, int64_t N, int64_t K, int num_threads)
+{
+    uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * M * K + 64);
+    if (xb == NULL) return;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = 0; i < K; i += 2 * VL) {
+            const __m512 lo = _mm512_loadu_ps(x + m * ldx + i), hi = _mm512_loadu_ps(x + m * ldx + i + VL);
+            _mm512_storeu_si512(xb + m * K + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    const int64_t panels = (N + NR - 1) / NR;
+    if (num_threads > panels) num_threads = (int)panels;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t n0 = p * NR;
+        const int nr = N - n0 < NR ? (int)(N - n0) : NR;
+        const uint16_t *pf = p + PF_PANELS < panels ? w + (n0 + PF_PANELS * NR) * K : NULL;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+            /* the next panels' weights are read ahead while the first rows of x go through this one */
+            tile_bf16_any(y + m0 * ldy + n0, ldy, xb + m0 * K, K, w + n0 * K, K, K, mr, nr, m0 == 0 ? pf : NULL);
+        }
+    }
+    free(xb);
+}
+#endif
+
+/* Whether BF16 weights meet x rounded to bfloat16 in dot-product instructions (1) or float32 x (0). */
+int quant_matmul_bf16_dot(void) {
+#if defined(BF16_DOT)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* ------------------------------------------------------------------------------ entry points */
@@ -355,6 +465,12 @@ static void tile_blocks_any(float *y, int64_t ldy, const float *x, int64_t ldx, 
 void quant_matmul(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
                   int64_t M, int64_t N, int64_t K, int type, int num_threads)
 {
+#if defined(BF16_DOT)
+    if (type == TYPE_BF16 && row_bytes == 2 * K) {
+        matmul_bf16(y, ldy, x, ldx, (const uint16_t *)w, M, N, K, num_threads);
+        return;
+    }
+#endif
     const int64_t panels = (N + NR - 1) / NR;
     if (num_threads > panels) num_threads = (int)panels;
     #pragma omp parallel num_threads(num_threads)

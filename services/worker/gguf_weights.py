@@ -76,6 +76,8 @@ class GGUFWeights:
             qtype = QuantType(int(tensor.tensor_type))
         except ValueError:
             return None
+        if qtype not in cpu_quant_matmul.FILE_TYPES:
+            return None
         cols, rows = (int(n) for n in tensor.shape)  # GGUF lists the fastest dimension first
         data = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
         if cols % cpu_quant_matmul.BLOCK or data.shape[1] != cpu_quant_matmul.row_bytes(qtype, cols):
@@ -142,11 +144,13 @@ def resolve_dtype(dtype: str, quantization: str, model: str, device: torch.devic
     return torch.float32
 
 
-def prefill_gemm_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """The dtype of the large-M matmuls (prefill chunks) of weights kept in GGUF blocks: bfloat16 for
+def block_gemm_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype of the larger steps' matmuls (prefill chunks, decode batches from
+    quantized_weight.LOW_PRECISION_GEMM_ROWS rows) over weights kept in GGUF blocks: bfloat16 for
     `--dtype auto` on a CPU with bfloat16 instructions (AVX512_BF16, AMX-BF16: torch's bfloat16 GEMM
-    runs 4-5x its float32 one there, docs/benchmarks.md), else float32. Decode steps stay float32 over
-    the exact weights either way; a prompt's KV then carries bfloat16 rounding, as llama.cpp's bf16
+    runs 4-5x its float32 one there at prefill sizes, 1.3-2.3x the native float32 kernel from 24 rows,
+    docs/benchmarks.md), else float32. Smaller steps and the LM head stay float32 over the exact
+    weights either way; the bfloat16 steps' activations and KV carry its rounding, as llama.cpp's bf16
     files do (its agreement with transformers: loadtests/int8_agreement.py --dtype auto)."""
     if dtype == "auto" and device.type == "cpu" and (cpu_has("avx512_bf16") or cpu_has("amx_bf16")):
         return torch.bfloat16

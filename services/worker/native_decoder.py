@@ -5,7 +5,9 @@ GEMM threshold, so every linear layer is the native kernel's (decodes, short chu
 It takes a model whose every linear layer keeps its weight in GGUF blocks (the CPU default for a
 GGUF model; `--quantization int8|f16` too), in float32, at tensor-parallel size 1, with the native
 attention plan; any other model or step goes through the layers' modules. Both paths call the same
-kernels in the same order, so they agree bit for bit (tests/unit/test_native_decoder.py).
+kernels in the same order, so they agree bit for bit (tests/model/test_native_decoder.py). Under
+`--dtype auto` the steps from `LOW_PRECISION_GEMM_ROWS` tokens take the layers' bfloat16 copies,
+as the modules do.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ class NativeDecoder:
         attn, mlp = first.self_attn, first.mlp
         self.qkv_size = attn.q_size + 2 * attn.kv_size
         self.max_tokens = cpu_quant_matmul.gemm_rows()  # from here linear layers call torch's GEMM
+        # From here the layers' bfloat16 copies (`--dtype auto`, quantized_weight.use_gemm_dtype), if any.
+        self.low_precision_from = min(lin.block_weight.gemm_rows for lin in _linears(first))
         self.dims = cpu_decoder.Dims(
             hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
             head_size=attn.head_size, inter=mlp.down_proj.in_features,
             block_size=0, eps=first.input_layernorm.eps, scale=attn.attn.scale,
             soft_cap=attn.attn.logits_soft_cap or 0.0, num_threads=torch.get_num_threads(),
             parallel_work=cpu_quant_matmul.PARALLEL_WORK)
-        self._layers: ctypes.Array | None = None
+        self._layers: dict[bool, ctypes.Array] = {}  # by low precision
         self._caches: list[torch.Tensor] | None = None
 
     @staticmethod
@@ -43,17 +47,24 @@ class NativeDecoder:
         if cpu_decoder.ops() is None:
             return False
         for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(lin.block_weight is None for lin in linears):
+            attn = layer.self_attn
+            if any(lin.block_weight is None for lin in _linears(layer)):
                 return False
             if attn.o_proj.tp.size != 1 or layer.input_layernorm.weight.dtype != torch.float32:
                 return False
         return True
 
-    def _bind(self, kv_caches: list[torch.Tensor]) -> ctypes.Array:
-        """The layers' structs, built for this list of KV caches (the worker's, fixed once allocated)."""
+    def _bind(self, kv_caches: list[torch.Tensor], low_precision: bool) -> ctypes.Array:
+        """The layers' structs for this list of KV caches (the worker's, fixed once allocated), over
+        the exact block weights or their bfloat16 copies."""
         if self._caches is not kv_caches:
+            self._layers, self._caches = {}, kv_caches
+            self.dims.block_size = kv_caches[0].shape[2]
+        if low_precision not in self._layers:
+            def weight(linear) -> cpu_decoder.Weight:
+                block_weight = linear.block_weight.gemm_weight if low_precision else linear.block_weight
+                return cpu_decoder.weight(block_weight, linear.bias)
+
             layers = (cpu_decoder.Layer * len(self.model.layers))()
             for i, layer in enumerate(self.model.layers):
                 attn, mlp, cache = layer.self_attn, layer.mlp, kv_caches[i]
@@ -61,14 +72,10 @@ class NativeDecoder:
                     raise ValueError("the native decoder needs contiguous float32 KV caches")
                 layers[i] = cpu_decoder.Layer(
                     layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                    cpu_decoder.weight(attn.qkv_proj.block_weight, attn.qkv_proj.bias),
-                    cpu_decoder.weight(attn.o_proj.block_weight, attn.o_proj.bias),
-                    cpu_decoder.weight(mlp.gate_up_proj.block_weight, mlp.gate_up_proj.bias),
-                    cpu_decoder.weight(mlp.down_proj.block_weight, mlp.down_proj.bias),
+                    weight(attn.qkv_proj), weight(attn.o_proj), weight(mlp.gate_up_proj), weight(mlp.down_proj),
                     cache[0].data_ptr(), cache[1].data_ptr(), attn.attn.sliding_window or 0)
-            self.dims.block_size = kv_caches[0].shape[2]
-            self._layers, self._caches = layers, kv_caches
-        return self._layers
+            self._layers[low_precision] = layers
+        return self._layers[low_precision]
 
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor | None:
         """The final norm's output for this step's embeddings `hidden` [n, hidden], or None when the
@@ -77,10 +84,15 @@ class NativeDecoder:
         plan = ctx.plan
         if not isinstance(plan, NativeAttentionPlan) or hidden.shape[0] >= self.max_tokens:
             return None
-        layers = self._bind(ctx.kv_caches)
+        layers = self._bind(ctx.kv_caches, hidden.shape[0] >= self.low_precision_from)
         return cpu_decoder.forward(self.ops, self.dims, layers, self.model.norm.weight, hidden.contiguous(),
                                    cos_sin.contiguous(), plan.slot_mapping, plan.block_table, plan.seq_lens,
                                    plan.seq_of_row, self.qkv_size)
+
+
+def _linears(layer) -> tuple:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 def enable(model: torch.nn.Module) -> bool:

@@ -22,7 +22,7 @@ from services.common.config import (CacheConfig, DisaggregationConfig, ModelConf
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.attention import get_attention_backend
-from services.worker.gguf_weights import gguf_weights_for, prefill_gemm_dtype, resolve_dtype
+from services.worker.gguf_weights import gguf_weights_for, block_gemm_dtype, resolve_dtype
 from services.worker.layers.linear import MergedLinear, RowParallelLinear
 from services.worker.layers.quantized_weight import use_gemm_dtype
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
@@ -49,7 +49,7 @@ class Worker:
         gguf_weights = gguf_weights_for(model_config.quantization, model_config.model, self.device, self.dtype,
                                         cache_dir)
         self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device, self.tp, gguf_weights)
-        gemm_dtype = prefill_gemm_dtype(model_config.dtype, self.device)
+        gemm_dtype = block_gemm_dtype(model_config.dtype, self.device)
         if gguf_weights is not None and gemm_dtype != torch.float32:  # the layers', not the LM head's
             linears = [m for m in self.model.modules() if isinstance(m, (MergedLinear, RowParallelLinear))]
             use_gemm_dtype(linears, gemm_dtype)

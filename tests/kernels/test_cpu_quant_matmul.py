@@ -51,7 +51,9 @@ def test_dequantize_is_gguf_bit_for_bit(lib, qtype):
 def test_matmul_is_a_float32_matmul_over_the_dequantized_weights(lib, qtype, m, n, k):
     blocks, weight = quantized(n, k, qtype, seed=m * n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
-    want = (x.double() @ weight.double().T).float()
+    # BF16 blocks meet x rounded to bfloat16 where the build takes the dot-product instruction
+    rounded = x.bfloat16().float() if qtype == QuantType.BF16 and qm.bf16_dot(lib) else x
+    want = (rounded.double() @ weight.double().T).float()
     got = qm.matmul(x, blocks, qtype, k, lib)
     assert got.shape == (m, n)
     # float32 sums of k products in another order than float64's: well under 1e-5 relative here.
@@ -73,6 +75,17 @@ def test_a_row_sums_alike_whatever_the_batch(lib, qtype, m):
         assert torch.equal(qm.matmul(x[i : i + 1], blocks, qtype, 96, lib)[0], batch[i])
 
 
+def test_bf16_dot_products_where_the_cpu_has_them(isa, lib):
+    assert qm.bf16_dot(lib) == (isa == "native" and "avx512_bf16" in open("/proc/cpuinfo").read())
+
+
+def test_linear_takes_a_bf16_weight_to_torch_bfloat16_gemm_from_gemm_rows(lib):
+    blocks, weight = quantized(24, 128, QuantType.BF16, seed=3)
+    x, bias = torch.randn(qm.gemm_rows(lib), 128), torch.randn(24)
+    got = qm.linear(x, blocks, QuantType.BF16, 128, bias, lib)
+    assert torch.equal(got, F.linear(x.bfloat16(), weight.bfloat16()).float() + bias)
+
+
 def test_matmul_reads_x_rows_at_their_stride(lib):
     blocks, weight = quantized(6, 64, QuantType.Q4_1, seed=1)
     wide = torch.randn(5, 100)
@@ -87,18 +100,6 @@ def test_linear_either_path_equals_f_linear_with_bias(lib, rows):
     got = qm.linear(x.reshape(1, rows, 128), blocks, QuantType.Q8_0, 128, bias, lib)
     assert got.shape == (1, rows, 24)
     torch.testing.assert_close(got[0], F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
-
-
-def test_linear_takes_its_gemm_in_bfloat16_when_asked_and_its_tiles_stay_float32(lib):
-    blocks, weight = quantized(24, 128, QuantType.Q8_0, seed=9)
-    bias = torch.randn(24)
-    for rows in (1, qm.gemm_rows(lib)):
-        x = torch.randn(rows, 128)
-        got = qm.linear(x, blocks, QuantType.Q8_0, 128, bias, lib, gemm_dtype=torch.bfloat16)
-        if rows < qm.gemm_rows(lib):  # the tiles: float32 over the exact weight, as without the option
-            assert torch.equal(got, qm.linear(x, blocks, QuantType.Q8_0, 128, bias, lib))
-        else:  # torch's bfloat16 GEMM over x and W rounded to bfloat16, then the float32 bias
-            assert torch.equal(got, F.linear(x.bfloat16(), weight.bfloat16()).float() + bias)
 
 
 def test_the_portable_build_leaves_every_row_count_to_torch_gemm(lib):

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from kernels import cpu_quant_matmul
+from kernels.cpu_quant_matmul import QuantType
 from services import LLM, SamplingParams
 from services.worker.attention.torch_backend import NativeAttentionPlan
 from services.worker.forward_context import ForwardContext, set_forward_context
-from services.worker.gguf_weights import prefill_gemm_dtype
+from services.worker.gguf_weights import block_gemm_dtype
 from services.worker.layers.linear import MergedLinear, RowParallelLinear
 from services.worker.native_decoder import NativeDecoder
 
@@ -84,12 +85,13 @@ def test_steps_of_many_tokens_go_through_the_modules(llm: LLM):
 
 @pytest.mark.slow  # a second model in memory
 def test_dtype_auto_reads_long_prompts_with_bfloat16_gemms_where_the_cpu_has_them(llm: LLM):
-    want = prefill_gemm_dtype("auto", torch.device("cpu"))
+    want = block_gemm_dtype("auto", torch.device("cpu"))
     with LLM(model="smollm2", dtype="auto", kv_cache_memory=KV_BYTES) as auto:
         model = auto.worker.runner.model
         layers = [m for m in model.modules() if isinstance(m, (MergedLinear, RowParallelLinear))]
-        assert layers and {m.block_weight.gemm_dtype for m in layers} == {want}
-        assert model.lm_head.block_weight.gemm_dtype == torch.float32  # logits stay float32
+        copies = {None if m.block_weight.gemm_weight is None else m.block_weight.gemm_weight.qtype for m in layers}
+        assert layers and copies == ({QuantType.BF16} if want == torch.bfloat16 else {None})
+        assert model.lm_head.block_weight.gemm_weight is None  # logits stay float32
         prompt = llm.get_tokenizer().encode("The history of the river and its bridges. " * 60)
         assert len(prompt) > cpu_quant_matmul.gemm_rows()  # read through the GEMM
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)

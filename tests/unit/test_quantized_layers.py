@@ -15,9 +15,9 @@ from kernels import cpu_quant_matmul
 from kernels.cpu_quant_matmul import QuantType
 from kernels.native import cpu_has
 from services.common.config import ModelConfig, default_cache_dir
-from services.worker.gguf_weights import LoadQuantizedWeights, prefill_gemm_dtype, resolve_dtype
+from services.worker.gguf_weights import LoadQuantizedWeights, block_gemm_dtype, resolve_dtype
 from services.worker.layers.linear import MergedLinear, RowParallelLinear, ShardRows
-from services.worker.layers.quantized_weight import GGUFBlocks, use_gemm_dtype
+from services.worker.layers.quantized_weight import LOW_PRECISION_GEMM_ROWS, GGUFBlocks, use_gemm_dtype
 from services.worker.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from services.worker.parallel_group import TensorParallelGroup
 
@@ -135,14 +135,29 @@ def test_dtype_auto_is_float32_for_blocks_and_bfloat16_only_with_its_instruction
     assert ModelConfig(dtype="auto", quantization="gguf").dtype == "auto"
 
 
-def test_dtype_auto_multiplies_prefill_chunks_in_bfloat16_only_with_its_instructions():
+def test_dtype_auto_multiplies_larger_steps_in_bfloat16_only_with_its_instructions():
     cpu = torch.device("cpu")
     has_bf16 = cpu_has("avx512_bf16") or cpu_has("amx_bf16")
-    assert prefill_gemm_dtype("auto", cpu) == (torch.bfloat16 if has_bf16 else torch.float32)
-    assert prefill_gemm_dtype("float32", cpu) == torch.float32  # the default stays exact
+    assert block_gemm_dtype("auto", cpu) == (torch.bfloat16 if has_bf16 else torch.float32)
+    assert block_gemm_dtype("float32", cpu) == torch.float32  # the default stays exact
     layer = qkv_layer()
     for shard, (start, size) in layer.shard_offsets.items():
         source, _ = blocks(layer.shards[shard].total, HIDDEN, QuantType.Q8_0, seed=start)
         layer.load_shard(layer.weight, shard, source, f"{shard}.weight")
+    exact = layer.block_weight
     assert use_gemm_dtype([layer, qkv_layer()], torch.bfloat16) == 1  # the one holding blocks
-    assert layer.block_weight.gemm_dtype == torch.bfloat16
+    fast = layer.block_weight
+    assert fast.gemm_weight.qtype == QuantType.BF16 and fast.gemm_rows == LOW_PRECISION_GEMM_ROWS
+    assert exact.gemm_weight is None and exact.gemm_rows == cpu_quant_matmul.gemm_rows()
+    weight, bias = exact.dequantize(), torch.randn(exact.rows)
+    for rows in (1, LOW_PRECISION_GEMM_ROWS - 1):  # the kernel's tiles: float32 over the exact weight
+        x = torch.randn(rows, HIDDEN)
+        assert torch.equal(fast.linear(x, bias), exact.linear(x, bias))
+    # From LOW_PRECISION_GEMM_ROWS, the BF16 tiles: W rounded to bfloat16 (and x too, where the dot
+    # products take it), float32 sums
+    x = torch.randn(2, LOW_PRECISION_GEMM_ROWS, HIDDEN)
+    want = F.linear(x.bfloat16().float() if cpu_quant_matmul.bf16_dot() else x, weight.bfloat16().float()) + bias
+    torch.testing.assert_close(fast.linear(x, bias), want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(fast.linear(x, bias), exact.linear(x, bias), rtol=1e-4, atol=1e-4)
+    x = torch.randn(cpu_quant_matmul.gemm_rows(), HIDDEN)  # then torch's bfloat16 GEMM
+    assert torch.equal(fast.linear(x, bias), F.linear(x.bfloat16(), weight.bfloat16()).float() + bias)

@@ -52,7 +52,7 @@ class GGUFBlocks:
             qtype = QuantType(self.ggml_type)
         except ValueError:
             return None
-        return qtype if self.cols % BLOCK == 0 else None
+        return qtype if self.cols % BLOCK == 0 and qtype in cpu_quant_matmul.FILE_TYPES else None
 
     def splits_columns_at(self, *cols: int) -> bool:
         """Whether a column slice at `cols` cuts only between blocks."""
@@ -85,12 +85,18 @@ class BlockWeight(NamedTuple):
     cols: int
     rows: int
     packed: bool = False
-    gemm_dtype: torch.dtype = torch.float32  # of large-M calls (cpu_quant_matmul.linear): `use_gemm_dtype`
+    gemm_weight: BlockWeight | None = None  # the larger steps' copy (BF16 blocks): `use_gemm_dtype`
+
+    @property
+    def gemm_rows(self) -> int:
+        """The rows of x from which `linear` takes `gemm_weight`, else torch's GEMM."""
+        return LOW_PRECISION_GEMM_ROWS if self.gemm_weight is not None else cpu_quant_matmul.gemm_rows()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear(x, W, bias): x [..., cols] float32 -> [..., rows]."""
-        return cpu_quant_matmul.linear(x, self.blocks, self.qtype, self.cols, bias, n=self.rows if self.packed else None,
-                                       gemm_dtype=self.gemm_dtype)
+        """F.linear(x, W, bias): x [..., cols] float32 -> [..., rows] float32."""
+        if self.gemm_weight is not None and x.numel() >= LOW_PRECISION_GEMM_ROWS * self.cols:
+            return self.gemm_weight.linear(x, bias)
+        return cpu_quant_matmul.linear(x, self.blocks, self.qtype, self.cols, bias, n=self.rows if self.packed else None)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """F.embedding(ids, W): the rows of `ids`, dequantized -> [len(ids), cols] float32."""
@@ -159,12 +165,25 @@ class BlockWeightHolder:
         return F.embedding(ids, self.weight)
 
 
+# From this many rows a step's matmuls take the layers' bfloat16 copies under `use_gemm_dtype`. Below
+# it the Q4_1 blocks win: a step streams the layers' weights from memory, 66 MB of Q4_1 against 212 MB
+# of bfloat16; from 24 rows the kernel is bound by arithmetic, and the bfloat16 dot products do 1.4-2x
+# the float32 tiles' work (gate / down at 24-64 rows, 2 threads, AMD EPYC Zen 5, docs/benchmarks.md).
+LOW_PRECISION_GEMM_ROWS = 24
+
+
 def use_gemm_dtype(layers: Sequence[BlockWeightHolder], dtype: torch.dtype) -> int:
-    """Large-M calls (prefill chunks) of these layers' block weights multiply in `dtype` (the weights
-    themselves stay as they are; small steps are unchanged). Returns how many layers it changed."""
+    """Steps of `LOW_PRECISION_GEMM_ROWS` rows or more multiply these layers' block weights in
+    `dtype` (bfloat16, the only one): through a copy of each weight, dequantized once and rounded
+    (smaller steps keep the exact float32 kernel over the blocks). Returns how many layers it changed."""
+    if dtype != torch.bfloat16:
+        raise ValueError(f"the larger steps' copies are bfloat16, not {dtype}")
     changed = 0
     for layer in layers:
-        if layer.block_weight is not None:
-            layer.block_weight = layer.block_weight._replace(gemm_dtype=dtype)
+        weight = layer.block_weight
+        if weight is not None:
+            copy = BlockWeight(cpu_quant_matmul.to_bf16_blocks(weight.dequantize()), QuantType.BF16, weight.cols,
+                               weight.rows)
+            layer.block_weight = weight._replace(gemm_weight=copy)
             changed += 1
     return changed

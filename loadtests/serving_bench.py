@@ -279,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--turns", type=int, default=4, help="requests per multi-turn conversation")
     group = parser.add_argument_group("servers (all targets get the same)")
     group.add_argument("--model", default="smollm2", help="model name, Hugging Face folder or GGUF file")
-    group.add_argument("--dtype", default="float32", choices=["float32", "auto", "bfloat16", "float16"])
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="auto: kvmesh serve's default; float32: its exact one")
     group.add_argument("--device", default="cpu", help="cpu, cuda")
     group.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"))
     group.add_argument("--max-num-seqs", type=int, default=128)

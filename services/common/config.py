@@ -85,9 +85,11 @@ class ModelConfig:
     model: str = option("smollm2", "model: smollm2 (the embedded default), a Hugging Face folder or a .gguf file")
     served_model_name: str | None = option(
         None, "the name clients use and metrics are labelled with (default: --model)")
-    dtype: str = option("float32", "weights' and activations' dtype; auto: the fastest this device runs natively "
-                                   "(float32 for weights in GGUF blocks; on a CPU bfloat16 with AVX512_BF16 or "
-                                   "AMX, else float32; on a GPU bfloat16, else float16)", choices=DTYPES)
+    dtype: str = option("auto", "weights' and activations' dtype; auto: the fastest this device runs natively "
+                                "(weights in GGUF blocks: float32, their steps of 24+ tokens in bfloat16 on a CPU "
+                                "with AVX512_BF16 or AMX; other weights on a CPU bfloat16 with those, else float32; "
+                                "on a GPU bfloat16, else float16); float32 is the exact one (greedy tokens "
+                                "identical to transformers')", choices=DTYPES)
     quantization: str = option(
         "auto", "weights in blocks for a native CPU kernel (float32 activations): gguf keeps a .gguf model's "
                 "own (Q4_1, Q8_0, F16: its exact weights), int8 quantizes any model's to Q8_0 at load (weight-only "

@@ -77,7 +77,7 @@ def stack(model_path: Path, token_dir: Path) -> Iterator[Stack]:
     token_flag = ["--internal-token-file", str(token_dir / "token")]
     ports = [free_port() for _ in range(3)]
     with ExitStack() as exits:
-        worker = start_service([PYTHON, "-m", "services.worker.server", "--model", str(model_path),
+        worker = start_service([PYTHON, "-m", "services.worker.server", "--model", str(model_path), "--dtype", "float32",
                                 "--port", str(ports[0]), "--kv-cache-memory", str(KV_BYTES), *token_flag], ports[0])
         exits.callback(worker.kill)
         engine = start_service([PYTHON, "-m", "services.engine.server", "--worker-address", worker.address,
@@ -311,7 +311,7 @@ def tls_worker(model_path: Path, token_dir: Path, certs: Path) -> Iterator[tuple
                             tls_server_name="kvmesh-internal")
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="kvmesh-tls-worker-", suffix=".log", delete=False)
-    proc = subprocess.Popen([PYTHON, "-m", "services.worker.server", "--model", str(model_path), "--port", str(port),
+    proc = subprocess.Popen([PYTHON, "-m", "services.worker.server", "--model", str(model_path), "--dtype", "float32", "--port", str(port),
                              "--kv-cache-memory", str(KV_BYTES), "--owner-lease", str(OWNER_LEASE),
                              "--internal-token-file", str(config.internal_token_file),
                              "--tls-cert-file", str(config.tls_cert_file), "--tls-key-file", str(config.tls_key_file),
@@ -393,7 +393,7 @@ def test_kvmesh_serve_authenticates_its_children(model_path: Path):
     out = tempfile.NamedTemporaryFile(prefix="kvmesh-serve-", suffix=".out", delete=False)
     err = tempfile.NamedTemporaryFile(prefix="kvmesh-serve-", suffix=".err", delete=False)
     env = {k: v for k, v in os.environ.items() if k != "KVMESH_INTERNAL_TOKEN"}
-    proc = subprocess.Popen([PYTHON, "-m", "services.cli", "serve", "--model", str(model_path), "--port", str(port),
+    proc = subprocess.Popen([PYTHON, "-m", "services.cli", "serve", "--model", str(model_path), "--dtype", "float32", "--port", str(port),
                              "--kv-cache-memory", "64MiB", "--print-addresses"], cwd=REPO_ROOT, stdout=out,
                             stderr=err, start_new_session=True, env=env)
     services = {}

@@ -203,7 +203,7 @@ def engine_and_worker(model_path: Path) -> Iterator[tuple]:
     and no cut of prefill chunks, so that a 2,000-token step runs far longer than that."""
     with ExitStack() as exits:
         ports = [free_port(), free_port()]
-        worker = start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path),
+        worker = start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path), "--dtype", "float32",
                                 "--port", str(ports[0]), "--kv-cache-memory", str(128 * 2**20)], ports[0])
         exits.callback(worker.kill)
         engine = start_service([PYTHON, "-m", "services.cli", "engine", "--worker-address", worker.address,

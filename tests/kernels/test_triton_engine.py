@@ -29,7 +29,7 @@ pytestmark = [
 
 
 def generate(model_path: Path, backend: str, prompts: list[list[int]] | None = None):
-    llm = LLM(model=str(model_path), attention_backend=backend, **ENGINE_ARGS)
+    llm = LLM(model=str(model_path), dtype="float32", attention_backend=backend, **ENGINE_ARGS)
     try:
         if prompts is None:
             tokenizer = llm.get_tokenizer()

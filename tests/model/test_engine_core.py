@@ -18,7 +18,7 @@ KV_BYTES = 128 * 2**20
 
 @pytest.fixture(scope="module")
 def llm(model_path: Path):
-    engine = LLM(model=str(model_path), kv_cache_memory=KV_BYTES, max_num_batched_tokens=48)
+    engine = LLM(model=str(model_path), dtype="float32", kv_cache_memory=KV_BYTES, max_num_batched_tokens=48)
     yield engine
     del engine
     gc.collect()

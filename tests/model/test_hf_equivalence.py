@@ -34,9 +34,9 @@ TEST_KV_BYTES = 256 * 2**20
 @pytest.fixture(scope="module", params=["gguf-blocks", pytest.param("float32-folder", marks=pytest.mark.slow)])
 def llm(request: pytest.FixtureRequest, model_path: Path):
     if request.param == "gguf-blocks":
-        engine = LLM(model="smollm2", quantization="gguf", kv_cache_memory=TEST_KV_BYTES)
+        engine = LLM(model="smollm2", dtype="float32", quantization="gguf", kv_cache_memory=TEST_KV_BYTES)
     else:
-        engine = LLM(model=str(model_path), kv_cache_memory=TEST_KV_BYTES)
+        engine = LLM(model=str(model_path), dtype="float32", kv_cache_memory=TEST_KV_BYTES)
     yield engine
     del engine
     gc.collect()
@@ -99,7 +99,7 @@ def test_greedy_batch_matches_hf(llm, hf_reference, prompt_token_ids):
 
 @pytest.mark.slow  # the whole prompt set again under another engine config: `make test`, not test-fast
 def test_chunked_prefill_matches_hf(model_path, hf_reference, prompt_token_ids):
-    llm = LLM(model=str(model_path), kv_cache_memory=TEST_KV_BYTES, max_num_batched_tokens=64)
+    llm = LLM(model=str(model_path), dtype="float32", kv_cache_memory=TEST_KV_BYTES, max_num_batched_tokens=64)
     outputs = llm.generate(prompt_token_ids, GREEDY)
     check_all(llm, hf_reference, prompt_token_ids, outputs, "chunked prefill (64-token budget)")
 
@@ -109,7 +109,7 @@ def test_preemption_matches_hf(model_path, hf_reference, prompt_token_ids):
     # Room for the longest prompt and its output, far less than all prompts together.
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # layers, block size, kv heads, head size, fp32
     num_blocks = -(-(max(map(len, prompt_token_ids)) + MAX_NEW_TOKENS) // 16) + 8
-    llm = LLM(model=str(model_path), kv_cache_memory=num_blocks * block_bytes)
+    llm = LLM(model=str(model_path), dtype="float32", kv_cache_memory=num_blocks * block_bytes)
     assert llm.engine.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks
     outputs = llm.generate(prompt_token_ids, GREEDY)
     assert llm.engine.stats().num_preemptions > 0, "the small KV cache should have forced preemption"

@@ -27,7 +27,7 @@ KV_BYTES = 64 << 20
 @pytest.fixture(scope="module")
 def llm():
     # A small step budget: the prompts are read in chunks beside the other requests' decodes.
-    engine = LLM(model="smollm2", quantization="gguf", kv_cache_memory=KV_BYTES, max_num_batched_tokens=48,
+    engine = LLM(model="smollm2", dtype="float32", quantization="gguf", kv_cache_memory=KV_BYTES, max_num_batched_tokens=48,
                  max_num_seqs=8)
     yield engine
     del engine

@@ -55,7 +55,7 @@ def assert_nothing_left(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def llm(model_path: Path):
-    engine = LLM(model=str(model_path), kv_cache_memory=64 * 2**20, max_model_len=512)
+    engine = LLM(model=str(model_path), dtype="float32", kv_cache_memory=64 * 2**20, max_model_len=512)
     yield engine
     del engine
     gc.collect()
@@ -84,7 +84,7 @@ def test_mixed_batch_gives_unconstrained_requests_their_solo_tokens(llm: LLM):
 
 def test_constrained_requests_survive_preemption(model_path: Path):
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # layers, block size, kv heads, head size, fp32
-    llm = LLM(model=str(model_path), kv_cache_memory=14 * block_bytes, max_model_len=512)
+    llm = LLM(model=str(model_path), dtype="float32", kv_cache_memory=14 * block_bytes, max_model_len=512)
     try:
         prompts = [f"Answer as {n}, request {i}:" for i in range(3) for n, _ in CONSTRAINED] + PLAIN
         params = [c for _ in range(3) for _, c in CONSTRAINED] + [PLAIN_PARAMS] * len(PLAIN)

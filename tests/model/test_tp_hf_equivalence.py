@@ -99,7 +99,7 @@ def start_group(model_path: Path, size: int, kv_bytes: int, timeout: float,
 
     def start(rank: int) -> ServiceProcess:
         port = free_port()
-        return start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path), "--port", str(port),
+        return start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path), "--dtype", "float32", "--port", str(port),
                               "--kv-cache-memory", str(kv_bytes), "--tensor-parallel-size", str(size),
                               "--rank", str(rank), "--distributed-address", address,
                               "--distributed-timeout", str(timeout), "--attention-backend", attention_backend],
@@ -149,7 +149,7 @@ def preempting_num_blocks(prompts: list[list[int]]) -> int:
 def tp1_outputs(model_path: Path, prompts: list[list[int]]) -> list[Generated]:
     # The same number of blocks as at TP=2 (a whole block holds 3 KV heads, rank 0's 2): the same schedule.
     kv_bytes = preempting_num_blocks(prompts) * RANK0_BLOCK_BYTES * 3 // 2
-    worker = Worker(ModelConfig(model=str(model_path)), CacheConfig(kv_cache_memory=kv_bytes), WorkerConfig())
+    worker = Worker(ModelConfig(model=str(model_path), dtype="float32"), CacheConfig(kv_cache_memory=kv_bytes), WorkerConfig())
     client = InProcessWorkerClient(worker)
     engine = EngineCore.create(client, SCHEDULER, executor=client)
     return generate(engine, prompts)

@@ -45,7 +45,7 @@ def serve(model_path: Path) -> Iterator[Serve]:
 def offline(model_path: Path) -> Iterator[LLM]:
     """The in-process LLM configured as the shared `serve` (KV cache, context): the truth its
     answers are compared with."""
-    llm = LLM(model=str(model_path), kv_cache_memory=SERVE_KV_BYTES, max_model_len=SHARED_MAX_MODEL_LEN)
+    llm = LLM(model=str(model_path), dtype="float32", kv_cache_memory=SERVE_KV_BYTES, max_model_len=SHARED_MAX_MODEL_LEN)
     yield llm
     del llm
     gc.collect()

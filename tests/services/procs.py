@@ -208,7 +208,7 @@ def start_serve(model_path: Path, timeout: float = 600.0, extra_args: Sequence[s
     # stdout to a file, not a pipe: children share it, and a pipe nobody reads blocks them.
     stdout = tempfile.NamedTemporaryFile(prefix="kvmesh-serve-", suffix=".out", delete=False)
     stderr = tempfile.NamedTemporaryFile(prefix="kvmesh-serve-", suffix=".err", delete=False)
-    proc = subprocess.Popen([PYTHON, "-m", "services.cli", "serve", "--model", str(model_path), "--port", str(port),
+    proc = subprocess.Popen([PYTHON, "-m", "services.cli", "serve", "--model", str(model_path), "--dtype", "float32", "--port", str(port),
                              "--kv-cache-memory", SERVE_KV_CACHE, "--print-addresses", *extra_args],
                             cwd=REPO_ROOT, stdout=stdout, stderr=stderr, start_new_session=True,
                             env={**os.environ, **(env or {})})

@@ -117,7 +117,7 @@ def pd(model_path: Path) -> Iterator[PD]:
 
 @pytest.fixture(scope="module")
 def colocated(model_path: Path) -> Iterator[LLM]:
-    llm = LLM(model=str(model_path), kv_cache_memory=192 * 2**20, max_model_len=2048)
+    llm = LLM(model=str(model_path), dtype="float32", kv_cache_memory=192 * 2**20, max_model_len=2048)
     yield llm
     del llm
 

@@ -323,7 +323,7 @@ def stack(model_path: Path, tmp_path_factory) -> Iterator[Stack]:
         env = {"KUBECONFIG": str(write_kubeconfig(tmp_path_factory.mktemp("kube"), api.url)),
                "KUBERNETES_SERVICE_HOST": ""}
         ports = {name: free_port() for name in ("worker", "engine", "processor")}
-        worker = start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path),
+        worker = start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path), "--dtype", "float32",
                                 "--port", str(ports["worker"]), "--metrics-port", "0",
                                 "--kv-cache-memory", str(64 * 2**20)], ports["worker"])
         exits.callback(worker.kill)

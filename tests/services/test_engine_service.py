@@ -40,7 +40,7 @@ class Stack:
 
 def start_stack(model_path: Path, exits: ExitStack, engine_args: tuple[str, ...] = ()) -> Stack:
     worker_port, engine_port = free_port(), free_port()
-    worker = start_service([PYTHON, "-m", "services.worker.server", "--model", str(model_path),
+    worker = start_service([PYTHON, "-m", "services.worker.server", "--model", str(model_path), "--dtype", "float32",
                             "--port", str(worker_port), "--kv-cache-memory", str(KV_BYTES)], worker_port)
     exits.callback(worker.kill)
     engine = start_service([PYTHON, "-m", "services.engine.server", "--worker-address", worker.address,
@@ -57,7 +57,7 @@ def stack(model_path: Path) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def offline(model_path: Path) -> Iterator[LLM]:
-    llm = LLM(model=str(model_path), kv_cache_memory=KV_BYTES, max_num_batched_tokens=64)
+    llm = LLM(model=str(model_path), dtype="float32", kv_cache_memory=KV_BYTES, max_num_batched_tokens=64)
     yield llm
     del llm
     gc.collect()

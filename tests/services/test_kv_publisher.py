@@ -302,7 +302,7 @@ def test_the_engine_service_publishes_names_itself_and_clears_itself_at_sigterm(
     tokens = prompt(7, 80)  # 5 blocks of 16
     with ExitStack() as exits:
         worker_port, engine_port = free_port(), free_port()
-        worker = start_service([PYTHON, "-m", "services.worker.server", "--model", str(model_path),
+        worker = start_service([PYTHON, "-m", "services.worker.server", "--model", str(model_path), "--dtype", "float32",
                                 "--port", str(worker_port), "--kv-cache-memory", str(32 * 2**20)], worker_port)
         exits.callback(worker.kill)
         engine = start_service([PYTHON, "-m", "services.engine.server", "--worker-address", worker.address,

@@ -46,7 +46,7 @@ class Pair:
 
     def start(self) -> None:
         worker_port, engine_port = free_port(), free_port()
-        self.worker = start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(self.model_path),
+        self.worker = start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(self.model_path), "--dtype", "float32",
                                      "--port", str(worker_port), "--kv-cache-memory", str(KV_BYTES),
                                      "--max-model-len", str(MAX_MODEL_LEN)], worker_port)
         self.engine = start_service([PYTHON, "-m", "services.cli", "engine", "--worker-address", self.worker.address,

@@ -37,7 +37,7 @@ def stack(model_path: Path) -> Iterator[dict[str, ServiceProcess]]:
     with ExitStack() as exits:
         ports = {name: free_port() for name in ("worker", "engine", "processor", "gateway")}
         argv = {
-            "worker": ["--model", str(model_path), "--kv-cache-memory", str(KV_BYTES), "--max-num-seqs", "1"],
+            "worker": ["--model", str(model_path), "--dtype", "float32", "--kv-cache-memory", str(KV_BYTES), "--max-num-seqs", "1"],
             "engine": ["--max-num-seqs", "1", "--max-num-waiting", "1"],
             "processor": ["--model", str(model_path)],
             "gateway": ["--served-model-name", "smollm2"],

@@ -39,7 +39,7 @@ def test_a_processor_over_two_engines_follows_the_prefix(model_path: Path):
         engines = []
         for _ in range(2):
             worker_port, engine_port = free_port(), free_port()
-            worker = start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path), "--port",
+            worker = start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path), "--dtype", "float32", "--port",
                                     str(worker_port), "--kv-cache-memory", str(KV_BYTES)], worker_port)
             exits.callback(worker.kill)
             engine = start_service([PYTHON, "-m", "services.cli", "engine", "--worker-address", worker.address,

@@ -49,7 +49,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 def worker_flags(model_path: Path, kv_cache_memory: str) -> list[str]:
     # --owner-lease 0: a new engine session may take a worker over as soon as the last one let go.
-    return ["--model", str(model_path), "--max-model-len", str(SHARED_MAX_MODEL_LEN),
+    return ["--model", str(model_path), "--dtype", "float32", "--max-model-len", str(SHARED_MAX_MODEL_LEN),
             "--kv-cache-memory", kv_cache_memory, "--owner-lease", "0"]
 
 
@@ -182,7 +182,7 @@ def worker_children() -> set[int]:
 def test_an_llm_whose_workers_fail_to_start_raises_and_leaves_none_behind(tmp_path: Path):
     before = worker_children()
     with pytest.raises(RuntimeError, match="2 worker processes of the tensor-parallel group did not start"):
-        LLM(model=str(tmp_path / "no-such-model"), tensor_parallel_size=2)
+        LLM(model=str(tmp_path / "no-such-model"), dtype="float32", tensor_parallel_size=2)
     assert worker_children() - before == set()
 
 
@@ -193,7 +193,7 @@ def test_an_llm_whose_workers_fail_to_start_raises_and_leaves_none_behind(tmp_pa
 def test_llm_with_two_worker_processes_matches_one(model_path: Path, offline: LLM):
     """Fails until the worker side of #13 (`kvmesh worker --rank`) lands."""
     truth = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY)]
-    with LLM(model=str(model_path), tensor_parallel_size=2, kv_cache_memory=offline.args.cache.kv_cache_memory,
+    with LLM(model=str(model_path), dtype="float32", tensor_parallel_size=2, kv_cache_memory=offline.args.cache.kv_cache_memory,
              max_model_len=SHARED_MAX_MODEL_LEN) as llm:
         pids = llm._worker_processes.pids
         assert len(pids) == 2

@@ -35,7 +35,7 @@ def test_killed_worker_fails_requests_and_health_at_once(model_path: Path):
     """Also: the processor registers health and reflection, and its health follows its engine's."""
     with ExitStack() as exits:
         ports = {name: free_port() for name in ("worker", "engine", "processor", "gateway")}
-        worker = start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path),
+        worker = start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path), "--dtype", "float32",
                                 "--port", str(ports["worker"]), "--kv-cache-memory", str(KV_BYTES)], ports["worker"])
         exits.callback(worker.kill)
         engine = start_service([PYTHON, "-m", "services.cli", "engine", "--worker-address", worker.address,

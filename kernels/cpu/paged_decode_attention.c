@@ -7,9 +7,10 @@
  * Row b attends the first seq_lens[b] tokens of request r = seq_of_row ? seq_of_row[b] : b, whose
  * token t lives in block block_table[r][t / block_size], row t % block_size.
  * Work is split over (kv head, tile), a tile being one row or, in the vector path, a run of one
- * request's consecutive prefill rows; each item reads its context once and serves the H / Hkv query
- * heads that share that kv head (GQA) in each of its rows, with an online softmax in float32. Items
- * of one kv head are handed out together, so requests sharing a prefix's blocks find them in cache.
+ * request's consecutive prefill rows or a few decodes whose requests share their first blocks (a
+ * prompt prefix from the prefix cache: cascade attention, the prefix read once for them all); each
+ * item reads its context once and serves the H / Hkv query heads that share that kv head (GQA) in
+ * each of its rows, with an online softmax in float32. Items of one kv head are handed out together.
  * dtype: 0 = float32, 1 = bfloat16 (q, cache and out share it).
  */
 #include <math.h>
@@ -25,6 +26,9 @@
 /* Below this many K/V rows to read, a call runs on one thread. Reading the cache is bound by one core's
  * memory bandwidth: eight decodes of ~150 tokens (1,200 rows) took 5.4 ms a step on one thread, 3.1 on two. */
 #define PARALLEL_MIN_KV_ROWS 1024
+/* Decodes of different requests share a tile from this many common full blocks at the start of their
+ * block tables (a prompt prefix the prefix cache gave them all). */
+#define MIN_SHARED_BLOCKS 4
 
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
@@ -113,13 +117,16 @@ static inline __attribute__((always_inline)) void attend_item(
 /*
  * The vector path, one body for two instruction sets chosen when the library is built (the build
  * is for the CPU it runs on, kernels/native.py): AVX-512 (W = 16 lanes) or AVX2 + FMA (W = 8), the
- * latter being what most cloud x86 VMs offer. Each (sequence, kv head) item walks its context in
- * chunks of up to W positions (never across a block): bfloat16 K and V rows of a chunk are made
- * float32 once (a 16-bit shift) into buffers that stay in L1, then every query head of the group takes,
- * in registers, its W scores (the W dot products summed across lanes together), one vector exp for
- * the chunk, and its P·V accumulation. float32 K and V rows are read where they lie in the cache.
- * The scalar path above spends most of its time in one expf call per (position, head) and in
- * accumulators that live in memory.
+ * latter being what most cloud x86 VMs offer. Each (tile, kv head) item walks its context in
+ * chunks of up to W positions (never across a block), asking for the next chunk's rows while it
+ * computes one (they are strided: a miss at a time otherwise): bfloat16 K and V rows of a chunk are
+ * made float32 once (a 16-bit shift) into buffers that stay in L1, float32 ones are read where they
+ * lie; then the query heads of a row take, side by side in registers, their W scores (the W dot
+ * products summed across lanes together), one vector exp each for the chunk, and their P·V
+ * accumulation over V rows loaded once. The scalar path above spends most of its time in one expf
+ * call per (position, head) and in accumulators that live in memory. One layer of eight decodes at
+ * 1,550 tokens of context on one Zen 5 core: 1.15 -> 0.71 ms; with a 1,500-token shared prefix
+ * 0.65 -> 0.34 ms (docs/benchmarks.md).
  */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define VECTOR_PATH 1
@@ -274,16 +281,90 @@ static inline __attribute__((always_inline)) vf v_scores(const vf *qr, const flo
 }
 #endif
 
+/* Query heads r0 .. r0 + hb - 1 of one row against chunk positions a <= t < e (K and V rows at kp, vp,
+ * ks floats apart): scores, one rescale of each head's running sums, P.V. The heads go side by side
+ * (hb independent exps and accumulator chains, each V row loaded once for them all): one head at a
+ * time waits on its own exp polynomial and its FMA chain. hb * C <= 16 accumulators. */
+static inline __attribute__((always_inline)) void attend_heads(
+    const float *kp, const float *vp, int64_t ks, int a, int e, vlive live, int r0, const int hb, const int C,
+    float soft_cap, float (*qf)[MAX_HEAD], float (*acc)[MAX_HEAD], float *m, float *l)
+{
+    float ps[4][W] __attribute__((aligned(64)));
+    vf ar[4][MAX_HEAD / W];
+    for (int h = 0; h < hb; h++) {
+        const int r = r0 + h;
+        vf qr[MAX_HEAD / W];
+        for (int c = 0; c < C; c++) qr[c] = v_load(qf[r] + W * c);
+        vf sv = v_scores(qr, kp, ks, a, e, C);
+        if (soft_cap > 0.f) {
+            v_store(ps[h], sv);
+            for (int t = a; t < e; t++) ps[h][t] = soft_cap * tanhf(ps[h][t] / soft_cap);
+            sv = v_load(ps[h]);
+        }
+        sv = v_select(live, sv, v_set1(-INFINITY));
+        const float chunk_max = v_hmax(sv);
+        for (int c = 0; c < C; c++) ar[h][c] = v_load(acc[r] + W * c);
+        if (chunk_max > m[r]) {
+            const float correction = expf(m[r] - chunk_max);
+            l[r] *= correction;
+            for (int c = 0; c < C; c++) ar[h][c] = v_mul(ar[h][c], v_set1(correction));
+            m[r] = chunk_max;
+        }
+        const vf p = v_select(live, v_exp(v_sub(sv, v_set1(m[r]))), v_zero());
+        l[r] += v_sum(p);
+        v_store(ps[h], p);
+    }
+    for (int t = a; t < e; t++) {
+        vf vr[MAX_HEAD / W];
+        for (int c = 0; c < C; c++) vr[c] = v_loadu(vp + t * ks + W * c);
+        for (int h = 0; h < hb; h++) {
+            const vf pt = v_set1(ps[h][t]);
+            for (int c = 0; c < C; c++) ar[h][c] = v_fmadd(pt, vr[c], ar[h][c]);
+        }
+    }
+    for (int h = 0; h < hb; h++)
+        for (int c = 0; c < C; c++) v_store(acc[r0 + h] + W * c, ar[h][c]);
+}
+
+/* The chunk of n positions from t0 (K and V rows at kp, vp, ks floats apart) for tile rows
+ * i0 .. i1 - 1 and every query head of the group. */
+static inline __attribute__((always_inline)) void attend_chunk(
+    const float *kp, const float *vp, int64_t ks, int t0, int n, int i0, int i1, int group, const int C,
+    float soft_cap, const int *lo, const int *hi, float (*qf)[MAX_HEAD], float (*acc)[MAX_HEAD], float *m, float *l)
+{
+    const int most = 16 / C < 1 ? 1 : 16 / C > 4 ? 4 : 16 / C; /* heads side by side */
+    for (int i = i0; i < i1; i++) {
+        if (hi[i] <= t0 || lo[i] >= t0 + n) continue; /* this chunk is outside the row's context */
+        const int a = lo[i] > t0 ? lo[i] - t0 : 0, e = hi[i] - t0 < n ? hi[i] - t0 : n;
+        const vlive live = v_live_range(a, e);
+        for (int r = i * group; r < (i + 1) * group;) {
+            const int left = (i + 1) * group - r;
+            const int hb = left < most ? left : most;
+            switch (hb) {
+            case 4: attend_heads(kp, vp, ks, a, e, live, r, 4, C, soft_cap, qf, acc, m, l); break;
+            case 3: attend_heads(kp, vp, ks, a, e, live, r, 3, C, soft_cap, qf, acc, m, l); break;
+            case 2: attend_heads(kp, vp, ks, a, e, live, r, 2, C, soft_cap, qf, acc, m, l); break;
+            default: attend_heads(kp, vp, ks, a, e, live, r, 1, C, soft_cap, qf, acc, m, l); break;
+            }
+            r += hb;
+        }
+    }
+}
+
 /*
- * One tile: rows b0 .. b0 + nt - 1 (one request's consecutive tokens: a decode is a tile of one)
- * against one kv head; C = head_size / W, a constant where inlined. The chunks of K and V are made
- * float32 once per tile and serve every (row, query head of the group) whose context they overlap:
- * row i attends positions [lo[i], hi[i]), hi[i] = row_lens[b0 + i].
+ * One tile against one kv head: rows b0 .. b0 + nt - 1, either one request's consecutive tokens (a
+ * prefill chunk's; a decode is a tile of one) or decodes of requests whose block tables hold the
+ * same blocks for their first `shared` positions (a shared prompt prefix, from the prefix cache);
+ * C = head_size / W, a constant where inlined. Row i attends positions [lo[i], hi[i]),
+ * hi[i] = row_lens[b0 + i], through its own table row_blocks[i]. Positions below `shared` are read
+ * once, a chunk at a time, for all the tile's rows and query heads while the chunk is in L1; the
+ * rest row by row. Each row's chunks come in position order either way, so its sums do not depend
+ * on its tile.
  */
 static inline __attribute__((always_inline)) void attend_tile_vector(
     void *out, const void *q, const void *k_cache, const void *v_cache,
-    const int32_t *blocks, const int32_t *row_lens, int b0, int nt, int kvh, int group, const int C,
-    int block_size, float scale, int sliding_window, float soft_cap, int dtype,
+    const int32_t *const *row_blocks, int shared, const int32_t *row_lens, int b0, int nt, int kvh, int group,
+    const int C, int block_size, float scale, int sliding_window, float soft_cap, int dtype,
     int64_t q_stride, int64_t out_stride, int64_t row_stride)
 {
     const int head_size = C * W;
@@ -292,12 +373,14 @@ static inline __attribute__((always_inline)) void attend_tile_vector(
     /* Rows packed at head_size apart: a chunk's K and V take 8 KB at head size 64 (W = 16). */
     float kb[W * MAX_HEAD] __attribute__((aligned(64)));
     float vb[W * MAX_HEAD] __attribute__((aligned(64)));
-    float s[W] __attribute__((aligned(64)));
     float m[MAX_ROWS], l[MAX_ROWS];
     int lo[MAX_ROWS], hi[MAX_ROWS];
+    int first = INT32_MAX, last = 0;
     for (int i = 0; i < nt; i++) {
         hi[i] = row_lens[b0 + i];
         lo[i] = sliding_window > 0 && hi[i] > sliding_window ? hi[i] - sliding_window : 0;
+        first = lo[i] < first ? lo[i] : first;
+        last = hi[i] > last ? hi[i] : last;
     }
     for (int r = 0; r < nt * group; r++) {
         const int64_t qi = (int64_t)(b0 + r / group) * q_stride + (int64_t)(kvh * group + r % group) * head_size;
@@ -308,61 +391,50 @@ static inline __attribute__((always_inline)) void attend_tile_vector(
         m[r] = -INFINITY;
         l[r] = 0.f;
     }
-    /* Rows are consecutive positions: lo and hi grow with i, so the tile spans [lo[0], hi[nt - 1]). */
-    for (int t0 = lo[0]; t0 < hi[nt - 1];) {
-        const int block_end = (t0 / block_size + 1) * block_size;
-        int n = (block_end < hi[nt - 1] ? block_end : hi[nt - 1]) - t0;
-        if (n > W) n = W;
-        const int64_t row0 = ((int64_t)blocks[t0 / block_size] * block_size + t0 % block_size) * row_stride
-                             + (int64_t)kvh * head_size;
-        /* float32 rows are read where they lie; bfloat16 ones are made float32 once for the tile. */
-        const float *kp = (const float *)k_cache + row0, *vp = (const float *)v_cache + row0;
-        int64_t ks = row_stride;
-        if (dtype != 0) {
-            for (int t = 0; t < n; t++)
-                for (int c = 0; c < C; c++) {
-                    v_store(kb + t * head_size + W * c, v_load_row(k_cache, row0 + t * row_stride + W * c, dtype));
-                    v_store(vb + t * head_size + W * c, v_load_row(v_cache, row0 + t * row_stride + W * c, dtype));
-                }
-            kp = kb;
-            vp = vb;
-            ks = head_size;
-        }
-        for (int i = 0; i < nt; i++) {
-            if (hi[i] <= t0 || lo[i] >= t0 + n) continue; /* this chunk is outside the row's context */
-            const int a = lo[i] > t0 ? lo[i] - t0 : 0, e = hi[i] - t0 < n ? hi[i] - t0 : n;
-            const vlive live = v_live_range(a, e);
-            for (int r = i * group; r < (i + 1) * group; r++) {
-                vf qr[MAX_HEAD / W];
-                for (int c = 0; c < C; c++) qr[c] = v_load(qf[r] + W * c);
-                vf sv = v_scores(qr, kp, ks, a, e, C);
-                if (soft_cap > 0.f) {
-                    v_store(s, sv);
-                    for (int t = a; t < e; t++) s[t] = soft_cap * tanhf(s[t] / soft_cap);
-                    sv = v_load(s);
-                }
-                sv = v_select(live, sv, v_set1(-INFINITY));
-                const float chunk_max = v_hmax(sv);
-                vf ar[MAX_HEAD / W];
-                for (int c = 0; c < C; c++) ar[c] = v_load(acc[r] + W * c);
-                if (chunk_max > m[r]) {
-                    const float correction = expf(m[r] - chunk_max);
-                    l[r] *= correction;
-                    for (int c = 0; c < C; c++) ar[c] = v_mul(ar[c], v_set1(correction));
-                    m[r] = chunk_max;
-                }
-                const vf p = v_select(live, v_exp(v_sub(sv, v_set1(m[r]))), v_zero());
-                l[r] += v_sum(p);
-                v_store(s, p);
-                for (int t = a; t < e; t++) {
-                    const vf pt = v_set1(s[t]);
-                    const float *v = vp + t * ks;
-                    for (int c = 0; c < C; c++) ar[c] = v_fmadd(pt, v_loadu(v + W * c), ar[c]);
-                }
-                for (int c = 0; c < C; c++) v_store(acc[r] + W * c, ar[c]);
+    /* Pass 0: [first, shared) for all rows through the first row's table; pass 1 + i: row i's own
+     * positions from `shared` on. */
+    for (int pass = 0; pass <= (shared < last ? nt : 0); pass++) {
+        const int i0 = pass == 0 ? 0 : pass - 1, i1 = pass == 0 ? nt : pass;
+        const int32_t *blocks = row_blocks[i0];
+        const int from = pass == 0 ? first : (lo[i0] > shared ? lo[i0] : shared);
+        const int to = pass == 0 ? (shared < last ? shared : last) : hi[i0];
+        for (int t0 = from; t0 < to;) {
+            const int block_end = (t0 / block_size + 1) * block_size;
+            int n = (block_end < to ? block_end : to) - t0;
+            if (n > W) n = W;
+            const int64_t row0 = ((int64_t)blocks[t0 / block_size] * block_size + t0 % block_size) * row_stride
+                                 + (int64_t)kvh * head_size;
+            /* The next chunk's rows are requested now: they come from memory (or another core's cache)
+             * while this one is computed, where the strided rows would wait on each miss in turn. */
+            if (t0 + n < to) {
+                const int t1 = t0 + n;
+                const int64_t next = ((int64_t)blocks[t1 / block_size] * block_size + t1 % block_size) * row_stride
+                                     + (int64_t)kvh * head_size;
+                const int next_end = (t1 / block_size + 1) * block_size < to ? (t1 / block_size + 1) * block_size : to;
+                const int nn = next_end - t1 < W ? next_end - t1 : W;
+                const int elem = dtype == 0 ? 4 : 2;
+                for (int t = 0; t < nn; t++)
+                    for (int64_t o = 0; o < (int64_t)head_size * elem; o += 64) {
+                        __builtin_prefetch((const char *)k_cache + (next + t * row_stride) * elem + o, 0, 3);
+                        __builtin_prefetch((const char *)v_cache + (next + t * row_stride) * elem + o, 0, 3);
+                    }
             }
+            /* float32 rows are read where they lie; bfloat16 ones are made float32 once for the tile. */
+            const float *kp = (const float *)k_cache + row0, *vp = (const float *)v_cache + row0;
+            int64_t ks = row_stride;
+            if (dtype != 0) {
+                for (int t = 0; t < n; t++)
+                    for (int c = 0; c < C; c++) {
+                        v_store(kb + t * head_size + W * c, v_load_row(k_cache, row0 + t * row_stride + W * c, dtype));
+                        v_store(vb + t * head_size + W * c, v_load_row(v_cache, row0 + t * row_stride + W * c, dtype));
+                    }
+                kp = kb;
+                vp = vb;
+                ks = head_size;
+            }
+            attend_chunk(kp, vp, ks, t0, n, i0, i1, group, C, soft_cap, lo, hi, qf, acc, m, l);
+            t0 += n;
         }
-        t0 += n;
     }
     for (int r = 0; r < nt * group; r++) {
         const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
@@ -398,17 +470,53 @@ int paged_decode_attention(
     const int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_size > MAX_HEAD || block_size > MAX_BLOCK || num_heads % num_kv_heads) return -1;
     const int64_t row_stride = (int64_t)num_kv_heads * head_size; /* one token's K (or V) */
-    /* Tiles: runs of up to MAX_ROWS / group rows of one request at consecutive positions. */
+    /* Tiles: runs of up to MAX_ROWS / group rows of one request at consecutive positions (a prefill
+     * chunk's), or of decodes of different requests sharing at least MIN_SHARED_BLOCKS full blocks
+     * at the start of their tables (no sliding window), up to share_rows of them: enough tiles that
+     * the threads get two (kv head, tile) items each. */
     const int tile_rows = MAX_ROWS / group > 0 ? MAX_ROWS / group : 1;
-    int32_t *tiles = malloc(sizeof(int32_t) * ((size_t)num_seqs + 1));
-    if (tiles == NULL) return -2;
+    const int min_tiles = (2 * num_threads + num_kv_heads - 1) / num_kv_heads;
+    int share_rows = (num_seqs + min_tiles - 1) / min_tiles;
+    share_rows = share_rows < tile_rows ? share_rows : tile_rows;
+    int32_t *tiles = malloc(sizeof(int32_t) * (2 * (size_t)num_seqs + 1));
+    const int32_t **row_blocks = malloc(sizeof(int32_t *) * ((size_t)num_seqs + 1));
+    if (tiles == NULL || row_blocks == NULL) {
+        free(tiles);
+        free(row_blocks);
+        return -2;
+    }
+    int32_t *shared = tiles + num_seqs + 1; /* per tile: positions all its rows' tables agree on */
     int num_tiles = 0;
     int64_t kv_rows = 0; /* K and V rows the call reads, over all rows and kv heads */
     for (int b = 0; b < num_seqs; b++) {
         kv_rows += (int64_t)seq_lens[b] * num_kv_heads;
-        const int joins = b > 0 && seq_of_row != NULL && seq_of_row[b] == seq_of_row[b - 1]
-                          && seq_lens[b] == seq_lens[b - 1] + 1 && b - tiles[num_tiles - 1] < tile_rows;
-        if (!joins) tiles[num_tiles++] = b;
+        row_blocks[b] = block_table + (int64_t)(seq_of_row ? seq_of_row[b] : b) * max_blocks_per_seq;
+        const int same_request = b > 0 && seq_of_row != NULL && seq_of_row[b] == seq_of_row[b - 1];
+        const int continues = same_request && seq_lens[b] == seq_lens[b - 1] + 1;
+        const int starts_run = b + 1 < num_seqs && seq_of_row != NULL && seq_of_row[b + 1] == seq_of_row[b];
+        const int t = num_tiles - 1, size = b - (t >= 0 ? tiles[t] : 0);
+        if (continues && size < tile_rows) {
+            shared[t] = seq_lens[b]; /* one request: every position */
+            continue;
+        }
+        if (b > 0 && !same_request && !starts_run && sliding_window <= 0 && size < share_rows
+                && (size == 1 || shared[t] < seq_lens[tiles[t]])) { /* a decode, beside decodes */
+            const int32_t *first_blocks = row_blocks[tiles[t]];
+            int full = (seq_lens[b] < seq_lens[tiles[t]] ? seq_lens[b] : seq_lens[tiles[t]]) / block_size;
+            if (size > 1 && shared[t] / block_size < full) full = shared[t] / block_size;
+            int common = 0;
+            while (common < full && row_blocks[b][common] == first_blocks[common]) common++;
+            const int single = size == 1 && (tiles[t] == 0 || seq_of_row == NULL
+                                             || seq_of_row[tiles[t]] != seq_of_row[tiles[t] - 1])
+                               && !(tiles[t] + 1 < num_seqs && seq_of_row != NULL
+                                    && seq_of_row[tiles[t] + 1] == seq_of_row[tiles[t]]);
+            if (common >= MIN_SHARED_BLOCKS && (size > 1 || single)) {
+                shared[t] = common * block_size;
+                continue;
+            }
+        }
+        tiles[num_tiles] = b;
+        shared[num_tiles++] = seq_lens[b];
     }
     tiles[num_tiles] = num_seqs;
     /* A parallel region wakes the other threads and waits for the last of them: tens of us on an
@@ -420,9 +528,9 @@ int paged_decode_attention(
     for (int kvh = 0; kvh < num_kv_heads; kvh++) {
         for (int tile = 0; tile < num_tiles; tile++) {
             const int b0 = tiles[tile], nt = tiles[tile + 1] - tiles[tile];
-            const int32_t *blocks = block_table + (int64_t)(seq_of_row ? seq_of_row[b0] : b0) * max_blocks_per_seq;
 #if defined(VECTOR_PATH)
-#define VTILE(C) attend_tile_vector(out, q, k_cache, v_cache, blocks, seq_lens, b0, nt, kvh, group, C, \
+#define VTILE(C) attend_tile_vector(out, q, k_cache, v_cache, row_blocks + b0, shared[tile], seq_lens, b0, nt, \
+                                    kvh, group, C, \
                                     block_size, scale, sliding_window, soft_cap, dtype, q_stride, out_stride, \
                                     row_stride)
             if (head_size % W == 0) {
@@ -435,7 +543,7 @@ int paged_decode_attention(
             }
 #undef VTILE
 #endif
-#define ITEM(D) attend_item(out, q, k_cache, v_cache, blocks, seq_lens[b], b, kvh, group, D, block_size, \
+#define ITEM(D) attend_item(out, q, k_cache, v_cache, row_blocks[b], seq_lens[b], b, kvh, group, D, block_size, \
                             scale, sliding_window, soft_cap, dtype, q_stride, out_stride, row_stride)
             for (int b = b0; b < b0 + nt; b++) {
                 switch (head_size) {
@@ -448,5 +556,6 @@ int paged_decode_attention(
         }
     }
     free(tiles);
+    free(row_blocks);
     return 0;
 }

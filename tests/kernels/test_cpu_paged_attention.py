@@ -93,6 +93,35 @@ def test_prefill_rows_match_reference(dtype, window, soft_cap, isa, gen):
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decodes_sharing_a_prefix_match_reference_and_each_row_alone(dtype, isa, gen):
+    # Requests 0-4 hold the same first five blocks (a prompt prefix from the prefix cache); the
+    # kernel reads them once for the rows of a tile. Request 5 shares nothing; a prefill chunk
+    # (request 6's last three tokens) sits between the decodes.
+    contexts, q_lens = [100, 117, 81, 257, 96, 90, 70], [1, 1, 1, 1, 1, 1, 3]
+    case = make_case(Shape(6, 2, 64, 16, dtype), q_lens, contexts, torch.device("cpu"), gen)
+    table = case.batch.block_table.clone()
+    table[1:5, :5] = table[0, :5]
+    order = [0, 1, 6, 6, 6, 2, 3, 4, 5]  # request of each row
+    seq_of_row, row_lens = torch.tensor(order, dtype=torch.int32), torch.tensor(
+        [100, 117, 68, 69, 70, 81, 257, 96, 90], dtype=torch.int32)
+    q_rows = torch.cat([case.q[:2], case.q[6:], case.q[2:6]])  # the rows in `order`
+    lib = cpu_paged_attention.variant(isa, default_cache_dir())
+    out = poisoned_like(q_rows)
+    cpu_paged_attention.paged_decode_attention(out, q_rows, case.kv_cache[0], case.kv_cache[1], table, row_lens,
+                                               0.125, lib=lib, seq_of_row=seq_of_row)
+    ref = paged_attention_ref(case.q, case.kv_cache, case.batch.query_start_loc, case.batch.seq_lens, table, 0.125)
+    ref_rows = torch.cat([ref[:2], ref[6:], ref[2:6]])
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), ref_rows.float(), atol=atol, rtol=rtol)
+    for row, request in enumerate(order):  # a row's sums do not depend on the rows beside it
+        alone = poisoned_like(q_rows[row : row + 1])
+        cpu_paged_attention.paged_decode_attention(alone, q_rows[row : row + 1], case.kv_cache[0], case.kv_cache[1],
+                                                   table[request : request + 1].contiguous(),
+                                                   row_lens[row : row + 1], 0.125, lib=lib)
+        assert torch.equal(alone, out[row : row + 1])
+
+
 @pytest.mark.parametrize("window", [None, 8])
 def test_the_cpu_backend_attends_a_mixed_step_in_one_call(window, gen):
     """The `cpu` backend's plan on the engine's own metadata: the same cache and output as the

@@ -134,6 +134,7 @@ static inline __attribute__((always_inline)) void attend_item(
 
 #if defined(__AVX512F__)
 #define W 16
+#define ACC_REGS 16
 typedef __m512 vf;
 typedef __mmask16 vlive; /* the chunk's live lanes */
 #define v_load _mm512_load_ps
@@ -161,6 +162,7 @@ static inline vf v_load_row(const void *base, int64_t index, int dtype) {
 }
 #else
 #define W 8
+#define ACC_REGS 8
 typedef __m256 vf;
 typedef __m256 vlive; /* all-ones lanes where live */
 #define v_load _mm256_load_ps
@@ -284,7 +286,7 @@ static inline __attribute__((always_inline)) vf v_scores(const vf *qr, const flo
 /* Query heads r0 .. r0 + hb - 1 of one row against chunk positions a <= t < e (K and V rows at kp, vp,
  * ks floats apart): scores, one rescale of each head's running sums, P.V. The heads go side by side
  * (hb independent exps and accumulator chains, each V row loaded once for them all): one head at a
- * time waits on its own exp polynomial and its FMA chain. hb * C <= 16 accumulators. */
+ * time waits on its own exp polynomial and its FMA chain. hb * C <= ACC_REGS accumulators. */
 static inline __attribute__((always_inline)) void attend_heads(
     const float *kp, const float *vp, int64_t ks, int a, int e, vlive live, int r0, const int hb, const int C,
     float soft_cap, float (*qf)[MAX_HEAD], float (*acc)[MAX_HEAD], float *m, float *l)
@@ -332,7 +334,8 @@ static inline __attribute__((always_inline)) void attend_chunk(
     const float *kp, const float *vp, int64_t ks, int t0, int n, int i0, int i1, int group, const int C,
     float soft_cap, const int *lo, const int *hi, float (*qf)[MAX_HEAD], float (*acc)[MAX_HEAD], float *m, float *l)
 {
-    const int most = 16 / C < 1 ? 1 : 16 / C > 4 ? 4 : 16 / C; /* heads side by side */
+    /* heads side by side: their accumulators take half the vector registers (32 with AVX-512, 16 AVX2) */
+    const int most = ACC_REGS / C < 1 ? 1 : ACC_REGS / C > 4 ? 4 : ACC_REGS / C;
     for (int i = i0; i < i1; i++) {
         if (hi[i] <= t0 || lo[i] >= t0 + n) continue; /* this chunk is outside the row's context */
         const int a = lo[i] > t0 ? lo[i] - t0 : 0, e = hi[i] - t0 < n ? hi[i] - t0 : n;

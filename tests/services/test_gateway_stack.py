@@ -30,7 +30,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name three col
 
 @pytest.fixture(scope="module")
 async def stack(model_path: Path) -> AsyncIterator[AsyncStack]:
-    stack = await AsyncStack.create(EngineArgs.from_kwargs(model=str(model_path), kv_cache_memory=KV_BYTES,
+    stack = await AsyncStack.create(EngineArgs.from_kwargs(model=str(model_path), dtype="float32", kv_cache_memory=KV_BYTES,
                                                            max_num_batched_tokens=256, max_num_seqs=8))
     yield stack
     await stack.shutdown()

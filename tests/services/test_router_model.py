@@ -35,7 +35,7 @@ SYSTEM = "You are a careful assistant who answers in one short sentence. " * 8  
 
 @pytest.fixture(scope="module")
 async def fleet(model_path: Path) -> AsyncIterator[dict[str, ClosableEngine]]:
-    args = EngineArgs.from_kwargs(model=str(model_path), kv_cache_memory=16 * 2**20, max_model_len=MAX_MODEL_LEN)
+    args = EngineArgs.from_kwargs(model=str(model_path), dtype="float32", kv_cache_memory=16 * 2**20, max_model_len=MAX_MODEL_LEN)
     engines: dict[str, ClosableEngine] = {}
     try:
         for address in (A, B):

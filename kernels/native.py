@@ -44,6 +44,15 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
 }
 # The /proc/cpuinfo flags a variant needs to run.
 _ISA_NEEDS = {"native": (), "avx2": ("avx2", "fma", "f16c"), "scalar": ()}
+# The served builds' instruction set: this CPU's (native), or an older CPU's as far as kvmesh goes
+# (KVMESH_CPU_ISA=avx2: the kernels' AVX2 paths, and `cpu_has` denies AVX-512, AMX and VNNI, so that
+# what chooses by them, `--dtype auto` included, chooses as on an AVX2-only CPU), to measure that
+# CPU's paths on this one (docs/benchmarks.md; torch's own: ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA).
+SERVED_ISA = os.environ.get("KVMESH_CPU_ISA", "native")
+if SERVED_ISA not in ISA_FLAGS:
+    raise ValueError(f"KVMESH_CPU_ISA must be one of {', '.join(ISA_FLAGS)}, got {SERVED_ISA!r}")
+_DENIED = {"native": (), "avx2": ("avx512", "amx", "avx_vnni", "avx10"),
+           "scalar": ("avx", "fma", "f16c", "amx")}[SERVED_ISA]
 
 # name -> the library `build` loaded for serving. Written once per kernel at start-up, read on the
 # hot path; a kernel nobody built is simply not used (`is_built`).
@@ -59,7 +68,7 @@ def runs_here(isa: str) -> bool:
 
 def cpu_has(*features: str) -> bool:
     """Whether /proc/cpuinfo lists every one of `features` (e.g. "avx2", "avx512f") for this CPU."""
-    flags = set(_cpu_features().partition("flags")[2].split())
+    flags = {flag for flag in _cpu_features().partition("flags")[2].split() if not flag.startswith(_DENIED)}
     return all(feature in flags for feature in features)
 
 
@@ -85,7 +94,7 @@ class Kernel:
     def build(self, cache_dir: Path) -> None:
         """Compile (or find the cached build of) the kernel under `cache_dir` for this CPU, to serve;
         raises NativeKernelUnavailable."""
-        self.declare(build(self.name, (*self.base_flags, *ISA_FLAGS["native"]), cache_dir))
+        self.declare(build(self.name, (*self.base_flags, *ISA_FLAGS[SERVED_ISA]), cache_dir))
 
     def available(self, cache_dir: Path) -> bool:
         """`build`, and whether it could (False without a compiler, or where the source does not build)."""

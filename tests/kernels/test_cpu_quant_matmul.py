@@ -6,6 +6,10 @@ over odd shapes, both of `linear`'s paths and every block type it reads."""
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -14,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_quant_matmul as qm
+from kernels import native
 from kernels.cpu_quant_matmul import QuantType
 from services.common.config import default_cache_dir
 
@@ -205,3 +210,16 @@ def test_only_q4_1_is_packed_and_a_packed_weight_must_fit_its_shape(lib):
     packed = qm.pack(quantized(8, 64, QuantType.Q4_1, seed=0)[0], QuantType.Q4_1, 64, lib)
     with pytest.raises(ValueError, match="not a packed"):
         qm.matmul_packed(torch.randn(1, 64), packed, 40, 64, lib)  # 40 rows pad to 64: more bytes than 8's
+
+
+def test_kvmesh_cpu_isa_serves_an_older_cpus_paths():
+    # KVMESH_CPU_ISA=avx2 on any x86 CPU with AVX2: the served builds take their AVX2 paths and the
+    # features an AVX2-only CPU lacks are denied to whoever chooses by them (--dtype auto among them).
+    if not native.runs_here("avx2"):
+        pytest.skip("this CPU has no AVX2")
+    code = ("from kernels import native, cpu_quant_matmul as qm; from services.common.config import default_cache_dir; "
+            "qm.build(default_cache_dir()); print(qm.isa(), native.cpu_has('avx512f'), native.cpu_has('avx2'))")
+    run = functools.partial(subprocess.run, [sys.executable, "-c", code], capture_output=True, text=True)
+    assert run(env={**os.environ, "KVMESH_CPU_ISA": "avx2"}).stdout.split() == ["256", "False", "True"]
+    bad = run(env={**os.environ, "KVMESH_CPU_ISA": "avx9"})
+    assert bad.returncode != 0 and "KVMESH_CPU_ISA must be one of native, avx2, scalar" in bad.stderr

@@ -421,12 +421,13 @@ static void tile_bf16_any(float *y, int64_t ldy, const uint16_t *xb, int64_t ldx
     }
 }
 
-/* quant_matmul for BF16 weights: x rounded to bfloat16 once (to nearest even), then the tiles. */
-static void matmul_bf16(float *y, int64_t ldy, const float *x, int64_t ldx, const uint16_t *w,
-                        int64_t M, int64_t N, int64_t K, int num_threads)
+/* quant_matmul for BF16 weights: x rounded to bfloat16 once (to nearest even), then the tiles.
+ * Returns 0, or -1 where x's copy could not be allocated (the caller takes the float32 path). */
+static int matmul_bf16(float *y, int64_t ldy, const float *x, int64_t ldx, const uint16_t *w,
+                       int64_t M, int64_t N, int64_t K, int num_threads)
 {
     uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * M * K + 64);
-    if (xb == NULL) return;
+    if (xb == NULL) return -1;
     for (int64_t m = 0; m < M; m++)
         for (int64_t i = 0; i < K; i += 2 * VL) {
             const __m512 lo = _mm512_loadu_ps(x + m * ldx + i), hi = _mm512_loadu_ps(x + m * ldx + i + VL);
@@ -446,6 +447,7 @@ static void matmul_bf16(float *y, int64_t ldy, const float *x, int64_t ldx, cons
         }
     }
     free(xb);
+    return 0;
 }
 #endif
 
@@ -466,10 +468,9 @@ void quant_matmul(float *y, int64_t ldy, const float *x, int64_t ldx, const uint
                   int64_t M, int64_t N, int64_t K, int type, int num_threads)
 {
 #if defined(BF16_DOT)
-    if (type == TYPE_BF16 && row_bytes == 2 * K) {
-        matmul_bf16(y, ldy, x, ldx, (const uint16_t *)w, M, N, K, num_threads);
+    if (type == TYPE_BF16 && row_bytes == 2 * K && matmul_bf16(y, ldy, x, ldx, (const uint16_t *)w, M, N, K,
+                                                                num_threads) == 0)
         return;
-    }
 #endif
     const int64_t panels = (N + NR - 1) / NR;
     if (num_threads > panels) num_threads = (int)panels;

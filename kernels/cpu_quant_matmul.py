@@ -309,14 +309,15 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int, bias
         rows = rows.contiguous()
     packed = n is not None
     n = n if packed else blocks.shape[0]
-    if rows.shape[0] >= gemm_rows(lib) and qtype == QuantType.BF16:
-        _check_weight(blocks, qtype, k)
-        y = F.linear(rows.to(torch.bfloat16), blocks.view(torch.bfloat16)).float()
-        if bias is not None:
-            y += bias
-    elif rows.shape[0] >= gemm_rows(lib):
-        weight = dequantize_packed(blocks, n, k, lib) if packed else dequantize(blocks, qtype, k, lib)
-        y = F.linear(rows, weight, bias)
+    if rows.shape[0] >= gemm_rows(lib):
+        if qtype == QuantType.BF16:
+            _check_weight(blocks, qtype, k)
+            y = F.linear(rows.to(torch.bfloat16), blocks.view(torch.bfloat16)).float()
+            if bias is not None:
+                y += bias
+        else:
+            weight = dequantize_packed(blocks, n, k, lib) if packed else dequantize(blocks, qtype, k, lib)
+            y = F.linear(rows, weight, bias)
     else:
         y = matmul_packed(rows, blocks, n, k, lib) if packed else matmul(rows, blocks, qtype, k, lib)
         if bias is not None:

@@ -238,15 +238,21 @@ static inline vlive v_live_range(int a, int b) {
  * the caller masks them); position t's K row starts at kb + t * ks. The W dot products are summed
  * across lanes together, a transpose-and-add tree: AVX2 ~11 instructions for 8 positions, AVX-512
  * 45 for 16, against ~6 and ~10 a position summed one at a time. */
-#if W == 8
-static inline __attribute__((always_inline)) vf v_scores(const vf *qr, const float *kb, int64_t ks, int a, int e, const int C) {
-    vf d[8];
-    for (int t = 0; t < 8; t++) {
+/* d[t] = q * k_t lane by lane for the chunk's positions a <= t < e, zero elsewhere. */
+static inline __attribute__((always_inline)) void v_dots(vf d[W], const vf *qr, const float *kb, int64_t ks, int a,
+                                                         int e, const int C) {
+    for (int t = 0; t < W; t++) {
         if (t < a || t >= e) { d[t] = v_zero(); continue; }
         const float *k = kb + t * ks;
         d[t] = v_mul(qr[0], v_loadu(k));
         for (int c = 1; c < C; c++) d[t] = v_fmadd(qr[c], v_loadu(k + W * c), d[t]);
     }
+}
+
+#if W == 8
+static inline __attribute__((always_inline)) vf v_scores(const vf *qr, const float *kb, int64_t ks, int a, int e, const int C) {
+    vf d[8];
+    v_dots(d, qr, kb, ks, a, e, C);
     const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(d[0], d[1]), _mm256_hadd_ps(d[2], d[3]));
     const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(d[4], d[5]), _mm256_hadd_ps(d[6], d[7]));
     /* s0123 = [sums of the low halves of d0..d3 | of their high halves], likewise s4567. */
@@ -260,12 +266,7 @@ static inline vf v_sum_quarters(vf a, vf b) {
 }
 static inline __attribute__((always_inline)) vf v_scores(const vf *qr, const float *kb, int64_t ks, int a, int e, const int C) {
     vf d[16];
-    for (int t = 0; t < 16; t++) {
-        if (t < a || t >= e) { d[t] = v_zero(); continue; }
-        const float *k = kb + t * ks;
-        d[t] = v_mul(qr[0], v_loadu(k));
-        for (int c = 1; c < C; c++) d[t] = v_fmadd(qr[c], v_loadu(k + W * c), d[t]);
-    }
+    v_dots(d, qr, kb, ks, a, e, C);
     /* In each quarter: pairs (t, t + 1) interleaved, then quads (4j .. 4j + 3) holding their four
      * partial sums in order; then the quarters of four quads summed, in position order. */
     vf quad[4];
@@ -481,7 +482,7 @@ int paged_decode_attention(
     const int min_tiles = (2 * num_threads + num_kv_heads - 1) / num_kv_heads;
     int share_rows = (num_seqs + min_tiles - 1) / min_tiles;
     share_rows = share_rows < tile_rows ? share_rows : tile_rows;
-    int32_t *tiles = malloc(sizeof(int32_t) * (2 * (size_t)num_seqs + 1));
+    int32_t *tiles = malloc(sizeof(int32_t) * (3 * (size_t)num_seqs + 1));
     const int32_t **row_blocks = malloc(sizeof(int32_t *) * ((size_t)num_seqs + 1));
     if (tiles == NULL || row_blocks == NULL) {
         free(tiles);
@@ -489,36 +490,31 @@ int paged_decode_attention(
         return -2;
     }
     int32_t *shared = tiles + num_seqs + 1; /* per tile: positions all its rows' tables agree on */
+    int32_t *lone = shared + num_seqs;      /* per tile: begun by a decode its request has alone */
     int num_tiles = 0;
     int64_t kv_rows = 0; /* K and V rows the call reads, over all rows and kv heads */
     for (int b = 0; b < num_seqs; b++) {
         kv_rows += (int64_t)seq_lens[b] * num_kv_heads;
         row_blocks[b] = block_table + (int64_t)(seq_of_row ? seq_of_row[b] : b) * max_blocks_per_seq;
         const int same_request = b > 0 && seq_of_row != NULL && seq_of_row[b] == seq_of_row[b - 1];
-        const int continues = same_request && seq_lens[b] == seq_lens[b - 1] + 1;
         const int starts_run = b + 1 < num_seqs && seq_of_row != NULL && seq_of_row[b + 1] == seq_of_row[b];
+        const int is_lone = !same_request && !starts_run && sliding_window <= 0;
         const int t = num_tiles - 1, size = b - (t >= 0 ? tiles[t] : 0);
-        if (continues && size < tile_rows) {
+        if (same_request && seq_lens[b] == seq_lens[b - 1] + 1 && size < tile_rows) {
             shared[t] = seq_lens[b]; /* one request: every position */
             continue;
         }
-        if (b > 0 && !same_request && !starts_run && sliding_window <= 0 && size < share_rows
-                && (size == 1 || shared[t] < seq_lens[tiles[t]])) { /* a decode, beside decodes */
-            const int32_t *first_blocks = row_blocks[tiles[t]];
-            int full = (seq_lens[b] < seq_lens[tiles[t]] ? seq_lens[b] : seq_lens[tiles[t]]) / block_size;
-            if (size > 1 && shared[t] / block_size < full) full = shared[t] / block_size;
+        if (is_lone && t >= 0 && lone[t] && size < share_rows) { /* a decode, beside decodes */
+            const int full = (seq_lens[b] < shared[t] ? seq_lens[b] : shared[t]) / block_size;
             int common = 0;
-            while (common < full && row_blocks[b][common] == first_blocks[common]) common++;
-            const int single = size == 1 && (tiles[t] == 0 || seq_of_row == NULL
-                                             || seq_of_row[tiles[t]] != seq_of_row[tiles[t] - 1])
-                               && !(tiles[t] + 1 < num_seqs && seq_of_row != NULL
-                                    && seq_of_row[tiles[t] + 1] == seq_of_row[tiles[t]]);
-            if (common >= MIN_SHARED_BLOCKS && (size > 1 || single)) {
+            while (common < full && row_blocks[b][common] == row_blocks[tiles[t]][common]) common++;
+            if (common >= MIN_SHARED_BLOCKS) {
                 shared[t] = common * block_size;
                 continue;
             }
         }
         tiles[num_tiles] = b;
+        lone[num_tiles] = is_lone;
         shared[num_tiles++] = seq_lens[b];
     }
     tiles[num_tiles] = num_seqs;

@@ -29,6 +29,7 @@
  * tiles take vdpbf16ps, two multiply-adds a lane per instruction (twice the float32 FMA's), with no
  * dequantization at all; elsewhere the weights are widened to float32 like the other types.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -122,6 +123,7 @@ int64_t quant_block_bytes(int type) {
     case TYPE_BF16: return 2 * QK;
     case TYPE_Q4_1: return 4 + QK / 2;
     case TYPE_Q8_0: return 2 + QK;
+    case 1003: return 24; /* TYPE_Q4_1_I8, below: a row's share of its group's blocks */
     default: return 0;
     }
 }
@@ -460,6 +462,255 @@ int quant_matmul_bf16_dot(void) {
 #endif
 }
 
+/* ------------------------------------------------------------------------------ int8 activations
+ *
+ * Q4_1_I8 (type 1003, never a file's): `--dtype auto`'s copy of a layer's Q4_1 weights for its larger
+ * steps on a CPU without bfloat16 dot products (an AVX2-only one). The weights are the file's, exactly;
+ * x is quantized per 32-block the way llama.cpp quantizes activations for its Q4_1 dot products (q8_1):
+ *
+ *   dx = amax(|x|) * (1/127), qx = round(x / dx) (to nearest even) in -127..127, sx = dx * sum(qx)
+ *
+ * and a block's x . w = d_w dx (q_w . qx) + m_w sx, its 32 products summed in integers: vpmaddubsw
+ * multiplies 32 unsigned-by-signed byte pairs and adds neighbours (four times the products of an
+ * 8-wide FMA), vpdpbusd with VNNI does four a lane. The integer sums are exact (at most 8 * 3,810 in a
+ * 16-bit lane), so both give the same floats.
+ *
+ * Layout: rows in groups of I8_ROWS = 8, each group's blocks in order, 192 bytes a block:
+ *
+ *   float d[8] | float m[8] | 4 vectors t of 32 bytes: byte 4r + i = q_r[8t + i] | q_r[8t + 4 + i] << 4
+ *
+ * so vector t's low nibbles are the 8 rows' weights at columns 8t .. 8t + 3 and its high ones at
+ * 8t + 4 .. 8t + 7: one multiply-add against x's four bytes broadcast gives each row's partial sum in
+ * its own lane, no shuffles and no horizontal sums. Per row 24 bytes a block (Q4_1: 20). */
+
+#define TYPE_Q4_1_I8 1003
+#define I8_ROWS 8
+#define I8_BLOCK_BYTES (I8_ROWS * 24)
+#define I8_MR 4 /* rows of x per tile: 4 float + 4 integer accumulators beside the weights and x */
+
+/* src: N (a multiple of 8) rows of Q4_1 blocks, row_bytes apart -> dst: N * K / 32 * 24 bytes. */
+void quant_pack_q4_1_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t N, int64_t K) {
+    const int64_t nb = K / QK;
+    for (int64_t g = 0; g < N / I8_ROWS; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *out = dst + (g * nb + b) * I8_BLOCK_BYTES;
+            for (int r = 0; r < I8_ROWS; r++) {
+                const uint8_t *blk = src + (g * I8_ROWS + r) * row_bytes + b * 20;
+                const float d = f16_to_f32(read_u16(blk)), m = f16_to_f32(read_u16(blk + 2));
+                memcpy(out + 4 * r, &d, 4);
+                memcpy(out + 32 + 4 * r, &m, 4);
+                uint8_t q[QK];
+                for (int j = 0; j < 16; j++) {
+                    q[j] = blk[4 + j] & 15;
+                    q[j + 16] = blk[4 + j] >> 4;
+                }
+                for (int t = 0; t < 4; t++)
+                    for (int i = 0; i < 4; i++) out[64 + 32 * t + 4 * r + i] = (uint8_t)(q[8 * t + i] | q[8 * t + 4 + i] << 4);
+            }
+        }
+}
+
+/* Row n of the I8 weight (groups of rows row_bytes * 8 bytes apart) as float32: the file's weights. */
+static void i8_dequantize_row(float *dst, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K) {
+    const uint8_t *group = w + (n / I8_ROWS) * I8_ROWS * row_bytes;
+    const int r = (int)(n % I8_ROWS);
+    for (int64_t b = 0; b < K / QK; b++) {
+        const uint8_t *blk = group + b * I8_BLOCK_BYTES;
+        float d, m;
+        memcpy(&d, blk + 4 * r, 4);
+        memcpy(&m, blk + 32 + 4 * r, 4);
+        for (int t = 0; t < 4; t++)
+            for (int i = 0; i < 4; i++) {
+                const uint8_t byte = blk[64 + 32 * t + 4 * r + i];
+                dst[b * QK + 8 * t + i] = d * (float)(byte & 15) + m;
+                dst[b * QK + 8 * t + 4 + i] = d * (float)(byte >> 4) + m;
+            }
+    }
+}
+
+static inline int32_t read_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+#define I8_INV127 (1.0f / 127.0f)
+
+/* x's row (K floats) -> qx (K bytes), dx and sx (K / 32 floats each), as above. */
+static void quantize_row_q8(int8_t *qx, float *dx, float *sx, const float *x, int64_t K) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        int8_t *qb = qx + b * QK;
+#if defined(__AVX2__)
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+        const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float d = _mm_cvtss_f32(h) * I8_INV127, id = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++)
+            q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid)), lim), nlim);
+        const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+        /* packs interleave the 128-bit halves: 32-bit groups come out as q0 q1 q2 q3 (low halves), then
+         * the high halves; the permutation puts them back in order */
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)qb,
+                            _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        dx[b] = d;
+        sx[b] = d * (float)_mm_cvtsi128_si32(s);
+#else
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+        const float d = amax * I8_INV127, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < QK; j++) {
+            long v = lrintf(xb[j] * id);
+            v = v > 127 ? 127 : v < -127 ? -127 : v;
+            qb[j] = (int8_t)v;
+            sum += (int32_t)v;
+        }
+        dx[b] = d;
+        sx[b] = d * (float)sum;
+#endif
+    }
+}
+
+#if defined(__AVX2__)
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define I8_VNNI 1
+#endif
+/* y[r][0..8) (r < mr) = the group's 8 rows (blocks at wg) . x's quantized rows r; pf: bytes to read
+ * ahead (the next group's, 192 a block), or NULL. */
+static inline __attribute__((always_inline)) void i8_tile(
+    float *y, int64_t ldy, const int8_t *qx, const float *dx, const float *sx, int64_t K, const uint8_t *wg,
+    const int mr, const uint8_t *pf)
+{
+    const int64_t nb = K / QK;
+    const __m256i nibble = _mm256_set1_epi8(15);
+#if !defined(I8_VNNI)
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    __m256 acc[I8_MR];
+    for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * I8_BLOCK_BYTES;
+        if (pf != NULL)
+            for (int o = 0; o < I8_BLOCK_BYTES; o += 64) PREFETCH(pf + b * I8_BLOCK_BYTES + o);
+        __m256i isum[I8_MR];
+        for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
+        for (int t = 0; t < 4; t++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * t));
+            const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            for (int r = 0; r < mr; r++) {
+                const int8_t *xr = qx + r * K + b * QK + 8 * t;
+                const __m256i xlo = _mm256_set1_epi32(read_i32(xr)), xhi = _mm256_set1_epi32(read_i32(xr + 4));
+#if defined(I8_VNNI)
+                isum[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(isum[r], lo, xlo), hi, xhi);
+#else
+                isum[r] = _mm256_add_epi16(isum[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo),
+                                                                     _mm256_maddubs_epi16(hi, xhi)));
+#endif
+            }
+        }
+        const __m256 d = _mm256_loadu_ps((const float *)blk), m = _mm256_loadu_ps((const float *)(blk + 32));
+        for (int r = 0; r < mr; r++) {
+#if defined(I8_VNNI)
+            const __m256i s32 = isum[r];
+#else
+            const __m256i s32 = _mm256_madd_epi16(isum[r], ones);
+#endif
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+#else
+static inline void i8_tile(float *y, int64_t ldy, const int8_t *qx, const float *dx, const float *sx, int64_t K,
+                           const uint8_t *wg, const int mr, const uint8_t *pf) {
+    (void)pf;
+    const int64_t nb = K / QK;
+    for (int r = 0; r < mr; r++)
+        for (int lane = 0; lane < I8_ROWS; lane++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = wg + b * I8_BLOCK_BYTES;
+                const int8_t *xb = qx + r * K + b * QK;
+                int32_t isum = 0;
+                for (int t = 0; t < 4; t++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t byte = blk[64 + 32 * t + 4 * lane + i];
+                        isum += (byte & 15) * xb[8 * t + i] + (byte >> 4) * xb[8 * t + 4 + i];
+                    }
+                float d, m;
+                memcpy(&d, blk + 4 * lane, 4);
+                memcpy(&m, blk + 32 + 4 * lane, 4);
+                acc += (float)isum * (d * dx[r * nb + b]);
+                acc += m * sx[r * nb + b];
+            }
+            y[r * ldy + lane] = acc;
+        }
+}
+#endif
+
+#define I8_TILE_MR(mr_) i8_tile(y + m0 * ldy + n0, ldy, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, K, wg, mr_, pf)
+
+/* quant_matmul for Q4_1_I8 weights (N a multiple of 8). Returns 0, or -1 where x's quantized copy
+ * could not be allocated. */
+static int matmul_q4_1_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *w,
+                          int64_t M, int64_t N, int64_t K, int num_threads)
+{
+    const int64_t nb = K / QK, groups = N / I8_ROWS;
+    int8_t *qx = aligned_alloc(64, (size_t)(M * K + 64));
+    float *dx = aligned_alloc(64, sizeof(float) * (size_t)(2 * M * nb + 16));
+    if (qx == NULL || dx == NULL) {
+        free(qx);
+        free(dx);
+        return -1;
+    }
+    float *sx = dx + M * nb;
+    for (int64_t m = 0; m < M; m++) quantize_row_q8(qx + m * K, dx + m * nb, sx + m * nb, x + m * ldx, K);
+    if (num_threads > groups) num_threads = (int)groups;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n0 = g * I8_ROWS;
+        const uint8_t *wg = w + g * nb * I8_BLOCK_BYTES;
+        for (int64_t m0 = 0; m0 < M; m0 += I8_MR) {
+            /* the next group's weights are read ahead while the first rows of x go through this one */
+            const uint8_t *pf = m0 == 0 && g + 1 < groups ? wg + nb * I8_BLOCK_BYTES : NULL;
+            switch (M - m0 < I8_MR ? M - m0 : I8_MR) {
+            case 4: I8_TILE_MR(4); break;
+            case 3: I8_TILE_MR(3); break;
+            case 2: I8_TILE_MR(2); break;
+            default: I8_TILE_MR(1); break;
+            }
+        }
+    }
+    free(qx);
+    free(dx);
+    return 0;
+}
+
+/* Whether the build's Q4_1_I8 sums take VNNI's vpdpbusd (1), AVX2's vpmaddubsw (2) or plain C (0). */
+int quant_matmul_i8_path(void) {
+#if defined(I8_VNNI)
+    return 1;
+#elif defined(__AVX2__)
+    return 2;
+#else
+    return 0;
+#endif
+}
+
 /* ------------------------------------------------------------------------------ entry points */
 
 /* y[m][n] = sum_k x[m][k] * W[n][k] for m < M, n < N. x: [M, K] rows ldx floats apart; y: rows ldy
@@ -467,6 +718,21 @@ int quant_matmul_bf16_dot(void) {
 void quant_matmul(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
                   int64_t M, int64_t N, int64_t K, int type, int num_threads)
 {
+    if (type == TYPE_Q4_1_I8) {
+        if (matmul_q4_1_i8(y, ldy, x, ldx, w, M, N, K, num_threads) == 0) return;
+        /* no memory for x's quantized copy: the float32 products over the exact weights, a row at a time */
+        float *row = aligned_alloc(64, sizeof(float) * (size_t)K);
+        for (int64_t n = 0; n < N && row != NULL; n++) {
+            i8_dequantize_row(row, w, row_bytes, n, K);
+            for (int64_t m = 0; m < M; m++) {
+                float sum = 0.0f;
+                for (int64_t k = 0; k < K; k++) sum += x[m * ldx + k] * row[k];
+                y[m * ldy + n] = sum;
+            }
+        }
+        free(row);
+        return;
+    }
 #if defined(BF16_DOT)
     if (type == TYPE_BF16 && row_bytes == 2 * K && matmul_bf16(y, ldy, x, ldx, (const uint16_t *)w, M, N, K,
                                                                 num_threads) == 0)
@@ -505,7 +771,12 @@ void quant_dequantize(float *out, const uint8_t *w, int64_t row_bytes, int64_t N
                       int num_threads)
 {
     #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) dequantize_row(out + n * K, w + n * row_bytes, K, type);
+    for (int64_t n = 0; n < N; n++) {
+        if (type == TYPE_Q4_1_I8)
+            i8_dequantize_row(out + n * K, w, row_bytes, n, K);
+        else
+            dequantize_row(out + n * K, w + n * row_bytes, K, type);
+    }
 }
 
 /* ------------------------------------------------------------------------------ packed Q4_1

@@ -145,15 +145,21 @@ def resolve_dtype(dtype: str, quantization: str, model: str, device: torch.devic
 
 
 def block_gemm_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """The dtype of the larger steps' matmuls (prefill chunks, decode batches from
-    quantized_weight.LOW_PRECISION_GEMM_ROWS rows) over weights kept in GGUF blocks: bfloat16 for
-    `--dtype auto` on a CPU with bfloat16 instructions (AVX512_BF16, AMX-BF16: torch's bfloat16 GEMM
-    runs 4-5x its float32 one there at prefill sizes, 1.3-2.3x the native float32 kernel from 24 rows,
-    docs/benchmarks.md), else float32. Smaller steps and the LM head stay float32 over the exact
-    weights either way; the bfloat16 steps' activations and KV carry its rounding, as llama.cpp's bf16
-    files do (its agreement with transformers: loadtests/int8_agreement.py --dtype auto)."""
-    if dtype == "auto" and device.type == "cpu" and (cpu_has("avx512_bf16") or cpu_has("amx_bf16")):
+    """The arithmetic of the larger steps' matmuls (prefill chunks, decode batches from
+    quantized_weight.LOW_PRECISION_GEMM_ROWS rows) over weights kept in GGUF blocks, for `--dtype auto`
+    on a CPU: bfloat16 where it has bfloat16 instructions (AVX512_BF16, AMX-BF16: torch's bfloat16 GEMM
+    runs 4-5x its float32 one there at prefill sizes, 1.3-2.3x the native float32 kernel from 24 rows);
+    else int8 where the kernel has AVX2 (x quantized to 8 bits per 32-block against the Q4_1 weights
+    in integer dot products, as llama.cpp and vLLM's GGUF kernels compute: 1.3-2.1x the float32
+    kernel); else float32. Smaller steps and the LM head stay float32 over the exact weights either
+    way; the low-precision steps' activations and KV carry its rounding (the agreement with
+    transformers: loadtests/int8_agreement.py --dtype auto; docs/benchmarks.md)."""
+    if dtype != "auto" or device.type != "cpu":
+        return torch.float32
+    if cpu_has("avx512_bf16") or cpu_has("amx_bf16"):
         return torch.bfloat16
+    if cpu_has("avx2", "fma", "f16c"):
+        return torch.int8
     return torch.float32
 
 

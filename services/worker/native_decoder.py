@@ -6,8 +6,8 @@ It takes a model whose every linear layer keeps its weight in GGUF blocks (the C
 GGUF model; `--quantization int8|f16` too), in float32, at tensor-parallel size 1, with the native
 attention plan; any other model or step goes through the layers' modules. Both paths call the same
 kernels in the same order, so they agree bit for bit (tests/model/test_native_decoder.py). Under
-`--dtype auto` the steps from `LOW_PRECISION_GEMM_ROWS` tokens take the layers' bfloat16 copies,
-as the modules do.
+`--dtype auto` the steps from `LOW_PRECISION_GEMM_ROWS` tokens take the layers' bfloat16 or int8
+copies, as the modules do.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class NativeDecoder:
         attn, mlp = first.self_attn, first.mlp
         self.qkv_size = attn.q_size + 2 * attn.kv_size
         self.max_tokens = cpu_quant_matmul.gemm_rows()  # from here linear layers call torch's GEMM
-        # From here the layers' bfloat16 copies (`--dtype auto`, quantized_weight.use_gemm_dtype), if any.
+        # From here the layers' low-precision copies (`--dtype auto`, quantized_weight.use_gemm_dtype), if any.
         self.low_precision_from = min(lin.block_weight.gemm_rows for lin in _linears(first))
         self.dims = cpu_decoder.Dims(
             hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
@@ -56,13 +56,14 @@ class NativeDecoder:
 
     def _bind(self, kv_caches: list[torch.Tensor], low_precision: bool) -> ctypes.Array:
         """The layers' structs for this list of KV caches (the worker's, fixed once allocated), over
-        the exact block weights or their bfloat16 copies."""
+        the exact block weights or their low-precision copies."""
         if self._caches is not kv_caches:
             self._layers, self._caches = {}, kv_caches
             self.dims.block_size = kv_caches[0].shape[2]
         if low_precision not in self._layers:
             def weight(linear) -> cpu_decoder.Weight:
-                block_weight = linear.block_weight.gemm_weight if low_precision else linear.block_weight
+                exact = linear.block_weight
+                block_weight = exact.gemm_weight or exact if low_precision else exact  # a layer may have no copy
                 return cpu_decoder.weight(block_weight, linear.bias)
 
             layers = (cpu_decoder.Layer * len(self.model.layers))()

@@ -23,6 +23,10 @@ from kernels.cpu_quant_matmul import QuantType
 from services.common.config import default_cache_dir
 
 
+# The types whose rows are blocks of their own (Q4_1_I8 holds its rows in groups: its own tests below).
+ROW_TYPES = [qtype for qtype in QuantType if qtype != QuantType.Q4_1_I8]
+
+
 @pytest.fixture
 def lib(isa: str) -> ctypes.CDLL:
     return qm.variant(isa, default_cache_dir())
@@ -44,13 +48,13 @@ def test_the_build_runs_the_path_it_was_built_for(isa, lib):
     assert qm.isa(lib) == want
 
 
-@pytest.mark.parametrize("qtype", list(QuantType))
+@pytest.mark.parametrize("qtype", ROW_TYPES)
 def test_dequantize_is_gguf_bit_for_bit(lib, qtype):
     blocks, reference = quantized(13, 96, qtype, seed=int(qtype))
     assert torch.equal(qm.dequantize(blocks, qtype, 96, lib), reference)
 
 
-@pytest.mark.parametrize("qtype", list(QuantType))
+@pytest.mark.parametrize("qtype", ROW_TYPES)
 @pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 37, 96), (2, 5, 64), (3, 17, 576), (4, 8, 32), (5, 3, 160),
                                      (9, 4, 96), (33, 19, 64), (70, 6, 32)])
 def test_matmul_is_a_float32_matmul_over_the_dequantized_weights(lib, qtype, m, n, k):
@@ -65,7 +69,7 @@ def test_matmul_is_a_float32_matmul_over_the_dequantized_weights(lib, qtype, m, 
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k**0.5)
 
 
-@pytest.mark.parametrize("qtype", list(QuantType))
+@pytest.mark.parametrize("qtype", ROW_TYPES)
 @pytest.mark.parametrize("m", [2, 4, 5, 11])
 def test_a_row_sums_alike_whatever_the_batch(lib, qtype, m):
     # Up to MR rows of x multiply the blocks in registers, more a panel's dequantized buffer: the same
@@ -203,6 +207,11 @@ def test_packed_linear_either_path_equals_f_linear_with_bias(lib, rows):
     torch.testing.assert_close(got[0], F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
+def test_a_packed_weight_unpacks_to_its_blocks(lib):
+    blocks, _ = quantized(45, 96, QuantType.Q4_1, seed=7)
+    assert torch.equal(qm.unpack(qm.pack(blocks, QuantType.Q4_1, 96, lib), 45, 96, lib), blocks)
+
+
 def test_only_q4_1_is_packed_and_a_packed_weight_must_fit_its_shape(lib):
     blocks, _ = quantized(8, 64, QuantType.Q8_0, seed=0)
     with pytest.raises(ValueError, match="Q8_0 blocks are not packed"):
@@ -210,6 +219,83 @@ def test_only_q4_1_is_packed_and_a_packed_weight_must_fit_its_shape(lib):
     packed = qm.pack(quantized(8, 64, QuantType.Q4_1, seed=0)[0], QuantType.Q4_1, 64, lib)
     with pytest.raises(ValueError, match="not a packed"):
         qm.matmul_packed(torch.randn(1, 64), packed, 40, 64, lib)  # 40 rows pad to 64: more bytes than 8's
+
+
+# ------------------------------------------------------------------ Q4_1_I8 (int8 x, `--dtype auto` on AVX2)
+
+
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [m, k] as the kernel quantizes it, per 32-block: int8 values, scales, scaled sums ([m, k / 32])."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1) * torch.tensor(1 / 127, dtype=torch.float32)
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inverse[..., None]).clamp(-127, 127)
+    return q, d, d * q.sum(-1)
+
+
+def i8_reference(x: torch.Tensor, blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """x . W for Q4_1 `blocks` with x quantized per block: sum over blocks of d_w dx (q_w . qx) + m_w sx,
+    in float64 from the float32 factors."""
+    data = blocks.numpy().reshape(blocks.shape[0], k // 32, 20)
+    d_w = torch.from_numpy(data[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]).double()
+    m_w = torch.from_numpy(data[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]).double()
+    qs = torch.from_numpy(data[..., 4:].astype(np.int64))
+    q_w = torch.cat([qs & 15, qs >> 4], dim=-1).double()  # [n, blocks, 32]: weights j < 16, then j >= 16
+    q, d, s = (t.double() for t in quantize_x(x))
+    dots = torch.einsum("mbj,nbj->mnb", q, q_w)
+    return ((d[:, None, :] * d_w[None]) * dots + m_w[None] * s[:, None, :]).sum(-1).float()
+
+
+def test_i8_weights_are_the_q4_1_weights_bit_for_bit(lib):
+    blocks, reference = quantized(24, 96, QuantType.Q4_1, seed=5)
+    i8 = qm.to_i8_blocks(blocks, 96, lib)
+    assert i8.shape == (24, 96 // 32 * 24)
+    assert torch.equal(qm.dequantize(i8, QuantType.Q4_1_I8, 96, lib), reference)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 8, 32), (2, 16, 96), (3, 24, 576), (4, 8, 64), (5, 40, 160), (13, 16, 32),
+                                     (70, 8, 64)])
+def test_i8_matmul_is_int8_x_against_the_exact_weights(lib, m, n, k):
+    blocks, weight = quantized(n, k, QuantType.Q4_1, seed=m + n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3
+    x[m - 1, : 32 if m > 1 else 0] = 0.0  # a block of zeros quantizes to zeros, not NaN
+    got = qm.matmul(x, qm.to_i8_blocks(blocks, k, lib), QuantType.Q4_1_I8, k, lib)
+    torch.testing.assert_close(got, i8_reference(x, blocks, k), rtol=1e-5, atol=1e-5 * k**0.5)
+    # ... which is within int8's rounding of the float32 product, and not the float32 product itself
+    exact = x @ weight.T
+    assert 1e-4 < (got - exact).norm() / exact.norm() < 2e-2
+
+
+@pytest.mark.parametrize("m", [2, 5, 11])
+def test_an_i8_row_sums_alike_whatever_the_batch(lib, m):
+    blocks, _ = quantized(16, 96, QuantType.Q4_1, seed=m)
+    i8 = qm.to_i8_blocks(blocks, 96, lib)
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+    batch = qm.matmul(x, i8, QuantType.Q4_1_I8, 96, lib)
+    for i in range(m):
+        assert torch.equal(qm.matmul(x[i : i + 1], i8, QuantType.Q4_1_I8, 96, lib)[0], batch[i])
+
+
+def test_linear_keeps_i8_weights_on_the_integer_tiles_at_every_row_count(lib):
+    blocks, _ = quantized(16, 64, QuantType.Q4_1, seed=2)
+    i8 = qm.to_i8_blocks(blocks, 64, lib)
+    x, bias = torch.randn(max(qm.gemm_rows(lib), 2) + 1, 64), torch.randn(16)
+    got = qm.linear(x, i8, QuantType.Q4_1_I8, 64, bias, lib)
+    assert torch.equal(got, qm.matmul(x, i8, QuantType.Q4_1_I8, 64, lib) + bias)
+
+
+def test_i8_sums_take_the_cpus_integer_dot_products(isa, lib):
+    flags = open("/proc/cpuinfo").read().split()
+    vnni = "avx_vnni" in flags or "avx512_vnni" in flags
+    assert qm.i8_path(lib) == {"scalar": "c", "avx2": "avx2"}.get(isa, "vnni" if vnni else "avx2")
+
+
+def test_i8_weights_are_made_of_q4_1_rows_in_groups_of_8(lib):
+    blocks, _ = quantized(12, 64, QuantType.Q4_1, seed=0)
+    with pytest.raises(ValueError, match="groups of 8"):
+        qm.to_i8_blocks(blocks, 64, lib)
+    with pytest.raises(ValueError, match="do not hold"):
+        qm.to_i8_blocks(quantized(8, 64, QuantType.Q8_0, seed=0)[0], 64, lib)
 
 
 def test_kvmesh_cpu_isa_serves_an_older_cpus_paths():

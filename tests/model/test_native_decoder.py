@@ -3,7 +3,7 @@ modules it replaces on the CPU's small steps: the same kernels in the same order
 The default model (its GGUF file's blocks) generates with the native path and again without it:
 every token and every logprob is equal, over decode steps of many sequences, prefill chunks mixed
 with decodes, and prompt logprobs; steps of more tokens than the GEMM threshold keep the modules. And `--dtype auto`,
-whose prefill chunks multiply in bfloat16 where the CPU has its instructions."""
+whose larger steps multiply in bfloat16 or int8 where the CPU has their instructions."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from services.worker.attention.torch_backend import NativeAttentionPlan
 from services.worker.forward_context import ForwardContext, set_forward_context
 from services.worker.gguf_weights import block_gemm_dtype
 from services.worker.layers.linear import MergedLinear, RowParallelLinear
+from services.worker.layers.quantized_weight import use_gemm_dtype
 from services.worker.native_decoder import NativeDecoder
 
 KV_BYTES = 64 << 20
@@ -75,6 +76,32 @@ def test_native_and_module_paths_give_the_same_tokens_and_logprobs(llm: LLM):
         assert a.prompt_logprobs == b.prompt_logprobs
 
 
+def test_int8_copies_take_the_same_bits_natively_and_through_the_modules(llm: LLM):
+    # `--dtype auto` on an AVX2-only CPU (quantized_weight.use_gemm_dtype(..., torch.int8)), given to
+    # this model's layers on any CPU for the length of the test.
+    model = model_of(llm)
+    layers = [m for m in model.modules() if isinstance(m, (MergedLinear, RowParallelLinear))]
+    exact = [layer.block_weight for layer in layers]
+    try:
+        assert use_gemm_dtype(layers, torch.int8) == len(layers)  # every layer of the file is Q4_1
+        native = NativeDecoder(model, model.native_decoder.ops)
+        assert native.low_precision_from == 2
+        tokenizer = llm.get_tokenizer()
+        prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):", "1, 2, 3, 5, 8,")]
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+        with_native, without = generate(llm, native, prompts, params), generate(llm, None, prompts, params)
+        for a, b in zip(with_native, without):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    finally:
+        for layer, weight in zip(layers, exact):
+            layer.block_weight = weight
+    exact_out = generate(llm, None, prompts, params)
+    # int8's rounding moves the logprobs, not (on these prompts) the first greedy tokens
+    assert [o.outputs[0].token_ids[:4] for o in exact_out] == [o.outputs[0].token_ids[:4] for o in with_native]
+    assert any(a.outputs[0].logprobs != b.outputs[0].logprobs for a, b in zip(exact_out, with_native))
+
+
 def test_steps_of_many_tokens_go_through_the_modules(llm: LLM):
     native = model_of(llm).native_decoder
     hidden = torch.zeros(cpu_quant_matmul.gemm_rows(), 8)
@@ -84,18 +111,18 @@ def test_steps_of_many_tokens_go_through_the_modules(llm: LLM):
 
 
 @pytest.mark.slow  # a second model in memory
-def test_dtype_auto_reads_long_prompts_with_bfloat16_gemms_where_the_cpu_has_them(llm: LLM):
+def test_dtype_auto_reads_long_prompts_in_the_cpus_low_precision(llm: LLM):
     want = block_gemm_dtype("auto", torch.device("cpu"))
     with LLM(model="smollm2", dtype="auto", kv_cache_memory=KV_BYTES) as auto:
         model = auto.worker.runner.model
         layers = [m for m in model.modules() if isinstance(m, (MergedLinear, RowParallelLinear))]
         copies = {None if m.block_weight.gemm_weight is None else m.block_weight.gemm_weight.qtype for m in layers}
-        assert layers and copies == ({QuantType.BF16} if want == torch.bfloat16 else {None})
+        assert layers and copies == {{torch.bfloat16: QuantType.BF16, torch.int8: QuantType.Q4_1_I8}.get(want)}
         assert model.lm_head.block_weight.gemm_weight is None  # logits stay float32
         prompt = llm.get_tokenizer().encode("The history of the river and its bridges. " * 60)
-        assert len(prompt) > cpu_quant_matmul.gemm_rows()  # read through the GEMM
+        assert len(prompt) > cpu_quant_matmul.gemm_rows()  # read through the modules
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
         fast, exact = auto.generate([prompt], params)[0], llm.generate([prompt], params)[0]
     assert len(fast.outputs[0].token_ids) == 8
-    if want == torch.float32:  # no bfloat16 instructions: auto is the exact path
+    if want == torch.float32:  # no low-precision instructions: auto is the exact path
         assert fast.outputs[0].token_ids == exact.outputs[0].token_ids

@@ -135,11 +135,15 @@ def test_dtype_auto_is_float32_for_blocks_and_bfloat16_only_with_its_instruction
     assert ModelConfig(dtype="auto", quantization="gguf").dtype == "auto"
 
 
-def test_dtype_auto_multiplies_larger_steps_in_bfloat16_only_with_its_instructions():
+def test_dtype_auto_multiplies_larger_steps_in_the_cpus_low_precision():
     cpu = torch.device("cpu")
-    has_bf16 = cpu_has("avx512_bf16") or cpu_has("amx_bf16")
-    assert block_gemm_dtype("auto", cpu) == (torch.bfloat16 if has_bf16 else torch.float32)
+    want = torch.bfloat16 if cpu_has("avx512_bf16") or cpu_has("amx_bf16") else \
+        torch.int8 if cpu_has("avx2", "fma", "f16c") else torch.float32
+    assert block_gemm_dtype("auto", cpu) == want
     assert block_gemm_dtype("float32", cpu) == torch.float32  # the default stays exact
+
+
+def test_bfloat16_copies_take_steps_from_their_threshold():
     layer = qkv_layer()
     for shard, (start, size) in layer.shard_offsets.items():
         source, _ = blocks(layer.shards[shard].total, HIDDEN, QuantType.Q8_0, seed=start)
@@ -147,17 +151,45 @@ def test_dtype_auto_multiplies_larger_steps_in_bfloat16_only_with_its_instructio
     exact = layer.block_weight
     assert use_gemm_dtype([layer, qkv_layer()], torch.bfloat16) == 1  # the one holding blocks
     fast = layer.block_weight
-    assert fast.gemm_weight.qtype == QuantType.BF16 and fast.gemm_rows == LOW_PRECISION_GEMM_ROWS
+    threshold = LOW_PRECISION_GEMM_ROWS[QuantType.BF16]
+    assert fast.gemm_weight.qtype == QuantType.BF16 and fast.gemm_rows == threshold
     assert exact.gemm_weight is None and exact.gemm_rows == cpu_quant_matmul.gemm_rows()
     weight, bias = exact.dequantize(), torch.randn(exact.rows)
-    for rows in (1, LOW_PRECISION_GEMM_ROWS - 1):  # the kernel's tiles: float32 over the exact weight
+    for rows in (1, threshold - 1):  # the kernel's tiles: float32 over the exact weight
         x = torch.randn(rows, HIDDEN)
         assert torch.equal(fast.linear(x, bias), exact.linear(x, bias))
-    # From LOW_PRECISION_GEMM_ROWS, the BF16 tiles: W rounded to bfloat16 (and x too, where the dot
-    # products take it), float32 sums
-    x = torch.randn(2, LOW_PRECISION_GEMM_ROWS, HIDDEN)
+    # From the threshold, the BF16 tiles: W rounded to bfloat16 (and x too, where the dot products
+    # take it), float32 sums
+    x = torch.randn(2, threshold, HIDDEN)
     want = F.linear(x.bfloat16().float() if cpu_quant_matmul.bf16_dot() else x, weight.bfloat16().float()) + bias
     torch.testing.assert_close(fast.linear(x, bias), want, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(fast.linear(x, bias), exact.linear(x, bias), rtol=1e-4, atol=1e-4)
     x = torch.randn(cpu_quant_matmul.gemm_rows(), HIDDEN)  # then torch's bfloat16 GEMM
     assert torch.equal(fast.linear(x, bias), F.linear(x.bfloat16(), weight.bfloat16()).float() + bias)
+
+
+def test_int8_copies_are_the_q4_1_weights_against_int8_x_from_two_rows():
+    def gate_up(qtype: QuantType) -> MergedLinear:
+        layer = MergedLinear(HIDDEN, {"gate": ShardRows.whole(8), "up": ShardRows.whole(8)}, True, torch.float32)
+        for i, shard in enumerate(layer.shards):
+            layer.load_shard(layer.weight, shard, blocks(8, HIDDEN, qtype, seed=i)[0], f"{shard}.weight")
+        return layer
+
+    layer, q8_layer, odd_rows = gate_up(QuantType.Q4_1), gate_up(QuantType.Q8_0), qkv_layer()
+    for shard, (start, _) in odd_rows.shard_offsets.items():  # 7 rows: not whole groups of 8
+        odd_rows.load_shard(odd_rows.weight, shard, blocks(odd_rows.shards[shard].total, HIDDEN, QuantType.Q4_1,
+                                                           seed=start)[0], shard)
+    exact = layer.block_weight
+    assert use_gemm_dtype([layer, q8_layer, odd_rows], torch.int8) == 1  # Q4_1 rows in groups of 8 only
+    assert q8_layer.block_weight.gemm_weight is None and odd_rows.block_weight.gemm_weight is None
+    fast = layer.block_weight
+    assert fast.gemm_weight.qtype == QuantType.Q4_1_I8 and fast.gemm_rows == 2
+    assert torch.equal(fast.gemm_weight.dequantize(), exact.dequantize())  # the same weights
+    x, bias = torch.randn(1, HIDDEN), layer.bias.detach()
+    assert torch.equal(fast.linear(x, bias), exact.linear(x, bias))  # a lone row: float32, exact
+    x = torch.randn(3, 2, HIDDEN)
+    got = fast.linear(x, bias)
+    assert torch.equal(got, cpu_quant_matmul.matmul(x.reshape(6, HIDDEN), fast.gemm_weight.blocks,
+                                                    QuantType.Q4_1_I8, HIDDEN).reshape(3, 2, 16) + bias)
+    exact_y = exact.linear(x, bias)
+    assert 1e-4 < (got - exact_y).norm() / exact_y.norm() < 2e-2  # int8's rounding of x, no more

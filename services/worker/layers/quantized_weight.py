@@ -85,16 +85,18 @@ class BlockWeight(NamedTuple):
     cols: int
     rows: int
     packed: bool = False
-    gemm_weight: BlockWeight | None = None  # the larger steps' copy (BF16 blocks): `use_gemm_dtype`
+    gemm_weight: BlockWeight | None = None  # the larger steps' copy (BF16 or Q4_1_I8): `use_gemm_dtype`
 
     @property
     def gemm_rows(self) -> int:
         """The rows of x from which `linear` takes `gemm_weight`, else torch's GEMM."""
-        return LOW_PRECISION_GEMM_ROWS if self.gemm_weight is not None else cpu_quant_matmul.gemm_rows()
+        if self.gemm_weight is not None:
+            return LOW_PRECISION_GEMM_ROWS[self.gemm_weight.qtype]
+        return cpu_quant_matmul.gemm_rows()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, W, bias): x [..., cols] float32 -> [..., rows] float32."""
-        if self.gemm_weight is not None and x.numel() >= LOW_PRECISION_GEMM_ROWS * self.cols:
+        if self.gemm_weight is not None and x.numel() >= self.gemm_rows * self.cols:
             return self.gemm_weight.linear(x, bias)
         return cpu_quant_matmul.linear(x, self.blocks, self.qtype, self.cols, bias, n=self.rows if self.packed else None)
 
@@ -165,25 +167,40 @@ class BlockWeightHolder:
         return F.embedding(ids, self.weight)
 
 
-# From this many rows a step's matmuls take the layers' bfloat16 copies under `use_gemm_dtype`. Below
-# it the Q4_1 blocks win: a step streams the layers' weights from memory, 66 MB of Q4_1 against 212 MB
-# of bfloat16; from 24 rows the kernel is bound by arithmetic, and the bfloat16 dot products do 1.4-2x
-# the float32 tiles' work (gate / down at 24-64 rows, 2 threads, AMD EPYC Zen 5, docs/benchmarks.md).
-LOW_PRECISION_GEMM_ROWS = 24
+# From how many rows a step's matmuls take the layers' copies under `use_gemm_dtype`, by the copy's
+# type. Below it the exact float32 kernel over the Q4_1 blocks runs.
+#  BF16     from 24 rows: a step streams the layers' weights from memory, 66 MB of Q4_1 against 212 MB
+#           of bfloat16; from 24 rows the kernel is bound by arithmetic, and the bfloat16 dot products
+#           do 1.4-2x the float32 tiles' work (gate / down at 24-64 rows, 2 threads, AMD EPYC Zen 5).
+#  Q4_1_I8  from 2 rows: its weights are about as compact as Q4_1 (24 bytes a block against 20), its
+#           integer sums 1.3-2.1x the float32 tiles' speed from one row up (AVX2, same machine); a lone
+#           sequence's decode steps stay exact.
+# (docs/benchmarks.md, issue 16)
+LOW_PRECISION_GEMM_ROWS = {QuantType.BF16: 24, QuantType.Q4_1_I8: 2}
 
 
 def use_gemm_dtype(layers: Sequence[BlockWeightHolder], dtype: torch.dtype) -> int:
-    """Steps of `LOW_PRECISION_GEMM_ROWS` rows or more multiply these layers' block weights in
-    `dtype` (bfloat16, the only one): through a copy of each weight, dequantized once and rounded
-    (smaller steps keep the exact float32 kernel over the blocks). Returns how many layers it changed."""
-    if dtype != torch.bfloat16:
-        raise ValueError(f"the larger steps' copies are bfloat16, not {dtype}")
+    """Steps of `LOW_PRECISION_GEMM_ROWS` rows or more multiply these layers' block weights through a
+    copy (smaller steps keep the exact float32 kernel over the blocks): for `dtype` bfloat16 the
+    weights dequantized once and rounded to it (BF16); for int8, Q4_1 weights as Q4_1_I8, the same
+    weights against x quantized to int8 (layers of other block types, or of rows not a multiple of 8,
+    keep no copy). Returns how many layers it changed."""
+    if dtype not in (torch.bfloat16, torch.int8):
+        raise ValueError(f"the larger steps' copies are bfloat16 or int8, not {dtype}")
     changed = 0
     for layer in layers:
         weight = layer.block_weight
-        if weight is not None:
+        if weight is None:
+            continue
+        if dtype == torch.bfloat16:
             copy = BlockWeight(cpu_quant_matmul.to_bf16_blocks(weight.dequantize()), QuantType.BF16, weight.cols,
                                weight.rows)
-            layer.block_weight = weight._replace(gemm_weight=copy)
-            changed += 1
+        elif weight.qtype == QuantType.Q4_1 and weight.rows % cpu_quant_matmul.I8_GROUP_ROWS == 0:
+            rows = cpu_quant_matmul.unpack(weight.blocks, weight.rows, weight.cols) if weight.packed else weight.blocks
+            copy = BlockWeight(cpu_quant_matmul.to_i8_blocks(rows, weight.cols), QuantType.Q4_1_I8, weight.cols,
+                               weight.rows)
+        else:
+            continue
+        layer.block_weight = weight._replace(gemm_weight=copy)
+        changed += 1
     return changed

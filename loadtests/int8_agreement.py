@@ -13,7 +13,7 @@ Run from the repository root (a few minutes on 2 cores):
 
     .venv/bin/python -m loadtests.int8_agreement
     .venv/bin/python -m loadtests.int8_agreement --quantization gguf --model smollm2   # the exact path
-    .venv/bin/python -m loadtests.int8_agreement --quantization gguf --model smollm2 --dtype auto  # bf16 prefill
+    .venv/bin/python -m loadtests.int8_agreement --quantization gguf --model smollm2 --dtype auto  # bf16 or int8 steps
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quantization", default="int8")
     parser.add_argument("--dtype", default="float32",
-                        help="auto: a GGUF model's prefill GEMMs in bfloat16 where the CPU has its instructions")
+                        help="auto: a GGUF model's larger steps in bfloat16, or against int8 activations (AVX2), as the CPU has")
     parser.add_argument("--model", default=None, help="default: the converted float32 folder of smollm2")
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()

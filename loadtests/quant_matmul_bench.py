@@ -6,6 +6,8 @@ Q8_0): per shape and M, microseconds a call and the weight bytes streamed per se
     packed     Q4_1 only: the same weights repacked for the kernel (`pack`, `matmul_packed`: the
                layers' decode path), lanes across 16 output rows
     deq+gemm   `dequantize` then torch's GEMM, the path from GEMM_ROWS up (`linear`)
+    i8         Q4_1 only: the same weights as Q4_1_I8 (`to_i8_blocks`) against x quantized to int8
+               per 32-block (`--dtype auto`'s layers without bfloat16 dot products, from 2 rows)
 
 As in a decode step, where each weight is read once and the model is far larger than the caches,
 the calls cycle through copies of the weight worth `--stream-mib` of float32 (default 384 MiB),
@@ -67,9 +69,10 @@ def main() -> None:
     reader = gguf.GGUFReader(locate_model("smollm2"))
     tensors = {t.name: t for t in reader.tensors}
     print(f"threads {args.threads}, kernel build {args.isa} (vector bits {qm.isa(lib)})")
-    print("| shape | type | M | torch fp32 µs | kernel µs | packed µs | deq+gemm µs | torch GB/s | kernel GB/s "
-          "| kernel ÷ torch | packed ÷ kernel |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"int8 sums: {qm.i8_path(lib)}")
+    print("| shape | type | M | torch fp32 µs | kernel µs | packed µs | i8 µs | deq+gemm µs | torch GB/s | kernel GB/s "
+          "| kernel ÷ torch | packed ÷ kernel | i8 ÷ kernel |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, name in SHAPES:
         t = tensors[name]
         data = np.asarray(t.data)
@@ -80,18 +83,24 @@ def main() -> None:
         weights = [qm.dequantize(b, qtype, k, lib) for b in blocks]
         n = data.shape[0]
         packs = [qm.pack(b, qtype, k, lib) for b in blocks] if qtype in qm.PACKABLE else None
+        i8s = [qm.to_i8_blocks(b, k, lib) for b in blocks] if qtype == qm.QuantType.Q4_1 else None
         for m in args.rows:
             x = torch.randn(m, k)
             t_torch = time_call(lambda i: F.linear(x, weights[i]), copies, args.seconds)
             t_kernel = time_call(lambda i: qm.matmul(x, blocks[i], qtype, k, lib), copies, args.seconds)
             t_packed = (time_call(lambda i: qm.matmul_packed(x, packs[i], n, k, lib), copies, args.seconds)
                         if packs else None)
+            t_i8 = (time_call(lambda i: qm.matmul(x, i8s[i], qm.QuantType.Q4_1_I8, k, lib), copies, args.seconds)
+                    if i8s else None)
             t_deq = time_call(lambda i: F.linear(x, qm.dequantize(blocks[i], qtype, k, lib)), copies, args.seconds)
             packed = f"{t_packed * 1e6:.0f}" if t_packed else "-"
             speedup = f"{t_kernel / t_packed:.2f}x" if t_packed else "-"
-            print(f"| {label} | {qtype.name} | {m} | {t_torch * 1e6:.0f} | {t_kernel * 1e6:.0f} | {packed} "
+            i8 = f"{t_i8 * 1e6:.0f}" if t_i8 else "-"
+            i8_speedup = f"{t_kernel / t_i8:.2f}x" if t_i8 else "-"
+            print(f"| {label} | {qtype.name} | {m} | {t_torch * 1e6:.0f} | {t_kernel * 1e6:.0f} | {packed} | {i8} "
                   f"| {t_deq * 1e6:.0f} | {weights[0].numel() * 4 / t_torch / 1e9:.1f} "
-                  f"| {blocks[0].numel() / t_kernel / 1e9:.1f} | {t_torch / t_kernel:.2f}x | {speedup} |", flush=True)
+                  f"| {blocks[0].numel() / t_kernel / 1e9:.1f} | {t_torch / t_kernel:.2f}x | {speedup} | {i8_speedup} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -121,12 +121,13 @@ static inline __attribute__((always_inline)) void attend_item(
  * chunks of up to W positions (never across a block), asking for the next chunk's rows while it
  * computes one (they are strided: a miss at a time otherwise): bfloat16 K and V rows of a chunk are
  * made float32 once (a 16-bit shift) into buffers that stay in L1, float32 ones are read where they
- * lie; then the query heads of a row take, side by side in registers, their W scores (the W dot
- * products summed across lanes together), one vector exp each for the chunk, and their P·V
- * accumulation over V rows loaded once. The scalar path above spends most of its time in one expf
- * call per (position, head) and in accumulators that live in memory. One layer of eight decodes at
- * 1,550 tokens of context on one Zen 5 core: 1.15 -> 0.71 ms; with a 1,500-token shared prefix
- * 0.65 -> 0.34 ms (docs/benchmarks.md).
+ * lie; then the query heads of a row take, side by side, their W scores (the W dot products summed
+ * across lanes together) and one vector exp each for the chunk, then their P·V accumulation in
+ * registers, as many heads at once as the registers hold (V rows loaded once for them). The scalar
+ * path above spends most of its time in one expf call per (position, head) and in accumulators that
+ * live in memory. One layer of eight decodes at 1,550 tokens of context on one Zen 5 core: 1.15 ->
+ * 0.71 ms; with a 1,500-token shared prefix 0.65 -> 0.34 ms; the AVX2 build 0.67 -> 0.55 ms since
+ * its heads' scores went side by side too (docs/benchmarks.md).
  */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define VECTOR_PATH 1
@@ -238,21 +239,36 @@ static inline vlive v_live_range(int a, int b) {
  * the caller masks them); position t's K row starts at kb + t * ks. The W dot products are summed
  * across lanes together, a transpose-and-add tree: AVX2 ~11 instructions for 8 positions, AVX-512
  * 45 for 16, against ~6 and ~10 a position summed one at a time. */
-/* d[t] = q * k_t lane by lane for the chunk's positions a <= t < e, zero elsewhere. */
-static inline __attribute__((always_inline)) void v_dots(vf d[W], const vf *qr, const float *kb, int64_t ks, int a,
+/* d[t] = q * k_t lane by lane for the chunk's positions a <= t < e, zero elsewhere. AVX2 takes a vector
+ * of q at a time against every position's, so the W sums are W independent FMA chains and q one
+ * register (its 16 hold the W sums beside it; q whole beside them spilled); AVX-512 keeps q in
+ * registers. Each sum is q_0 k_0 + q_1 k_1 + ... in that order either way (an FMA onto zero is the
+ * product). */
+static inline __attribute__((always_inline)) void v_dots(vf d[W], const float *q, const float *kb, int64_t ks, int a,
                                                          int e, const int C) {
+#if W == 8
+    for (int t = 0; t < W; t++) d[t] = v_zero();
+    for (int c = 0; c < C; c++) {
+        const vf qc = v_load(q + W * c);
+        for (int t = 0; t < W; t++)
+            if (t >= a && t < e) d[t] = v_fmadd(qc, v_loadu(kb + t * ks + W * c), d[t]);
+    }
+#else
+    vf qr[MAX_HEAD / W];
+    for (int c = 0; c < C; c++) qr[c] = v_load(q + W * c);
     for (int t = 0; t < W; t++) {
         if (t < a || t >= e) { d[t] = v_zero(); continue; }
         const float *k = kb + t * ks;
         d[t] = v_mul(qr[0], v_loadu(k));
         for (int c = 1; c < C; c++) d[t] = v_fmadd(qr[c], v_loadu(k + W * c), d[t]);
     }
+#endif
 }
 
 #if W == 8
-static inline __attribute__((always_inline)) vf v_scores(const vf *qr, const float *kb, int64_t ks, int a, int e, const int C) {
+static inline __attribute__((always_inline)) vf v_scores(const float *q, const float *kb, int64_t ks, int a, int e, const int C) {
     vf d[8];
-    v_dots(d, qr, kb, ks, a, e, C);
+    v_dots(d, q, kb, ks, a, e, C);
     const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(d[0], d[1]), _mm256_hadd_ps(d[2], d[3]));
     const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(d[4], d[5]), _mm256_hadd_ps(d[6], d[7]));
     /* s0123 = [sums of the low halves of d0..d3 | of their high halves], likewise s4567. */
@@ -264,9 +280,9 @@ static inline __attribute__((always_inline)) vf v_scores(const vf *qr, const flo
 static inline vf v_sum_quarters(vf a, vf b) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
 }
-static inline __attribute__((always_inline)) vf v_scores(const vf *qr, const float *kb, int64_t ks, int a, int e, const int C) {
+static inline __attribute__((always_inline)) vf v_scores(const float *q, const float *kb, int64_t ks, int a, int e, const int C) {
     vf d[16];
-    v_dots(d, qr, kb, ks, a, e, C);
+    v_dots(d, q, kb, ks, a, e, C);
     /* In each quarter: pairs (t, t + 1) interleaved, then quads (4j .. 4j + 3) holding their four
      * partial sums in order; then the quarters of four quads summed, in position order. */
     vf quad[4];
@@ -285,20 +301,19 @@ static inline __attribute__((always_inline)) vf v_scores(const vf *qr, const flo
 #endif
 
 /* Query heads r0 .. r0 + hb - 1 of one row against chunk positions a <= t < e (K and V rows at kp, vp,
- * ks floats apart): scores, one rescale of each head's running sums, P.V. The heads go side by side
- * (hb independent exps and accumulator chains, each V row loaded once for them all): one head at a
- * time waits on its own exp polynomial and its FMA chain. hb * C <= ACC_REGS accumulators. */
+ * ks floats apart): scores, one rescale of each head's running sums, P.V. The heads' scores and exps
+ * go side by side (independent chains: one head at a time waits on its own exp polynomial), then their
+ * P.V in runs of as many heads as ACC_REGS accumulators hold (each V row loaded once for a run): on
+ * AVX-512 the hb heads at once, on AVX2 (a head of 64 takes 8 of its 16 registers) one by one. */
 static inline __attribute__((always_inline)) void attend_heads(
     const float *kp, const float *vp, int64_t ks, int a, int e, vlive live, int r0, const int hb, const int C,
     float soft_cap, float (*qf)[MAX_HEAD], float (*acc)[MAX_HEAD], float *m, float *l)
 {
     float ps[4][W] __attribute__((aligned(64)));
-    vf ar[4][MAX_HEAD / W];
+    float correction[4];
     for (int h = 0; h < hb; h++) {
         const int r = r0 + h;
-        vf qr[MAX_HEAD / W];
-        for (int c = 0; c < C; c++) qr[c] = v_load(qf[r] + W * c);
-        vf sv = v_scores(qr, kp, ks, a, e, C);
+        vf sv = v_scores(qf[r], kp, ks, a, e, C);
         if (soft_cap > 0.f) {
             v_store(ps[h], sv);
             for (int t = a; t < e; t++) ps[h][t] = soft_cap * tanhf(ps[h][t] / soft_cap);
@@ -306,27 +321,36 @@ static inline __attribute__((always_inline)) void attend_heads(
         }
         sv = v_select(live, sv, v_set1(-INFINITY));
         const float chunk_max = v_hmax(sv);
-        for (int c = 0; c < C; c++) ar[h][c] = v_load(acc[r] + W * c);
+        correction[h] = 1.f;
         if (chunk_max > m[r]) {
-            const float correction = expf(m[r] - chunk_max);
-            l[r] *= correction;
-            for (int c = 0; c < C; c++) ar[h][c] = v_mul(ar[h][c], v_set1(correction));
+            correction[h] = expf(m[r] - chunk_max);
+            l[r] *= correction[h];
             m[r] = chunk_max;
         }
         const vf p = v_select(live, v_exp(v_sub(sv, v_set1(m[r]))), v_zero());
         l[r] += v_sum(p);
         v_store(ps[h], p);
     }
-    for (int t = a; t < e; t++) {
-        vf vr[MAX_HEAD / W];
-        for (int c = 0; c < C; c++) vr[c] = v_loadu(vp + t * ks + W * c);
-        for (int h = 0; h < hb; h++) {
-            const vf pt = v_set1(ps[h][t]);
-            for (int c = 0; c < C; c++) ar[h][c] = v_fmadd(pt, vr[c], ar[h][c]);
+    const int run = ACC_REGS / C < 1 ? 1 : ACC_REGS / C;
+    for (int h0 = 0; h0 < hb; h0 += run) {
+        const int h1 = h0 + run < hb ? h0 + run : hb;
+        vf ar[4][MAX_HEAD / W];
+        for (int h = h0; h < h1; h++)
+            for (int c = 0; c < C; c++) {
+                ar[h - h0][c] = v_load(acc[r0 + h] + W * c);
+                if (correction[h] != 1.f) ar[h - h0][c] = v_mul(ar[h - h0][c], v_set1(correction[h]));
+            }
+        for (int t = a; t < e; t++) {
+            vf vr[MAX_HEAD / W];
+            for (int c = 0; c < C; c++) vr[c] = v_loadu(vp + t * ks + W * c);
+            for (int h = h0; h < h1; h++) {
+                const vf pt = v_set1(ps[h][t]);
+                for (int c = 0; c < C; c++) ar[h - h0][c] = v_fmadd(pt, vr[c], ar[h - h0][c]);
+            }
         }
+        for (int h = h0; h < h1; h++)
+            for (int c = 0; c < C; c++) v_store(acc[r0 + h] + W * c, ar[h - h0][c]);
     }
-    for (int h = 0; h < hb; h++)
-        for (int c = 0; c < C; c++) v_store(acc[r0 + h] + W * c, ar[h][c]);
 }
 
 /* The chunk of n positions from t0 (K and V rows at kp, vp, ks floats apart) for tile rows
@@ -335,8 +359,8 @@ static inline __attribute__((always_inline)) void attend_chunk(
     const float *kp, const float *vp, int64_t ks, int t0, int n, int i0, int i1, int group, const int C,
     float soft_cap, const int *lo, const int *hi, float (*qf)[MAX_HEAD], float (*acc)[MAX_HEAD], float *m, float *l)
 {
-    /* heads side by side: their accumulators take half the vector registers (32 with AVX-512, 16 AVX2) */
-    const int most = ACC_REGS / C < 1 ? 1 : ACC_REGS / C > 4 ? 4 : ACC_REGS / C;
+    /* up to four heads' scores side by side (their P.V in runs that fit the registers: attend_heads) */
+    const int most = 4;
     for (int i = i0; i < i1; i++) {
         if (hi[i] <= t0 || lo[i] >= t0 + n) continue; /* this chunk is outside the row's context */
         const int a = lo[i] > t0 ? lo[i] - t0 : 0, e = hi[i] - t0 < n ? hi[i] - t0 : n;

@@ -9,8 +9,8 @@ float32's 4) and are dequantized exactly, a panel at a time, next to a float32 m
               `*_packed` functions and `linear(..., n=rows)` compute with them: the layers' path
               where `packs_faster` measures it faster on the CPU at hand
 
-The activations are float32 and stay so (llama.cpp's own Q4_1 path quantizes them to 8 bits; this
-one does not): the result is a float32 matmul over the dequantized weights up to the order of the
+The activations of a file's blocks are float32 and stay so (llama.cpp's own Q4_1 path quantizes them
+to 8 bits): the result is a float32 matmul over the dequantized weights up to the order of the
 sum. A block type is named by its GGML id (`QuantType`), as in the file. The exceptions are the
 copies `--dtype auto` keeps of a layer's weights for its larger steps (never a file's blocks):
 

@@ -27,7 +27,9 @@
  * BF16 weights (`--dtype auto`'s copy of a layer's weights for its larger steps) are the exception to
  * "activations never quantized": on a CPU with AVX512_BF16, x is rounded to bfloat16 too and the
  * tiles take vdpbf16ps, two multiply-adds a lane per instruction (twice the float32 FMA's), with no
- * dequantization at all; elsewhere the weights are widened to float32 like the other types.
+ * dequantization at all; elsewhere the weights are widened to float32 like the other types. The
+ * other exception is Q4_1_I8 (`--dtype auto`'s copy where there are no bfloat16 dot products): the
+ * Q4_1 weights in groups of 8 rows against x quantized to int8 ("int8 activations" below).
  */
 #include <math.h>
 #include <stdint.h>
@@ -40,7 +42,7 @@
 /* A read-ahead hint (no fault, whatever the address). */
 #define PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
 
-enum { TYPE_F16 = 1, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_BF16 = 30 };
+enum { TYPE_F16 = 1, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_BF16 = 30, TYPE_Q4_1_I8 = 1003 /* not GGML's: below */ };
 #define QK 32 /* weights per block, all three types */
 #define NR 4  /* output rows per panel */
 /* Panels ahead that a thread prefetches its weights (2.9 KB of Q4_1, 4.9 KB of Q8_0 at K = 576):
@@ -123,7 +125,7 @@ int64_t quant_block_bytes(int type) {
     case TYPE_BF16: return 2 * QK;
     case TYPE_Q4_1: return 4 + QK / 2;
     case TYPE_Q8_0: return 2 + QK;
-    case 1003: return 24; /* TYPE_Q4_1_I8, below: a row's share of its group's blocks */
+    case TYPE_Q4_1_I8: return 24; /* a row's share of its group's blocks */
     default: return 0;
     }
 }
@@ -483,7 +485,6 @@ int quant_matmul_bf16_dot(void) {
  * 8t + 4 .. 8t + 7: one multiply-add against x's four bytes broadcast gives each row's partial sum in
  * its own lane, no shuffles and no horizontal sums. Per row 24 bytes a block (Q4_1: 20). */
 
-#define TYPE_Q4_1_I8 1003
 #define I8_ROWS 8
 #define I8_BLOCK_BYTES (I8_ROWS * 24)
 #define I8_MR 4 /* rows of x per tile: 4 float + 4 integer accumulators beside the weights and x */

@@ -1,15 +1,15 @@
-"""Engine<->worker step RPC latency: ExecuteModel round trips over loopback, model compute excluded.
+"""Engine<->worker step latency: round trips on the worker's step channel over loopback, model
+compute excluded.
 
 A worker server runs in a subprocess with a stand-in core whose execute_model returns a ready
-answer at once, behind the real stack (WorkerServicer -> InProcessWorkerClient; the 4 x 512-token
-step also pays the servicer's hop to its step thread). The client is the engine's
-GrpcWorkerClient, called with blocking calls from a plain thread as the engine-loop thread calls
-it, so each round trip counts everything the engine pays per step besides the model:
-SchedulerOutput -> proto, serialization, loopback, proto -> SchedulerOutput, and the same for
-ModelRunnerOutput on the way back. (The worker's metrics interceptor is left out here: with it,
-side by side, p50 moved by 10 us.)
-The first row, an empty health Check on the same server, is the transport's floor on the machine;
-the "codec only" rows are the conversions and (de)serialization of both ends, in one process.
+answer at once, behind the real stack (WorkerServicer -> InProcessWorkerClient, on its step thread).
+The client is the engine's GrpcWorkerClient, called with blocking calls from a plain thread as the
+engine-loop thread calls it, so each round trip counts everything the engine pays per step besides
+the model: SchedulerOutput -> proto -> bytes, the step channel's socket (services/worker/step_channel.py),
+bytes -> proto -> SchedulerOutput, and the same for ModelRunnerOutput on the way back.
+The first row, an empty gRPC health Check on the same server, is what a gRPC call alone costs on the
+machine (the steps went over gRPC before the step channel); the "codec only" rows are the
+conversions and (de)serialization of both ends, in one process.
 
     .venv/bin/python -m loadtests.step_rpc_bench                 # 2000 round trips per case
     .venv/bin/python -m loadtests.step_rpc_bench --iters 5000 --decode-reqs 64
@@ -113,11 +113,11 @@ def bench(addresses: list[str], args: argparse.Namespace) -> None:
         rank.get_info()  # waits for the server (the stand-ins do not claim ranks: no group check)
     client = ranks[0] if len(ranks) == 1 else GroupWorkerClient(ranks)
     client.initialize_cache(args.decode_reqs)
-    # The transport's floor on this machine: the standard health Check, an empty unary call.
+    # What a gRPC call alone costs on this machine: the standard health Check, an empty unary call.
     channel = grpc.insecure_channel(addresses[0])
     health = health_pb2_grpc.HealthStub(channel)
     cases = [
-        ("floor: grpc.health.v1 Check", lambda i: health_pb2.HealthCheckRequest()),
+        ("a gRPC call: grpc.health.v1 Check", lambda i: health_pb2.HealthCheckRequest()),
         ("empty step", lambda i: empty_step()),
         (f"decode step, {args.decode_reqs} requests", lambda i: decode_step(args.decode_reqs, i)),
         (f"new requests, {args.prefill_reqs} x {args.prompt_len} tokens",
@@ -126,7 +126,7 @@ def bench(addresses: list[str], args: argparse.Namespace) -> None:
     who = "1 rank (plain client)" if len(ranks) == 1 else f"group of {len(ranks)}"
     print(f"{'case (' + who + ')':<44} {'p50 us':>8} {'p90 us':>8} {'p99 us':>8}   ({args.iters} round trips each)")
     for name, make_arg in cases:
-        call = health.Check if name.startswith("floor") else client.execute_model
+        call = health.Check if name.startswith("a gRPC call") else client.execute_model
         p50, p90, p99 = percentiles(time_round_trips(call, make_arg, args.iters, args.warmup))
         print(f"{name:<44} {p50:8.0f} {p90:8.0f} {p99:8.0f}")
     for name, make_arg in cases[1:]:

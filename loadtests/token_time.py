@@ -8,8 +8,8 @@ prefill step per request is included, which makes "between steps" slightly negat
 
   model forward      the worker's forward pass (kvmesh_worker_forward_seconds)
   logits + sampling  the rest of the worker's execute_model: inputs, LM head, sampler, outputs
-  worker servicer    the worker's ExecuteModel handling around execute_model (proto <-> core)
-  step transport     the engine's ExecuteModel round trip less the worker's handling (loopback, codec)
+  worker servicer    the worker's handling of a step around execute_model (proto <-> core)
+  step transport     the engine's step round trip less the worker's handling (the step channel, codec)
   engine step        the engine's step less its RPC: schedule() and update_from_output()
   between steps      the engine's inter-token latency less its step: its loop's own wait
   to the client      the client's TPOT less the engine's inter-token latency (processor, gateway, HTTP)
@@ -94,7 +94,7 @@ def run(flags: list[str], env: dict[str, str], requests: int, max_tokens: int, c
     ms = {name: 1e3 * delta(*pair, metric) / steps for name, pair, metric in (
         ("forward", (w0, w1), "kvmesh_worker_forward_seconds_sum"),
         ("execute", (w0, w1), "kvmesh_worker_execute_seconds_sum"),
-        ("handling", (w0, w1), "kvmesh_grpc_server_handling_seconds_sum:ExecuteModel"),
+        ("handling", (w0, w1), "kvmesh_worker_step_seconds_sum"),
         ("rpc", (e0, e1), "kvmesh_engine_step_rpc_seconds_sum"),
         ("step", (e0, e1), "kvmesh_engine_step_seconds_sum"),
     )}

@@ -30,6 +30,7 @@ class WorkerInfo:
     rank: int = 0  # in the worker's tensor-parallel group; only rank 0's steps carry tokens
     world_size: int = 1
     kv_transfer_endpoint: str = ""  # its KV-transfer endpoint id (issue 14); "": it takes no part
+    step_port: int = 0  # its step channel's port, on its gRPC address's host; 0: none (in this process)
 
 
 class WorkerClient(Protocol):

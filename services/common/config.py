@@ -166,6 +166,9 @@ class WorkerConfig:
     owner_lease: float = option(
         15.0, "seconds an engine keeps this worker after its last call; another engine may take the worker "
               "over only after that (see services/worker/server.py WorkerServicer)", minimum=0.0)
+    step_port: int = option(
+        0, "port of the step channel the engine drives this worker over, on --host (0: any free port; the "
+           "engine learns it from GetInfo)", minimum=0, maximum=65535)
 
     def __post_init__(self) -> None:
         check_fields(self)

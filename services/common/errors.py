@@ -81,7 +81,11 @@ def status_of(exc: BaseException) -> RpcStatus:
 
 def exception_of(error: grpc.RpcError) -> Exception:
     """The exception a client raises for a failed call (grpc.RpcError of a sync or an aio stub)."""
-    code, details = error.code(), error.details() or error.code().name
+    return exception_of_status(error.code(), error.details() or error.code().name)
+
+
+def exception_of_status(code: grpc.StatusCode, details: str) -> Exception:
+    """The exception for a status that came another way than a gRPC call (the worker's step channel)."""
     cls = _EXCEPTION_OF_CODE.get(code)
     if cls is None:  # a status no kvmesh servicer sends (UNIMPLEMENTED: a server of another version)
         return InternalError(f"{code.name}: {details}")

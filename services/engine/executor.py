@@ -4,8 +4,8 @@ Every rank runs the same worker service; the engine sends each call to every ran
 the same message, and the ranks' collectives do the rest (services/worker/). Only rank 0 (the
 driver) returns sampled tokens; the others return an empty ModelRunnerOutput.
 
-    engine-loop thread: execute_model ─┬─ rank 0 (pool thread)   ExecuteModel ──► the step's output
-                                       ├─ rank 1 (pool thread)   ExecuteModel ──► empty
+    engine-loop thread: execute_model ─┬─ rank 0 (pool thread)   its step      ──► the step's output
+                                       ├─ rank 1 (pool thread)   its step      ──► empty
                                        └─ rank N-1 (pool thread) ...          ──► empty
                                        wait for all, or for the first failure: it fails the step
 

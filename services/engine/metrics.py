@@ -147,7 +147,7 @@ class EngineMetrics:
         self.step_seconds = Histogram("kvmesh_engine_step_seconds", "One engine step: schedule, execute, update",
                                       step_names, buckets=STEP_BUCKETS, registry=registry).labels(*step_values)
         self.step_rpc_seconds = Histogram("kvmesh_engine_step_rpc_seconds",
-                                          "The ExecuteModel round trip to the engine's worker(s)",
+                                          "The step's round trip to the engine's worker(s), over their step channels",
                                           step_names, buckets=STEP_BUCKETS, registry=registry).labels(*step_values)
         registry.register(_SchedulerCollector(labels, stats))
 

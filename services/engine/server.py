@@ -310,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             service.worker_service, service.worker_hostname, service.namespace)
         metrics = ServiceMetrics.create("engine")
         endpoint = MetricsEndpoint.start(metrics.registry, serving.host, serving.metrics_port)
-        # No client interceptor on the step channels: the hottest call there is, timed by
-        # kvmesh_engine_step_rpc_seconds, and the workers' server side counts their calls by code.
+        # The steps go over each worker's step channel, not gRPC: the hottest call there is, timed by
+        # kvmesh_engine_step_rpc_seconds; the workers count theirs by outcome (kvmesh_worker_step_seconds).
         worker = GroupWorkerClient([
             GrpcWorkerClient(address, timeout=service.worker_timeout,
                              liveness_interval=service.worker_liveness_interval,

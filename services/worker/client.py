@@ -1,8 +1,9 @@
-"""WorkerClient implementations: the worker core in this process, or a worker server over gRPC.
+"""WorkerClient implementations: the worker core in this process, or a worker server over gRPC and
+its step channel.
 
 The interface is blocking: an engine drives its worker from its engine-loop thread (see
-services/engine/async_engine.py), where a blocking call is the shortest path there is — a sync
-gRPC stub call costs about 0.3 ms less per step on loopback than the same call through grpc.aio.
+services/engine/async_engine.py), where a blocking call is the shortest path there is: the step is
+a send and a receive on the step channel's socket by that thread itself (services/worker/step_channel.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from services.common.rpc.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.rpc.security import RpcSecurity
 from services.common.rpc.server import GRPC_OPTIONS
 from services.common.scheduler_output import SchedulerOutput
+from services.worker.step_channel import StepChannel
 
 if TYPE_CHECKING:  # the gRPC client (the engine's side) must not pull in torch
     from services.worker.worker import Worker
@@ -79,28 +81,29 @@ class InProcessWorkerClient:
 
 
 class GrpcWorkerClient:
-    """A worker server over gRPC, on a blocking channel. The set-up calls have a deadline, `timeout`
-    (they also wait for the worker to come up). A step has none: a long prefill on a CPU may take
-    minutes, and slow is not dead. Instead a watchdog thread asks the worker's health service,
-    every `liveness_interval` seconds while a step has been in flight that long, for an answer
-    within `liveness_timeout`:
+    """A worker server: its set-up calls over gRPC, on a blocking channel, and its steps over its
+    step channel (services/worker/step_channel.py), opened at the first step on the host of
+    `address` and the port GetInfo names. The set-up calls have a deadline, `timeout` (they also
+    wait for the worker to come up). A step has none: a long prefill on a CPU may take minutes, and
+    slow is not dead. Instead a watchdog thread asks the worker's health service (gRPC), every
+    `liveness_interval` seconds while a step has been in flight that long, for an answer within
+    `liveness_timeout`:
 
-        engine-loop thread:  ExecuteModel (blocking, no deadline) ─────────────────► reply
+        engine-loop thread:  step on the step channel (blocking, no deadline) ─────► reply
         watchdog thread:        │ step in flight >= interval: Health.Check (timeout) ─► SERVING? go on
-                                └─ no answer (a stuck worker: SIGSTOP, a hung device) ─► close the
-                                   channel: the step fails with ConnectionError
+                                └─ no answer (a stuck worker: SIGSTOP, a hung device) ─► interrupt
+                                   the step channel: the step fails with ConnectionError
 
     A worker that is gone (connection refused or reset) fails the step at once, with
-    ConnectionError (no waiting for ready). The worker answers health from its event loop while a
-    prefill chunk runs on its step thread (services/worker/server.py), so a busy worker stays
-    alive. The step itself stays a plain blocking call (a future and a wait on it cost ~0.2 ms more
-    per step on loopback); the watchdog costs the step two attribute writes. Errors are those of
-    services/common/errors.py, as for every client.
+    ConnectionError, and so does every later step: an engine whose worker failed is restarted. The
+    worker answers health from its event loop while a prefill chunk runs on its step thread
+    (services/worker/server.py), so a busy worker stays alive. The watchdog costs the step two
+    attribute writes. Errors are those of services/common/errors.py, as for every client.
 
     Each client is one engine session, a random id sent with every call next to the internal token
-    (`security`): the worker serves only the session that claimed it with InitializeCache. While
-    another session still holds the worker, initialize_cache retries until `timeout` (the other
-    engine's lease runs out if it is gone; WorkerServicer)."""
+    (`security`), and in the step channel's hello: the worker serves only the session that claimed
+    it with InitializeCache. While another session still holds the worker, initialize_cache retries
+    until `timeout` (the other engine's lease runs out if it is gone; WorkerServicer)."""
 
     def __init__(self, address: str, timeout: float = 60.0, liveness_interval: float = 1.0,
                  liveness_timeout: float = 5.0, metrics: GrpcMetrics | None = None,
@@ -110,14 +113,17 @@ class GrpcWorkerClient:
         self.liveness_interval = liveness_interval
         self.liveness_timeout = liveness_timeout
         self.session = secrets.token_hex(16)
+        self._security = security
         # Passed on each call: no interceptor on the step, the hottest call there is.
         self._metadata = (*security.call_metadata, (SESSION_METADATA_KEY, self.session))
         channel = security.channel(address, GRPC_OPTIONS)
         self._channel = metrics.intercept_channel(channel) if metrics else channel
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._step_channel: StepChannel | None = None  # opened at the first step
+        self._step_port: int | None = None  # from GetInfo
         self._step_since: float | None = None  # monotonic start of the step in flight
-        self._failure: str | None = None  # why the watchdog cut the channel
+        self._failure: str | None = None  # why the watchdog cut the channels
         self._closed = threading.Event()
         threading.Thread(target=self._watch, name="worker-liveness", daemon=True).start()
 
@@ -125,7 +131,9 @@ class GrpcWorkerClient:
         with raising_errors():
             reply = self._stub.GetInfo(worker_pb2.GetWorkerInfoRequest(), timeout=self.timeout, wait_for_ready=True,
                                        metadata=self._metadata)
-        return convert.worker_info_from_proto(reply)
+        info = convert.worker_info_from_proto(reply)
+        self._step_port = info.step_port
+        return info
 
     def initialize_cache(self, max_num_reqs: int) -> int:
         deadline = time.monotonic() + self.timeout
@@ -143,18 +151,33 @@ class GrpcWorkerClient:
                 time.sleep(CLAIM_RETRY_SECONDS)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        request = convert.scheduler_output_to_proto(scheduler_output)
+        if self._failure is not None:
+            raise ConnectionError(self._failure)
+        channel = self._step_channel or self._open_step_channel()
+        request = convert.scheduler_output_to_proto(scheduler_output).SerializeToString()
         self._step_since = time.monotonic()
         try:
-            with raising_errors():
-                reply = self._stub.ExecuteModel(request, metadata=self._metadata)
-        except Exception:
-            if self._failure is not None:  # the watchdog closed the channel: say why
-                raise ConnectionError(self._failure) from None
-            raise
+            reply = channel.step(request)
+        except ConnectionError as exc:  # the channel is gone (the worker, or the watchdog, closed it)
+            self._failure = self._failure or f"the worker at {self.address} failed its step: {exc}"
+            raise ConnectionError(self._failure) from None
         finally:
             self._step_since = None
-        return convert.model_runner_output_from_proto(reply)
+        return convert.model_runner_output_from_proto(worker_pb2.ModelRunnerOutput.FromString(bytes(reply)))
+
+    def _open_step_channel(self) -> StepChannel:
+        """Dial the worker's step channel (within `timeout`). A session that does not own the worker
+        is refused (EngineDeadError) and opens no channel; it may try again after InitializeCache."""
+        if self._step_port is None:
+            try:
+                self.get_info()
+            except TimeoutError as exc:  # not up within `timeout`: for a step, unreachable
+                raise ConnectionError(f"the worker at {self.address} is unreachable: {exc}") from None
+        host = self.address.rpartition(":")[0].strip("[]")
+        self._step_channel = StepChannel.connect(host, self._step_port, self._security, self.session, self.timeout)
+        if self._closed.is_set():  # closed meanwhile by another thread
+            self._step_channel.close()
+        return self._step_channel
 
     def send_kv(self, peer: str, block_ids: Sequence[int], tag: int) -> int:
         """Deadline `timeout`: the worker's own transfer timeout (seconds) ends it well before."""
@@ -190,9 +213,13 @@ class GrpcWorkerClient:
             except ConnectionError as exc:
                 if self._step_since == since:  # not a later step's: that one gets its own check
                     self._failure = str(exc)
+                    if self._step_channel is not None:
+                        self._step_channel.interrupt()
                     self._channel.close()
                     return
 
     def close(self) -> None:
         self._closed.set()
+        if self._step_channel is not None:
+            self._step_channel.close()
         self._channel.close()

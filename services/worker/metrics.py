@@ -1,5 +1,6 @@
-"""The worker's metrics: kvmesh_worker_execute_seconds (one execute_model: inputs, forward,
-sampling) and kvmesh_worker_forward_seconds (the model's forward pass alone).
+"""The worker's metrics: kvmesh_worker_step_seconds (one step as its step channel serves it:
+decoded, executed, answered; by outcome), kvmesh_worker_execute_seconds (one execute_model: inputs,
+forward, sampling) and kvmesh_worker_forward_seconds (the model's forward pass alone).
 
 The forward pass is timed by hooks on the model, so the model runner carries no timing code. On a
 GPU the hooks record CUDA events instead of reading a clock (the launch returns long before the
@@ -17,6 +18,7 @@ from torch import nn
 
 from services.common.metrics import COMPONENT, STEP_BUCKETS, ServiceMetrics
 
+
 class WorkerMetrics:
     def __init__(self, service: ServiceMetrics, model_name: str) -> None:
         self.service = service
@@ -24,6 +26,10 @@ class WorkerMetrics:
         self.execute_seconds = Histogram("kvmesh_worker_execute_seconds",
                                          "One execute_model: inputs, forward pass and sampling",
                                          labels, buckets=STEP_BUCKETS, registry=service.registry).labels(*values)
+        steps = Histogram("kvmesh_worker_step_seconds",
+                          "One step as the step channel serves it: the message decoded, executed, answered",
+                          [*labels, "outcome"], buckets=STEP_BUCKETS, registry=service.registry)
+        self._step_outcomes = {True: steps.labels(*values, "ok"), False: steps.labels(*values, "error")}
         self.forward_seconds = Histogram("kvmesh_worker_forward_seconds", "The model's forward pass alone",
                                          labels, buckets=STEP_BUCKETS, registry=service.registry).labels(*values)
         self._start: float | torch.cuda.Event | None = None
@@ -50,6 +56,9 @@ class WorkerMetrics:
 
         model.register_forward_pre_hook(before)
         model.register_forward_hook(after)
+
+    def observe_step_handling(self, seconds: float, ok: bool) -> None:
+        self._step_outcomes[ok].observe(seconds)
 
     def observe_step(self, seconds: float) -> None:
         """After an execute_model of `seconds`, on the same thread; reads the GPU forwards' events."""

@@ -181,17 +181,21 @@ def test_probes_use_grpc_health_and_the_configured_ports() -> None:
     """Ports come from values: move every one of them and nothing keeps the old number."""
     ports = {"processor": 41001, "engine": 41002, "worker": 41003}
     values = {c: {"port": p, "metricsPort": p + 100} for c, p in ports.items()}
+    values["worker"]["stepPort"] = 41203  # the worker's step channel
     values["gateway"] = {"port": 41000, "service": {"type": "ClusterIP", "port": 80}}
     rendered = render(values)
     text = manifest(rendered)
-    for default in ("8000", "50051", "50052", "50053", "9051", "9052", "9053"):
+    for default in ("8000", "50051", "50052", "50053", "50063", "9051", "9052", "9053"):
         assert f": {default}\n" not in text and f"={default}\n" not in text and f":{default}\n" not in text, default
     objs = objects(rendered)
     for component, port in ports.items():
         container = pod_spec(objs, component)["containers"][0]
         assert args_of(objs, component)["port"] == str(port)
-        assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": port, "metrics": port + 100}
+        step = {"step": port + 200} if component == "worker" else {}
+        assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": port, "metrics": port + 100,
+                                                                               **step}
         assert container["readinessProbe"]["grpc"]["port"] == port
+    assert args_of(objs, "worker")["step-port"] == "41203"
     assert args_of(objs, "gateway")["processor-address"].endswith(f":{ports['processor']}")
     assert pod_spec(objs, "gateway")["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/health"
 
@@ -401,9 +405,9 @@ def policy_for(objs: list[dict[str, Any]], component: str) -> dict[str, Any]:
 
 
 def test_network_policies_admit_only_the_next_hop_and_prometheus() -> None:
-    """gateway -> processor -> engine -> worker on the gRPC ports, Prometheus on the metrics ports:
-    each policy selects exactly its component's pods, names ports its container has, and admits
-    the pods of the component before it."""
+    """gateway -> processor -> engine -> worker on the gRPC ports (and the worker's step port),
+    Prometheus on the metrics ports: each policy selects exactly its component's pods, names ports
+    its container has, and admits the pods of the component before it."""
     prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}},
                   "podSelector": {"matchLabels": {"app": "prom"}}}
     # Helm merges maps with the defaults: null drops the default's label.
@@ -419,7 +423,9 @@ def test_network_policies_admit_only_the_next_hop_and_prometheus() -> None:
         assert spec["podSelector"]["matchLabels"].items() <= labels.items()
         assert spec["policyTypes"] == ["Ingress"]
         grpc_rule, metrics_rule = spec["ingress"]
-        assert grpc_rule["ports"] == [{"port": "grpc"}] and metrics_rule["ports"] == [{"port": "metrics"}]
+        # The worker's engine also drives it over the step channel.
+        calls = [{"port": "grpc"}, {"port": "step"}] if component == "worker" else [{"port": "grpc"}]
+        assert grpc_rule["ports"] == calls and metrics_rule["ports"] == [{"port": "metrics"}]
         [peer] = grpc_rule["from"]
         caller_labels = next(o for o in objs if o["kind"] in ("Deployment", "StatefulSet")
                                           and o["metadata"]["name"] == f"kvmesh-{caller}")
@@ -427,7 +433,7 @@ def test_network_policies_admit_only_the_next_hop_and_prometheus() -> None:
             "labels"].items()
         assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == caller
         assert metrics_rule["from"] == [prometheus]
-        assert {"grpc", "metrics"} <= {p["name"] for p in pod["containers"][0]["ports"]}
+        assert {p["port"] for p in calls} | {"metrics"} <= {p["name"] for p in pod["containers"][0]["ports"]}
     gateway = policy_for(objs, "gateway")
     assert gateway["ingress"] == [{"ports": [{"port": "http"}]}]  # the API: anyone, on that port only
     redis = policy_for(objs, "redis")

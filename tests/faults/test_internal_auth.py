@@ -15,6 +15,7 @@ import json
 import math
 import os
 import signal
+import socket
 import stat
 import subprocess
 import tempfile
@@ -33,7 +34,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from services import SamplingParams
 from services.common.config import SecurityConfig
 from services.common.engine_output import EngineCoreRequest
-from services.common.errors import EngineDeadError
+from services.common.errors import EngineDeadError, InternalError
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc, processor_pb2, worker_pb2, worker_pb2_grpc
 from services.common.rpc.security import RpcSecurity
@@ -43,6 +44,7 @@ from services.common.validation import MAX_STOP_TOKEN_IDS
 from services.engine.client import GrpcEngineClient
 from services.processor.client import GrpcProcessorClient
 from services.worker.client import SESSION_METADATA_KEY, GrpcWorkerClient
+from services.worker.step_channel import HANDSHAKE_TIMEOUT, StepChannel
 from tests.services.procs import PYTHON, REPO_ROOT, ServiceProcess, free_port, grpc_health_status, start_service
 
 pytestmark = pytest.mark.services
@@ -275,13 +277,60 @@ def test_worker_steps_only_for_the_engine_that_owns_it(stack: Stack):
                 await engine.close()
 
         def probe() -> None:
-            for call, message in ((stub.InitializeCache, worker_pb2.InitializeCacheRequest(max_num_reqs=4)),
-                                  (stub.ExecuteModel, convert.scheduler_output_to_proto(empty_step()))):
-                with pytest.raises(grpc.RpcError) as refused:
-                    call(message, metadata=intruder, timeout=10)
-                assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.InitializeCache(worker_pb2.InitializeCacheRequest(max_num_reqs=4), metadata=intruder, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            # The step channel opens for the owner's session only, the token notwithstanding.
+            with pytest.raises(EngineDeadError, match="another engine"):
+                StepChannel.connect("127.0.0.1", step_port(stack), stack.security, "intruder", timeout=10)
         asyncio.run(stream_while(probe))
     assert grpc_health_status(stack.engine.address) == SERVING
+
+
+def step_port(stack: Stack) -> int:
+    with grpc.insecure_channel(stack.worker.address, options=GRPC_OPTIONS) as channel:
+        info = worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10,
+                                                          metadata=stack.security.call_metadata)
+    assert info.step_port > 0
+    return info.step_port
+
+
+def test_the_step_channel_refuses_a_caller_without_the_token(stack: Stack):
+    port = step_port(stack)
+    for security in (RpcSecurity(), RpcSecurity(token="not-the-token")):
+        with pytest.raises(InternalError, match="UNAUTHENTICATED"):
+            StepChannel.connect("127.0.0.1", port, security, "any-session", timeout=10)
+    # Whatever is not a hello (here an HTTP request) is closed without an answer.
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: worker\r\n\r\n")
+        assert closed_by_peer(sock)
+    # A client that connects and says nothing is closed after the handshake's deadline, and holds up
+    # no other: the stack's engine steps on meanwhile.
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as silent:
+        asyncio.run(generate_tokens(stack, 8))
+        start = time.monotonic()
+        assert closed_by_peer(silent)
+        assert time.monotonic() - start < HANDSHAKE_TIMEOUT + 5
+    assert grpc_health_status(stack.engine.address) == SERVING
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the peer closed the connection (with nothing sent first), waiting up to its timeout."""
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:  # closed with our bytes unread
+        return True
+
+
+async def generate_tokens(stack: Stack, count: int) -> None:
+    engine = GrpcEngineClient(stack.engine.address, timeout=10, security=stack.security)
+    request = EngineCoreRequest(f"after-probe-{time.monotonic_ns()}", [504, 3458, 282],
+                                SamplingParams(temperature=0, max_tokens=count, ignore_eos=True))
+    try:
+        tokens = [t async for output in engine.generate(request) for t in output.new_token_ids]
+        assert len(tokens) == count
+    finally:
+        await engine.close()
 
 
 def openssl(*args: str, cwd: Path) -> None:
@@ -346,11 +395,16 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(tls_worker, certs: Pa
         with pytest.raises(grpc.RpcError) as refused:
             worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetWorkerInfoRequest(), timeout=5)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        info = worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetWorkerInfoRequest(), timeout=5,
+                                                          metadata=security.call_metadata)
     client = GrpcWorkerClient(worker.address, timeout=10, security=security)
     try:
         assert client.get_info().vocab_size > 0
     finally:
         client.close()
+    # The step channel asks for the same: in plain text, even with the token, no hello gets through.
+    with pytest.raises(ConnectionError):
+        StepChannel.connect("127.0.0.1", info.step_port, RpcSecurity(token=security.token), "any-session", timeout=10)
     # The chart's exec probe (kubelet's own gRPC probe cannot speak TLS).
     tls_flags = [f"--tls-{name}-file={certs / file}" for name, file in
                  (("cert", "tls.crt"), ("key", "tls.key"), ("ca", "ca.crt"))]

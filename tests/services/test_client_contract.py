@@ -13,6 +13,7 @@ import inspect
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -94,7 +95,8 @@ async def implementation(kind: str, core: object, add_servicer: Callable, servic
         yield core
         return
     server = RpcServer("127.0.0.1", 0, [])
-    add_servicer(servicer(core), server.server)
+    service = servicer(core)
+    add_servicer(service, server.server)
     await server.start()
     health = asyncio.create_task(follow_health(core, server)) if follow_health is not None else None
     client = connect(f"127.0.0.1:{server.port}")
@@ -107,6 +109,8 @@ async def implementation(kind: str, core: object, add_servicer: Callable, servic
         if inspect.isawaitable(closed):  # the worker's client is blocking
             await closed
         await server.server.stop(0)
+        if hasattr(service, "close"):  # the worker's: its step channel
+            await service.close()
 
 
 def unreachable() -> str:
@@ -152,7 +156,9 @@ def one_step(req_id: str = "r") -> SchedulerOutput:
 async def test_worker_answers_and_refuses_invalid_input(kind: str):
     # The blocking client runs on a thread: the server shares this event loop.
     async with worker_client(kind, FakeCore()) as worker:
-        assert await asyncio.to_thread(worker.get_info) == INFO
+        info = await asyncio.to_thread(worker.get_info)
+        assert replace(info, step_port=0) == INFO
+        assert (info.step_port > 0) == (kind == "grpc")  # the gRPC worker's step channel
         assert await asyncio.to_thread(worker.initialize_cache, 4) == 256
         for bad in (0, 9):
             with pytest.raises(ValueError, match="max_num_reqs"):

@@ -147,13 +147,12 @@ def test_counters_and_histograms_agree_with_the_traffic(serve: Serve, traffic: d
 
     def increase(name: str, **labels: str) -> float:
         return total(after, name, **labels) - total(before, name, **labels)
-    # Every step the engine timed is one ExecuteModel round trip, executed once by the worker.
+    # Every step the engine timed is one round trip on the step channel, served once by the worker.
     steps = increase("kvmesh_engine_step_seconds_count")
     assert steps >= 35 - 10 + 1
     assert increase("kvmesh_engine_step_rpc_seconds_count") == steps
-    # (The engine's own channel to its worker carries no client interceptor: see docs/metrics.md.)
-    assert increase("kvmesh_grpc_client_handled_total", component="engine", grpc_method="ExecuteModel") == 0
-    assert increase("kvmesh_grpc_server_handled_total", component="worker", grpc_method="ExecuteModel") == steps
+    assert increase("kvmesh_worker_step_seconds_count", outcome="ok") == steps
+    assert increase("kvmesh_worker_step_seconds_count", outcome="error") == 0
     assert increase("kvmesh_worker_execute_seconds_count") == steps
     assert 0 < increase("kvmesh_worker_forward_seconds_count") <= steps
     # The same prompt seven times: all but the first hit the prefix cache.

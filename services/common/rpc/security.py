@@ -25,6 +25,8 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import ssl
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +123,27 @@ class RpcSecurity:
         if not self.tls:
             return grpc.insecure_channel(address, options=options)
         return grpc.secure_channel(address, self._channel_credentials(), options=self._options(options))
+
+    # ------------------------------------------------------------------ plain sockets (the step channel)
+
+    def token_matches(self, sent: str) -> bool:
+        """Whether `sent` is this process's token, in constant time (True when it has none)."""
+        return self.token is None or hmac.compare_digest(sent.encode(), self.token.encode())
+
+    def ssl_context(self, server: bool) -> ssl.SSLContext:
+        """The same mutual TLS as the gRPC channels, for a plain socket: this process's certificate,
+        the peer's required and checked against the CA (a client also checks the server's name)."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cadata=self.ca.decode())
+        # ssl loads a certificate chain from files only: a private file for the moment it takes.
+        with tempfile.TemporaryDirectory(prefix="kvmesh-tls-") as private:
+            chain = Path(private) / "chain.pem"
+            chain.touch(mode=0o600)
+            chain.write_bytes(self.key + b"\n" + self.cert)
+            context.load_cert_chain(chain)
+        return context
 
     def _channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,

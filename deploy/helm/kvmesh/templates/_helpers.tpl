@@ -320,7 +320,7 @@ grpc:
 {{- end -}}
 {{- end }}
 
-{{/* A component's NetworkPolicy: ingress to its `port` (named) from the pods of component `from`
+{{/* A component's NetworkPolicy: ingress to its `port` (named; or a list of names) from the pods of component `from`
 (anyone when empty), and to its metrics port (if any) from Prometheus.
 Usage: include "kvmesh.networkPolicy" (list . "engine" "grpc" "processor" true) */}}
 {{- define "kvmesh.networkPolicy" -}}
@@ -341,7 +341,9 @@ spec:
   policyTypes: [Ingress]
   ingress:
     - ports:
-        - port: {{ index . 2 }}
+        {{- range $port := ternary (index . 2) (list (index . 2)) (kindIs "slice" (index . 2)) }}
+        - port: {{ $port }}
+        {{- end }}
       {{- if $from }}
       from:
         - podSelector:

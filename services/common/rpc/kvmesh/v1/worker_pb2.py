@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.rpc.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\":\n\nKVTransfer\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x0b\n\x03tag\x18\x03 \x01(\x03\"#\n\x0eKVTransferDone\x12\x11\n\tnum_bytes\x18\x01 \x01(\x03\"\x16\n\x14GetWorkerInfoRequest\"\xb1\x01\n\nWorkerInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\x12\n\nworld_size\x18\x07 \x01(\x05\x12\x1c\n\x14kv_transfer_endpoint\x18\x08 \x01(\t\".\n\x16InitializeCacheRequest\x12\x14\n\x0cmax_num_reqs\x18\x01 \x01(\x05\"-\n\x17InitializeCacheResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\"\xd0\x01\n\x0eNewRequestData\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x11\n\tblock_ids\x18\x06 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x07 \x01(\x05\"m\n\x0e\x43\x61\x63hedRequests\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\x05\x12\x16\n\x0enum_new_blocks\x18\x03 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x04 \x03(\x05\"\xc2\x02\n\x0fSchedulerOutput\x12\x35\n\x12scheduled_new_reqs\x18\x01 \x03(\x0b\x32\x19.kvmesh.v1.NewRequestData\x12\x38\n\x15scheduled_cached_reqs\x18\x02 \x01(\x0b\x32\x19.kvmesh.v1.CachedRequests\x12\x19\n\x11scheduled_req_ids\x18\x03 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x03(\x05\x12\"\n\x1atotal_num_scheduled_tokens\x18\x05 \x01(\x05\x12\x18\n\x10\x66inished_req_ids\x18\x06 \x03(\t\x12\x15\n\rnum_preempted\x18\x07 \x01(\x05\x12\x17\n\x0fgrammar_req_ids\x18( \x03(\t\x12\x17\n\x0fgrammar_bitmask\x18) \x01(\x0c\"\xf4\x02\n\x11ModelRunnerOutput\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12I\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x30.kvmesh.v1.ModelRunnerOutput.PromptLogprobsEntry\x12\x38\n\x06\x66\x61iled\x18\x05 \x03(\x0b\x32(.kvmesh.v1.ModelRunnerOutput.FailedEntry\x1aS\n\x13PromptLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.kvmesh.v1.TokenLogprobsList:\x02\x38\x01\x1a-\n\x0b\x46\x61iledEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xea\x02\n\x06Worker\x12\x41\n\x07GetInfo\x12\x1f.kvmesh.v1.GetWorkerInfoRequest\x1a\x15.kvmesh.v1.WorkerInfo\x12X\n\x0fInitializeCache\x12!.kvmesh.v1.InitializeCacheRequest\x1a\".kvmesh.v1.InitializeCacheResponse\x12H\n\x0c\x45xecuteModel\x12\x1a.kvmesh.v1.SchedulerOutput\x1a\x1c.kvmesh.v1.ModelRunnerOutput\x12:\n\x06SendKV\x12\x15.kvmesh.v1.KVTransfer\x1a\x19.kvmesh.v1.KVTransferDone\x12=\n\tReceiveKV\x12\x15.kvmesh.v1.KVTransfer\x1a\x19.kvmesh.v1.KVTransferDoneb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\":\n\nKVTransfer\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x0b\n\x03tag\x18\x03 \x01(\x03\"#\n\x0eKVTransferDone\x12\x11\n\tnum_bytes\x18\x01 \x01(\x03\"\x16\n\x14GetWorkerInfoRequest\"\xc4\x01\n\nWorkerInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\x12\n\nworld_size\x18\x07 \x01(\x05\x12\x1c\n\x14kv_transfer_endpoint\x18\x08 \x01(\t\x12\x11\n\tstep_port\x18\t \x01(\x05\"C\n\x10StepChannelHello\x12\x0f\n\x07version\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07session\x18\x03 \x01(\t\"1\n\x10StepChannelError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\".\n\x16InitializeCacheRequest\x12\x14\n\x0cmax_num_reqs\x18\x01 \x01(\x05\"-\n\x17InitializeCacheResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\"\xd0\x01\n\x0eNewRequestData\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x11\n\tblock_ids\x18\x06 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x07 \x01(\x05\"m\n\x0e\x43\x61\x63hedRequests\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\x05\x12\x16\n\x0enum_new_blocks\x18\x03 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x04 \x03(\x05\"\xc2\x02\n\x0fSchedulerOutput\x12\x35\n\x12scheduled_new_reqs\x18\x01 \x03(\x0b\x32\x19.kvmesh.v1.NewRequestData\x12\x38\n\x15scheduled_cached_reqs\x18\x02 \x01(\x0b\x32\x19.kvmesh.v1.CachedRequests\x12\x19\n\x11scheduled_req_ids\x18\x03 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x03(\x05\x12\"\n\x1atotal_num_scheduled_tokens\x18\x05 \x01(\x05\x12\x18\n\x10\x66inished_req_ids\x18\x06 \x03(\t\x12\x15\n\rnum_preempted\x18\x07 \x01(\x05\x12\x17\n\x0fgrammar_req_ids\x18( \x03(\t\x12\x17\n\x0fgrammar_bitmask\x18) \x01(\x0c\"\xf4\x02\n\x11ModelRunnerOutput\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12I\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x30.kvmesh.v1.ModelRunnerOutput.PromptLogprobsEntry\x12\x38\n\x06\x66\x61iled\x18\x05 \x03(\x0b\x32(.kvmesh.v1.ModelRunnerOutput.FailedEntry\x1aS\n\x13PromptLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.kvmesh.v1.TokenLogprobsList:\x02\x38\x01\x1a-\n\x0b\x46\x61iledEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xa0\x02\n\x06Worker\x12\x41\n\x07GetInfo\x12\x1f.kvmesh.v1.GetWorkerInfoRequest\x1a\x15.kvmesh.v1.WorkerInfo\x12X\n\x0fInitializeCache\x12!.kvmesh.v1.InitializeCacheRequest\x1a\".kvmesh.v1.InitializeCacheResponse\x12:\n\x06SendKV\x12\x15.kvmesh.v1.KVTransfer\x1a\x19.kvmesh.v1.KVTransferDone\x12=\n\tReceiveKV\x12\x15.kvmesh.v1.KVTransfer\x1a\x19.kvmesh.v1.KVTransferDoneb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,23 +43,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETWORKERINFOREQUEST']._serialized_start=158
   _globals['_GETWORKERINFOREQUEST']._serialized_end=180
   _globals['_WORKERINFO']._serialized_start=183
-  _globals['_WORKERINFO']._serialized_end=360
-  _globals['_INITIALIZECACHEREQUEST']._serialized_start=362
-  _globals['_INITIALIZECACHEREQUEST']._serialized_end=408
-  _globals['_INITIALIZECACHERESPONSE']._serialized_start=410
-  _globals['_INITIALIZECACHERESPONSE']._serialized_end=455
-  _globals['_NEWREQUESTDATA']._serialized_start=458
-  _globals['_NEWREQUESTDATA']._serialized_end=666
-  _globals['_CACHEDREQUESTS']._serialized_start=668
-  _globals['_CACHEDREQUESTS']._serialized_end=777
-  _globals['_SCHEDULEROUTPUT']._serialized_start=780
-  _globals['_SCHEDULEROUTPUT']._serialized_end=1102
-  _globals['_MODELRUNNEROUTPUT']._serialized_start=1105
-  _globals['_MODELRUNNEROUTPUT']._serialized_end=1477
-  _globals['_MODELRUNNEROUTPUT_PROMPTLOGPROBSENTRY']._serialized_start=1347
-  _globals['_MODELRUNNEROUTPUT_PROMPTLOGPROBSENTRY']._serialized_end=1430
-  _globals['_MODELRUNNEROUTPUT_FAILEDENTRY']._serialized_start=1432
-  _globals['_MODELRUNNEROUTPUT_FAILEDENTRY']._serialized_end=1477
-  _globals['_WORKER']._serialized_start=1480
-  _globals['_WORKER']._serialized_end=1842
+  _globals['_WORKERINFO']._serialized_end=379
+  _globals['_STEPCHANNELHELLO']._serialized_start=381
+  _globals['_STEPCHANNELHELLO']._serialized_end=448
+  _globals['_STEPCHANNELERROR']._serialized_start=450
+  _globals['_STEPCHANNELERROR']._serialized_end=499
+  _globals['_INITIALIZECACHEREQUEST']._serialized_start=501
+  _globals['_INITIALIZECACHEREQUEST']._serialized_end=547
+  _globals['_INITIALIZECACHERESPONSE']._serialized_start=549
+  _globals['_INITIALIZECACHERESPONSE']._serialized_end=594
+  _globals['_NEWREQUESTDATA']._serialized_start=597
+  _globals['_NEWREQUESTDATA']._serialized_end=805
+  _globals['_CACHEDREQUESTS']._serialized_start=807
+  _globals['_CACHEDREQUESTS']._serialized_end=916
+  _globals['_SCHEDULEROUTPUT']._serialized_start=919
+  _globals['_SCHEDULEROUTPUT']._serialized_end=1241
+  _globals['_MODELRUNNEROUTPUT']._serialized_start=1244
+  _globals['_MODELRUNNEROUTPUT']._serialized_end=1616
+  _globals['_MODELRUNNEROUTPUT_PROMPTLOGPROBSENTRY']._serialized_start=1486
+  _globals['_MODELRUNNEROUTPUT_PROMPTLOGPROBSENTRY']._serialized_end=1569
+  _globals['_MODELRUNNEROUTPUT_FAILEDENTRY']._serialized_start=1571
+  _globals['_MODELRUNNEROUTPUT_FAILEDENTRY']._serialized_end=1616
+  _globals['_WORKER']._serialized_start=1619
+  _globals['_WORKER']._serialized_end=1907
 # @@protoc_insertion_point(module_scope)

@@ -28,7 +28,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_id", "model_path", "vocab_size", "max_model_len", "block_size", "rank", "world_size", "kv_transfer_endpoint")
+    __slots__ = ("model_id", "model_path", "vocab_size", "max_model_len", "block_size", "rank", "world_size", "kv_transfer_endpoint", "step_port")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class WorkerInfo(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    STEP_PORT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_path: str
     vocab_size: int
@@ -45,7 +46,26 @@ class WorkerInfo(_message.Message):
     rank: int
     world_size: int
     kv_transfer_endpoint: str
-    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., kv_transfer_endpoint: _Optional[str] = ...) -> None: ...
+    step_port: int
+    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., kv_transfer_endpoint: _Optional[str] = ..., step_port: _Optional[int] = ...) -> None: ...
+
+class StepChannelHello(_message.Message):
+    __slots__ = ("version", "token", "session")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    token: str
+    session: str
+    def __init__(self, version: _Optional[int] = ..., token: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
+
+class StepChannelError(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
 
 class InitializeCacheRequest(_message.Message):
     __slots__ = ("max_num_reqs",)

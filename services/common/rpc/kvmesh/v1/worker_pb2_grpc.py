@@ -44,11 +44,6 @@ class WorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.InitializeCacheRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.InitializeCacheResponse.FromString,
                 _registered_method=True)
-        self.ExecuteModel = channel.unary_unary(
-                '/kvmesh.v1.Worker/ExecuteModel',
-                request_serializer=kvmesh_dot_v1_dot_worker__pb2.SchedulerOutput.SerializeToString,
-                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.ModelRunnerOutput.FromString,
-                _registered_method=True)
         self.SendKV = channel.unary_unary(
                 '/kvmesh.v1.Worker/SendKV',
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.KVTransfer.SerializeToString,
@@ -71,12 +66,6 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def InitializeCache(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ExecuteModel(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,11 +97,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.InitializeCache,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.InitializeCacheRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.InitializeCacheResponse.SerializeToString,
-            ),
-            'ExecuteModel': grpc.unary_unary_rpc_method_handler(
-                    servicer.ExecuteModel,
-                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.SchedulerOutput.FromString,
-                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.ModelRunnerOutput.SerializeToString,
             ),
             'SendKV': grpc.unary_unary_rpc_method_handler(
                     servicer.SendKV,
@@ -179,33 +163,6 @@ class Worker:
             '/kvmesh.v1.Worker/InitializeCache',
             kvmesh_dot_v1_dot_worker__pb2.InitializeCacheRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.InitializeCacheResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ExecuteModel(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvmesh.v1.Worker/ExecuteModel',
-            kvmesh_dot_v1_dot_worker__pb2.SchedulerOutput.SerializeToString,
-            kvmesh_dot_v1_dot_worker__pb2.ModelRunnerOutput.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,5 +1,5 @@
 """The worker's metrics: kvmesh_worker_step_seconds (one step as its step channel serves it:
-decoded, executed, answered; by outcome), kvmesh_worker_execute_seconds (one execute_model: inputs,
+read, decoded, executed, its answer encoded; by outcome), kvmesh_worker_execute_seconds (one execute_model: inputs,
 forward, sampling) and kvmesh_worker_forward_seconds (the model's forward pass alone).
 
 The forward pass is timed by hooks on the model, so the model runner carries no timing code. On a
@@ -27,7 +27,7 @@ class WorkerMetrics:
                                          "One execute_model: inputs, forward pass and sampling",
                                          labels, buckets=STEP_BUCKETS, registry=service.registry).labels(*values)
         steps = Histogram("kvmesh_worker_step_seconds",
-                          "One step as the step channel serves it: the message decoded, executed, answered",
+                          "One step as the step channel serves it: read, decoded, executed, its answer encoded",
                           [*labels, "outcome"], buckets=STEP_BUCKETS, registry=service.registry)
         self._step_outcomes = {True: steps.labels(*values, "ok"), False: steps.labels(*values, "error")}
         self.forward_seconds = Histogram("kvmesh_worker_forward_seconds", "The model's forward pass alone",

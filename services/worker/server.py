@@ -218,12 +218,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kind, reply = Frame.OUTPUT, self._channel_step(self._channels[sock], payload)
         except Exception as exc:
             kind, reply = Frame.ERROR, error_payload(exc)  # logged there when outside the error table
+        if self.metrics is not None:
+            # Before the send: on loopback the send wakes the engine, which may take this core (and
+            # this thread's time) for its own part of the step.
+            self.metrics.observe_step_handling(time.perf_counter() - start, kind is Frame.OUTPUT)
         try:
             send_frame(sock, kind, reply)
         except OSError:
             self._drop_channel(sock)
-        if self.metrics is not None:
-            self.metrics.observe_step_handling(time.perf_counter() - start, kind is Frame.OUTPUT)
 
     def _channel_step(self, session: str, payload: bytearray) -> bytes:
         # A failed step is logged with its traceback (status_of); the engine gets INTERNAL (UNAVAILABLE

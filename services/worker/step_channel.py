@@ -32,7 +32,6 @@ from __future__ import annotations
 import enum
 import logging
 import socket
-import ssl
 import struct
 import threading
 from collections.abc import Callable
@@ -243,7 +242,7 @@ class StepChannelServer:
             send_frame(sock, Frame.READY)
             sock.settimeout(FRAME_TIMEOUT)
             self._adopt(sock, hello.session)
-        except (OSError, ValueError, ssl.SSLError) as exc:
+        except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: the step thread has stopped
             logger.warning("step channel: refused a connection from %s: %s", peer, exc)
             sock.close()
         finally:

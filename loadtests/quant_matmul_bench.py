@@ -25,13 +25,12 @@ import argparse
 import time
 from collections.abc import Callable
 
-import gguf
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_quant_matmul as qm
 from services.common.config import default_cache_dir
+from services.common.gguf_file import GGUFFile
 from services.common.model_files import locate_model
 
 # (name, GGUF tensor): the projections of one layer and the LM head (the tied embedding).
@@ -66,8 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lib = qm.variant(args.isa, default_cache_dir())
-    reader = gguf.GGUFReader(locate_model("smollm2"))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = GGUFFile(locate_model("smollm2")).tensors
     print(f"threads {args.threads}, kernel build {args.isa} (vector bits {qm.isa(lib)})")
     print(f"int8 sums: {qm.i8_path(lib)}")
     print("| shape | type | M | torch fp32 µs | kernel µs | packed µs | i8 µs | deq+gemm µs | torch GB/s | kernel GB/s "
@@ -75,7 +73,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, name in SHAPES:
         t = tensors[name]
-        data = np.asarray(t.data)
+        data = t.data.reshape(t.shape[1], -1)  # [rows, bytes a row]: GGUF lists the fastest dimension first
         qtype = qm.QuantType(int(t.tensor_type))
         k = data.shape[1] // qm.BLOCK_BYTES[qtype] * qm.BLOCK
         copies = max(1, args.stream_mib * 2**20 // (data.shape[0] * k * 4))

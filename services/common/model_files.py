@@ -25,11 +25,11 @@ import tempfile
 import time
 from typing import Any
 
-import gguf
 from transformers import PreTrainedTokenizerFast
 from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
 from services.common.config import default_cache_dir
+from services.common.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -159,10 +159,10 @@ def _tokenizer_from(metadata: dict[str, Any]) -> PreTrainedTokenizerFast:
 
 def _tokenizer_metadata(gguf_path: Path) -> dict[str, Any]:
     # Reading the header maps the file; no tensor data is read.
-    reader = gguf.GGUFReader(gguf_path)
-    if "general.architecture" not in reader.fields:
+    header = GGUFFile(gguf_path)
+    if header.field("general.architecture") is None:
         raise ValueError(f"{gguf_path} has no general.architecture in its metadata; it is not a model")
-    return {key: field.contents() for key, field in reader.fields.items()
+    return {key: header.field(key) for key in header.keys()
             if key.startswith("tokenizer.") or key == "general.architecture"}
 
 

@@ -27,6 +27,7 @@ import torch
 from kernels import cpu_quant_matmul
 from kernels.cpu_quant_matmul import QuantType
 from kernels.native import NativeKernelUnavailable, cpu_has
+from services.common.gguf_file import GGUFFile
 from services.common.model_files import locate_model
 from services.worker.layers.linear import WeightSource, shape_of
 from services.worker.layers.quantized_weight import GGUFBlocks
@@ -49,20 +50,16 @@ class GGUFWeights:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.reader = gguf.GGUFReader(path)
-        self.architecture = self._field("general.architecture")
+        self.file = GGUFFile(path)
+        self.architecture = self.file.field("general.architecture")
         if self.architecture not in _ARCHITECTURES:
             raise NotQuantizable(f"{path}: weights of a {self.architecture!r} GGUF model are not kept in blocks "
                              f"(architectures: {', '.join(_ARCHITECTURES)})")
         arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}[self.architecture]
-        self.names = gguf.get_tensor_name_map(arch, int(self._field(f"{self.architecture}.block_count")))
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        self.num_heads = self._field(f"{self.architecture}.attention.head_count")
-        self.num_kv_heads = self._field(f"{self.architecture}.attention.head_count_kv")
-
-    def _field(self, key: str) -> object | None:
-        field = self.reader.fields.get(key)
-        return None if field is None else field.contents()
+        self.names = gguf.get_tensor_name_map(arch, int(self.file.field(f"{self.architecture}.block_count")))
+        self.tensors = self.file.tensors
+        self.num_heads = self.file.field(f"{self.architecture}.attention.head_count")
+        self.num_kv_heads = self.file.field(f"{self.architecture}.attention.head_count_kv")
 
     def blocks(self, name: str) -> GGUFBlocks | None:
         """The blocks of checkpoint tensor `name` (a Hugging Face name), or None where it is no 2-D

@@ -94,18 +94,20 @@ class StepThread(Executor):
         try:
             while True:
                 for key, _ in self._selector.select():
-                    if key.data is not None:
+                    if key.data is None:
+                        if not self._run_calls():
+                            return
+                    # Not when an earlier handler or call of this round unwatched (and closed) the
+                    # socket, or another socket took its descriptor since: only the registration
+                    # select() answered for.
+                    elif self._selector.get_map().get(key.fd) is key:
                         self._readable(key.fileobj, key.data)
-                    elif not self._run_calls():
-                        return
         finally:
             self._selector.close()
             self._wake_r.close()
             self._wake_w.close()
 
     def _readable(self, sock: socket.socket, on_readable: Readable) -> None:
-        if self._selector.get_map().get(sock) is None:  # unwatched by a handler earlier in this round
-            return
         try:
             on_readable(sock)
         except Exception:

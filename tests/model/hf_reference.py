@@ -35,9 +35,11 @@ class HFReference:
 
     def _score(self, prompt: list[int], generated: list[int]) -> Reference:
         assert prompt and generated, "a prompt and at least one generated token"
-        with torch.inference_mode():
-            logits = self.hf_model(torch.tensor([prompt + generated])).logits[0]
         # The logits at position p predict token p + 1: the outputs are predicted from the last
-        # prompt position up to the one before the last output.
-        logprobs = torch.log_softmax(logits[len(prompt) - 1:len(prompt) + len(generated) - 1].float(), dim=-1)
+        # prompt position up to the one before the last output. Only those go through the LM head
+        # (transformers' own logits_to_keep: the last len(generated) + 1 positions): its 49,152 logits
+        # a position over a whole 1,300-token prompt were most of the reference's time.
+        with torch.inference_mode():
+            logits = self.hf_model(torch.tensor([prompt + generated]), logits_to_keep=len(generated) + 1).logits[0]
+        logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
         return Reference(logprobs.argmax(dim=-1).tolist(), logprobs)

@@ -163,6 +163,43 @@ def test_a_failing_socket_handler_is_unwatched_and_the_thread_goes_on():
         b.close()
 
 
+def test_a_socket_closed_earlier_in_the_same_round_is_skipped_and_the_thread_lives_on():
+    # The worker's case: a session's new channel (a queued call) replaces its old one while the old
+    # one's end of stream waits in the same select() round.
+    thread = StepThread()
+    pairs = [socket.socketpair() for _ in range(3)]
+    ran: list[int] = []
+    release = threading.Event()
+
+    def close_others(i: int):
+        def handler(sock: socket.socket) -> None:
+            ran.append(i)
+            sock.recv(16)
+            for j, (_, other) in enumerate(pairs[:2]):
+                if j != i:
+                    thread.unwatch(other)
+                    other.close()
+        return handler
+    try:
+        for i, (_, theirs) in enumerate(pairs[:2]):
+            thread.watch(theirs, close_others(i)).result(timeout=5)
+        thread.watch(pairs[2][1], lambda sock: ran.append(2)).result(timeout=5)
+        busy = thread.submit(release.wait, 5)  # both sockets become readable while the thread is busy
+        for mine, _ in pairs:
+            mine.sendall(b"x")
+        closer = thread.submit(lambda: (thread.unwatch(pairs[2][1]), pairs[2][1].close()))
+        release.set()
+        busy.result(timeout=5)
+        closer.result(timeout=5)
+        assert thread.submit(lambda: 42).result(timeout=5) == 42  # alive
+        assert len([i for i in ran if i < 2]) == 1  # whichever ran first closed the other
+    finally:
+        thread.shutdown()
+        for mine, theirs in pairs:
+            mine.close()
+            theirs.close()
+
+
 # ----------------------------------------------------------------------------- the worker's channel
 
 
@@ -215,7 +252,7 @@ async def test_a_session_that_does_not_own_the_worker_gets_no_step_through():
 async def test_an_interrupted_step_fails_at_once_and_the_worker_serves_a_new_channel():
     # The engine's watchdog interrupts the channel of a worker that stopped answering its liveness
     # checks (services/worker/client.py); here the step is just slow.
-    core = ThreadNotingCore(step_delay=3.0)
+    core = ThreadNotingCore(step_delay=2.0)
     async with owner_with_channel(core) as (client, channel):
         step = asyncio.create_task(asyncio.to_thread(channel.step, b""))
         await asyncio.sleep(0.2)

@@ -27,7 +27,7 @@ from services.common.rpc.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.rpc.security import RpcSecurity
 from services.common.rpc.server import GRPC_OPTIONS
 from services.common.scheduler_output import SchedulerOutput
-from services.worker.step_channel import StepChannel
+from services.worker.step_channel import StepChannel, parse
 
 if TYPE_CHECKING:  # the gRPC client (the engine's side) must not pull in torch
     from services.worker.worker import Worker
@@ -163,7 +163,7 @@ class GrpcWorkerClient:
             raise ConnectionError(self._failure) from None
         finally:
             self._step_since = None
-        return convert.model_runner_output_from_proto(worker_pb2.ModelRunnerOutput.FromString(bytes(reply)))
+        return convert.model_runner_output_from_proto(parse(worker_pb2.ModelRunnerOutput, reply))
 
     def _open_step_channel(self) -> StepChannel:
         """Dial the worker's step channel (within `timeout`). A session that does not own the worker

@@ -4,9 +4,9 @@
 
 config -> Worker core -> WorkerServicer -> grpc.aio server (+ health, reflection) and the step
 channel (services/worker/step_channel.py, on --step-port) -> SIGTERM -> NOT_SERVING -> stop(grace)
--> the step channels closed after the step in flight. Flags come from services/common/config.py (ModelConfig, CacheConfig,
-WorkerConfig, ParallelConfig, ServingConfig); each falls back to KVMESH_WORKER_<FIELD>
-(KVMESH_WORKER_PORT, ...).
+-> the step channels closed after the step in flight. Flags come from services/common/config.py
+(ModelConfig, CacheConfig, WorkerConfig, ParallelConfig, ServingConfig); each falls back to
+KVMESH_WORKER_<FIELD> (KVMESH_WORKER_PORT, ...).
 
 A rank of a tensor-parallel group (`--tensor-parallel-size N --rank R --distributed-address
 host:port`) serves the same way, on its own port; the engine calls every rank. When a collective
@@ -116,7 +116,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._owner_seen = 0.0  # time.monotonic() of the owner's last call
         self._steps_in_flight = 0  # the owner's: a step longer than the lease is not silence
         self._channels: OrderedDict[socket.socket, str] = OrderedDict()  # step thread only: sock -> session
-        self._channel_server = StepChannelServer(step_host, step_port, security, self._admit, self._adopt)
+        # A channel's hello (on its handshake thread) opens it for the owner's session only.
+        self._channel_server = StepChannelServer(step_host, step_port, security, self._check_owner, self._adopt)
         self.step_port = self._channel_server.port
 
     async def _call(self, fn: Callable[..., T], *args: object) -> T:
@@ -175,10 +176,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     # ------------------------------------------------------------------ the step channel
 
-    def _admit(self, session: str) -> None:
-        """A channel's hello (its handshake thread): the owner's session only."""
-        self._check_owner(session)
-
     def _adopt(self, sock: socket.socket, session: str) -> None:
         self._thread.submit(self._watch_channel, sock, session)
 
@@ -230,9 +227,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _channel_step(self, session: str, payload: bytearray) -> bytes:
         # A failed step is logged with its traceback (status_of); the engine gets INTERNAL (UNAVAILABLE
         # when the tensor-parallel group failed: _group_guard).
+        self._check_owner(session)  # renews the lease: no take-over between this and the count below
         with self._lock:
-            if session != self._owner:
-                raise WorkerClaimedError("this worker serves another engine")
             self._steps_in_flight += 1
         try:
             scheduler_output = convert.scheduler_output_from_proto(parse(worker_pb2.SchedulerOutput, payload))

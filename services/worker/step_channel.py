@@ -93,7 +93,7 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytearray:
 
 def parse(message: type[Message], payload: bytes | bytearray) -> Message:
     try:
-        return message.FromString(bytes(payload))
+        return message.FromString(payload)
     except DecodeError:
         raise ValueError(f"a step-channel frame is not a valid {message.DESCRIPTOR.name}") from None
 

@@ -20,6 +20,7 @@ copies `--dtype auto` keeps of a layer's weights for its larger steps (never a f
   Q4_1_I8  elsewhere (AVX2): the Q4_1 weights exactly, in groups of 8 rows, against x quantized to
            int8 per 32-block as llama.cpp quantizes activations (`to_i8_blocks`): integer dot
            products, 1.3-2x the float32 tiles' speed from one row to prefill sizes
+  Q8_0_I8  the same for the LM head's Q8_0 weights (signed: vpsignb gives each product its sign)
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ class QuantType(IntEnum):
     Q8_0 = 8
     BF16 = 30  # `--dtype auto`'s copies only (above): a file's BF16 tensors are dequantized at load
     Q4_1_I8 = 1003  # not GGML's: `--dtype auto`'s copies where there is no BF16 dot product (`to_i8_blocks`)
+    Q8_0_I8 = 1004  # the same for Q8_0 weights (the LM head's)
 
 
-BLOCK_BYTES = {QuantType.F16: 64, QuantType.Q4_1: 20, QuantType.Q8_0: 34, QuantType.BF16: 64, QuantType.Q4_1_I8: 24}
+BLOCK_BYTES = {QuantType.F16: 64, QuantType.Q4_1: 20, QuantType.Q8_0: 34, QuantType.BF16: 64, QuantType.Q4_1_I8: 24,
+               QuantType.Q8_0_I8: 36}
 FILE_TYPES = (QuantType.F16, QuantType.Q4_1, QuantType.Q8_0)  # the blocks kept as a GGUF file holds them
 
 
@@ -82,6 +85,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "quant_matmul_bf16_dot": (_INT, []),
         "quant_matmul_i8_path": (_INT, []),
         "quant_pack_q4_1_i8": (None, [_P, _P, _I64, _I64, _I64]),
+        "quant_pack_q8_0_i8": (None, [_P, _P, _I64, _I64, _I64]),
         "quant_packed_bytes": (_I64, [_I64, _I64]),
         "quant_pack_q4_1": (None, [_P, _P, _I64, _I64, _I64]),
         "quant_matmul_packed": (None, [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT]),
@@ -151,24 +155,31 @@ def to_bf16_blocks(weight: torch.Tensor) -> torch.Tensor:
     return weight.to(torch.bfloat16).contiguous().view(torch.uint8)
 
 
-# Q4_1_I8 weights come in groups of this many rows (quant_matmul.c, "int8 activations").
+# I8 weights come in groups of this many rows (quant_matmul.c, "int8 activations").
 I8_GROUP_ROWS = 8
+# The file's block types that have an int8-activation copy, and its type.
+I8_OF = {QuantType.Q4_1: QuantType.Q4_1_I8, QuantType.Q8_0: QuantType.Q8_0_I8}
+I8_TYPES = tuple(I8_OF.values())
 
 
-def to_i8_blocks(blocks: torch.Tensor, k: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """[N, row_bytes] Q4_1 blocks (N a multiple of I8_GROUP_ROWS) -> the same weights as Q4_1_I8 blocks,
-    [N, k / 32 * 24] uint8: rows in groups of 8 laid out for integer dot products with int8 x."""
-    _check_weight(blocks, QuantType.Q4_1, k)
+def to_i8_blocks(blocks: torch.Tensor, qtype: QuantType, k: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """[N, row_bytes] Q4_1 or Q8_0 blocks (N a multiple of I8_GROUP_ROWS) -> the same weights as
+    Q4_1_I8 / Q8_0_I8 blocks (`I8_OF`), [N, k / 32 * 24 (36)] uint8: rows in groups of 8 laid out for
+    integer dot products with int8 x."""
+    if qtype not in I8_OF:
+        raise ValueError(f"{qtype.name} blocks have no int8 copy; only {', '.join(t.name for t in I8_OF)}")
+    _check_weight(blocks, qtype, k)
     if blocks.shape[0] % I8_GROUP_ROWS:
-        raise ValueError(f"Q4_1_I8 weights hold their rows in groups of {I8_GROUP_ROWS}, not {blocks.shape[0]} rows")
-    out = torch.empty(blocks.shape[0], row_bytes(QuantType.Q4_1_I8, k), dtype=torch.uint8)
-    (lib or native.library(_NAME)).quant_pack_q4_1_i8(out.data_ptr(), blocks.data_ptr(), blocks.shape[1],
-                                                      blocks.shape[0], k)
+        raise ValueError(f"I8 weights hold their rows in groups of {I8_GROUP_ROWS}, not {blocks.shape[0]} rows")
+    out = torch.empty(blocks.shape[0], row_bytes(I8_OF[qtype], k), dtype=torch.uint8)
+    lib = lib or native.library(_NAME)
+    pack_fn = lib.quant_pack_q4_1_i8 if qtype == QuantType.Q4_1 else lib.quant_pack_q8_0_i8
+    pack_fn(out.data_ptr(), blocks.data_ptr(), blocks.shape[1], blocks.shape[0], k)
     return out
 
 
 def i8_path(lib: ctypes.CDLL | None = None) -> str:
-    """How the build sums Q4_1_I8 products: "vnni" (vpdpbusd), "avx2" (vpmaddubsw) or "c"."""
+    """How the build sums I8 products: "vnni" (vpdpbusd), "avx2" (vpmaddubsw) or "c"."""
     return {1: "vnni", 2: "avx2", 0: "c"}[(lib or native.library(_NAME)).quant_matmul_i8_path()]
 
 
@@ -340,14 +351,14 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int, bias
            lib: ctypes.CDLL | None = None, n: int | None = None) -> torch.Tensor:
     """F.linear(x, W, bias) for W in blocks: x [..., k] float32 -> [..., N] float32. With `n`, `blocks`
     is `pack`'s [n, k] weight. From `gemm_rows` rows up the dequantized weight goes to torch's GEMM
-    (BF16: the weight as it is, with x rounded to bfloat16), except a Q4_1_I8 one, whose tiles are
+    (BF16: the weight as it is, with x rounded to bfloat16), except an I8 one, whose tiles are
     faster at every row count."""
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     packed = n is not None
     n = n if packed else blocks.shape[0]
-    if rows.shape[0] >= gemm_rows(lib) and qtype != QuantType.Q4_1_I8:  # its integer sums beat the GEMM
+    if rows.shape[0] >= gemm_rows(lib) and qtype not in I8_TYPES:  # their integer sums beat the GEMM
         if qtype == QuantType.BF16:
             _check_weight(blocks, qtype, k)
             y = F.linear(rows.to(torch.bfloat16), blocks.view(torch.bfloat16)).float()

@@ -6,8 +6,9 @@ Q8_0): per shape and M, microseconds a call and the weight bytes streamed per se
     packed     Q4_1 only: the same weights repacked for the kernel (`pack`, `matmul_packed`: the
                layers' decode path), lanes across 16 output rows
     deq+gemm   `dequantize` then torch's GEMM, the path from GEMM_ROWS up (`linear`)
-    i8         Q4_1 only: the same weights as Q4_1_I8 (`to_i8_blocks`) against x quantized to int8
-               per 32-block (`--dtype auto`'s layers without bfloat16 dot products, from 2 rows)
+    i8         the same weights as Q4_1_I8 / Q8_0_I8 (`to_i8_blocks`) against x quantized to int8
+               per 32-block (`--dtype auto`'s layers and LM head without bfloat16 dot products,
+               from 2 rows)
 
 As in a decode step, where each weight is read once and the model is far larger than the caches,
 the calls cycle through copies of the weight worth `--stream-mib` of float32 (default 384 MiB),
@@ -17,6 +18,7 @@ Run from the repository root (a few seconds a row):
 
     .venv/bin/python -m loadtests.quant_matmul_bench
     .venv/bin/python -m loadtests.quant_matmul_bench --rows 1 8 32 64 128 --threads 2 --isa avx2
+    .venv/bin/python -m loadtests.quant_matmul_bench --shapes lm_head --rows 1 2 8 32 --isa avx2
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--isa", default="native", help="the kernel build: native, avx2, scalar")
     parser.add_argument("--seconds", type=float, default=0.3, help="timing per cell")
+    parser.add_argument("--shapes", nargs="+", default=None,
+                        help="only the shapes whose name starts with one of these (e.g. lm_head)")
     parser.add_argument("--stream-mib", type=int, default=384, help="float32 bytes the copies of a weight span")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -72,6 +76,8 @@ def main() -> None:
           "| kernel ÷ torch | packed ÷ kernel | i8 ÷ kernel |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, name in SHAPES:
+        if args.shapes and not label.startswith(tuple(args.shapes)):
+            continue
         t = tensors[name]
         data = t.data.reshape(t.shape[1], -1)  # [rows, bytes a row]: GGUF lists the fastest dimension first
         qtype = qm.QuantType(int(t.tensor_type))
@@ -81,14 +87,14 @@ def main() -> None:
         weights = [qm.dequantize(b, qtype, k, lib) for b in blocks]
         n = data.shape[0]
         packs = [qm.pack(b, qtype, k, lib) for b in blocks] if qtype in qm.PACKABLE else None
-        i8s = [qm.to_i8_blocks(b, k, lib) for b in blocks] if qtype == qm.QuantType.Q4_1 else None
+        i8s = [qm.to_i8_blocks(b, qtype, k, lib) for b in blocks] if qtype in qm.I8_OF else None
         for m in args.rows:
             x = torch.randn(m, k)
             t_torch = time_call(lambda i: F.linear(x, weights[i]), copies, args.seconds)
             t_kernel = time_call(lambda i: qm.matmul(x, blocks[i], qtype, k, lib), copies, args.seconds)
             t_packed = (time_call(lambda i: qm.matmul_packed(x, packs[i], n, k, lib), copies, args.seconds)
                         if packs else None)
-            t_i8 = (time_call(lambda i: qm.matmul(x, i8s[i], qm.QuantType.Q4_1_I8, k, lib), copies, args.seconds)
+            t_i8 = (time_call(lambda i: qm.matmul(x, i8s[i], qm.I8_OF[qtype], k, lib), copies, args.seconds)
                     if i8s else None)
             t_deq = time_call(lambda i: F.linear(x, qm.dequantize(blocks[i], qtype, k, lib)), copies, args.seconds)
             packed = f"{t_packed * 1e6:.0f}" if t_packed else "-"

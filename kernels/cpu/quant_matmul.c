@@ -28,8 +28,9 @@
  * "activations never quantized": on a CPU with AVX512_BF16, x is rounded to bfloat16 too and the
  * tiles take vdpbf16ps, two multiply-adds a lane per instruction (twice the float32 FMA's), with no
  * dequantization at all; elsewhere the weights are widened to float32 like the other types. The
- * other exception is Q4_1_I8 (`--dtype auto`'s copy where there are no bfloat16 dot products): the
- * Q4_1 weights in groups of 8 rows against x quantized to int8 ("int8 activations" below).
+ * other exceptions are Q4_1_I8 and Q8_0_I8 (`--dtype auto`'s copies where there are no bfloat16 dot
+ * products): a layer's Q4_1 or the LM head's Q8_0 weights in groups of 8 rows against x quantized to
+ * int8 ("int8 activations" below).
  */
 #include <math.h>
 #include <stdint.h>
@@ -42,7 +43,7 @@
 /* A read-ahead hint (no fault, whatever the address). */
 #define PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
 
-enum { TYPE_F16 = 1, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_BF16 = 30, TYPE_Q4_1_I8 = 1003 /* not GGML's: below */ };
+enum { TYPE_F16 = 1, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_BF16 = 30, TYPE_Q4_1_I8 = 1003, TYPE_Q8_0_I8 = 1004 /* not GGML's: below */ };
 #define QK 32 /* weights per block, all three types */
 #define NR 4  /* output rows per panel */
 /* Panels ahead that a thread prefetches its weights (2.9 KB of Q4_1, 4.9 KB of Q8_0 at K = 576):
@@ -126,6 +127,7 @@ int64_t quant_block_bytes(int type) {
     case TYPE_Q4_1: return 4 + QK / 2;
     case TYPE_Q8_0: return 2 + QK;
     case TYPE_Q4_1_I8: return 24; /* a row's share of its group's blocks */
+    case TYPE_Q8_0_I8: return 36;
     default: return 0;
     }
 }
@@ -466,36 +468,51 @@ int quant_matmul_bf16_dot(void) {
 
 /* ------------------------------------------------------------------------------ int8 activations
  *
- * Q4_1_I8 (type 1003, never a file's): `--dtype auto`'s copy of a layer's Q4_1 weights for its larger
- * steps on a CPU without bfloat16 dot products (an AVX2-only one). The weights are the file's, exactly;
- * x is quantized per 32-block the way llama.cpp quantizes activations for its Q4_1 dot products (q8_1):
+ * Q4_1_I8 and Q8_0_I8 (types 1003 and 1004, never a file's): `--dtype auto`'s copies of a layer's Q4_1
+ * weights and of the LM head's Q8_0 ones for the larger steps on a CPU without bfloat16 dot products (an
+ * AVX2-only one). The weights are the file's, exactly; x is quantized per 32-block the way llama.cpp
+ * quantizes activations for its dot products (q8_1 for Q4_1, q8_0 for Q8_0):
  *
  *   dx = amax(|x|) * (1/127), qx = round(x / dx) (to nearest even) in -127..127, sx = dx * sum(qx)
  *
- * and a block's x . w = d_w dx (q_w . qx) + m_w sx, its 32 products summed in integers: vpmaddubsw
- * multiplies 32 unsigned-by-signed byte pairs and adds neighbours (four times the products of an
- * 8-wide FMA), vpdpbusd with VNNI does four a lane. The integer sums are exact (at most 8 * 3,810 in a
- * 16-bit lane), so both give the same floats.
+ * and a block's x . w = d_w dx (q_w . qx) (+ m_w sx for Q4_1), its 32 products summed in integers:
+ * vpmaddubsw multiplies 32 unsigned-by-signed byte pairs and adds neighbours (four times the products
+ * of an 8-wide FMA), vpdpbusd with VNNI does four a lane. Q4_1's weights are unsigned (0..15); Q8_0's
+ * are signed, so they enter as |q_w| against qx with q_w's sign (vpsignb: products up to 128 * 127, two
+ * of them in a 16-bit lane without saturating). The integer sums are exact, so every path gives the
+ * same floats.
  *
- * Layout: rows in groups of I8_ROWS = 8, each group's blocks in order, 192 bytes a block:
+ * Layout: rows in groups of I8_ROWS = 8, each group's blocks in order:
  *
- *   float d[8] | float m[8] | 4 vectors t of 32 bytes: byte 4r + i = q_r[8t + i] | q_r[8t + 4 + i] << 4
+ *   Q4_1_I8, 192 bytes a block:  float d[8] | float m[8] | 4 vectors t of 32 bytes:
+ *                                byte 4r + i = q_r[8t + i] | q_r[8t + 4 + i] << 4
+ *   Q8_0_I8, 288 bytes a block:  float d[8] | 8 vectors t of 32 bytes: byte 4r + i = q_r[4t + i]
  *
- * so vector t's low nibbles are the 8 rows' weights at columns 8t .. 8t + 3 and its high ones at
- * 8t + 4 .. 8t + 7: one multiply-add against x's four bytes broadcast gives each row's partial sum in
- * its own lane, no shuffles and no horizontal sums. Per row 24 bytes a block (Q4_1: 20). */
+ * so a Q4_1 vector's low nibbles are the 8 rows' weights at columns 8t .. 8t + 3 and its high ones at
+ * 8t + 4 .. 8t + 7 (a Q8_0 vector's bytes those at 4t .. 4t + 3): one multiply-add against x's four
+ * bytes broadcast gives each row's partial sum in its own lane, no shuffles and no horizontal sums.
+ * Per row 24 bytes a block (Q4_1: 20), 36 (Q8_0: 34). */
 
 #define I8_ROWS 8
-#define I8_BLOCK_BYTES (I8_ROWS * 24)
 #define I8_MR 4 /* rows of x per tile: 4 float + 4 integer accumulators beside the weights and x */
 
-/* src: N (a multiple of 8) rows of Q4_1 blocks, row_bytes apart -> dst: N * K / 32 * 24 bytes. */
-void quant_pack_q4_1_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t N, int64_t K) {
-    const int64_t nb = K / QK;
+static inline int64_t i8_block_bytes(const int type) { return type == TYPE_Q4_1_I8 ? I8_ROWS * 24 : I8_ROWS * 36; }
+
+/* src: N (a multiple of 8) rows of Q4_1 (to Q4_1_I8) or Q8_0 (to Q8_0_I8) blocks, row_bytes apart ->
+ * dst: N * K / 32 * 24 (or 36) bytes. */
+static void pack_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t N, int64_t K, const int type) {
+    const int64_t nb = K / QK, bytes = i8_block_bytes(type);
     for (int64_t g = 0; g < N / I8_ROWS; g++)
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *out = dst + (g * nb + b) * I8_BLOCK_BYTES;
+            uint8_t *out = dst + (g * nb + b) * bytes;
             for (int r = 0; r < I8_ROWS; r++) {
+                if (type == TYPE_Q8_0_I8) {
+                    const uint8_t *blk = src + (g * I8_ROWS + r) * row_bytes + b * 34;
+                    const float d = f16_to_f32(read_u16(blk));
+                    memcpy(out + 4 * r, &d, 4);
+                    for (int t = 0; t < 8; t++) memcpy(out + 32 + 32 * t + 4 * r, blk + 2 + 4 * t, 4);
+                    continue;
+                }
                 const uint8_t *blk = src + (g * I8_ROWS + r) * row_bytes + b * 20;
                 const float d = f16_to_f32(read_u16(blk)), m = f16_to_f32(read_u16(blk + 2));
                 memcpy(out + 4 * r, &d, 4);
@@ -511,14 +528,26 @@ void quant_pack_q4_1_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int
         }
 }
 
-/* Row n of the I8 weight (groups of rows row_bytes * 8 bytes apart) as float32: the file's weights. */
-static void i8_dequantize_row(float *dst, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K) {
+void quant_pack_q4_1_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t N, int64_t K) {
+    pack_i8(dst, src, row_bytes, N, K, TYPE_Q4_1_I8);
+}
+
+void quant_pack_q8_0_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t N, int64_t K) {
+    pack_i8(dst, src, row_bytes, N, K, TYPE_Q8_0_I8);
+}
+
+/* Row n of an I8 weight (groups of rows row_bytes * 8 bytes apart) as float32: the file's weights. */
+static void i8_dequantize_row(float *dst, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K, int type) {
     const uint8_t *group = w + (n / I8_ROWS) * I8_ROWS * row_bytes;
     const int r = (int)(n % I8_ROWS);
     for (int64_t b = 0; b < K / QK; b++) {
-        const uint8_t *blk = group + b * I8_BLOCK_BYTES;
+        const uint8_t *blk = group + b * i8_block_bytes(type);
         float d, m;
         memcpy(&d, blk + 4 * r, 4);
+        if (type == TYPE_Q8_0_I8) {
+            for (int j = 0; j < QK; j++) dst[b * QK + j] = d * (float)(int8_t)blk[32 + 32 * (j / 4) + 4 * r + j % 4];
+            continue;
+        }
         memcpy(&m, blk + 32 + 4 * r, 4);
         for (int t = 0; t < 4; t++)
             for (int i = 0; i < 4; i++) {
@@ -589,71 +618,94 @@ static void quantize_row_q8(int8_t *qx, float *dx, float *sx, const float *x, in
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define I8_VNNI 1
 #endif
+/* acc += a (unsigned bytes) . b (signed bytes), four products a 32-bit lane */
+static inline __m256i i8_dot(__m256i acc, __m256i a, __m256i b) {
+#if defined(I8_VNNI)
+    return _mm256_dpbusd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+#endif
+}
+
 /* y[r][0..8) (r < mr) = the group's 8 rows (blocks at wg) . x's quantized rows r; pf: bytes to read
- * ahead (the next group's, 192 a block), or NULL. */
+ * ahead (the next group's), or NULL. */
 static inline __attribute__((always_inline)) void i8_tile(
     float *y, int64_t ldy, const int8_t *qx, const float *dx, const float *sx, int64_t K, const uint8_t *wg,
-    const int mr, const uint8_t *pf)
+    const int mr, const uint8_t *pf, const int type)
 {
-    const int64_t nb = K / QK;
+    const int64_t nb = K / QK, bytes = i8_block_bytes(type);
     const __m256i nibble = _mm256_set1_epi8(15);
-#if !defined(I8_VNNI)
-    const __m256i ones = _mm256_set1_epi16(1);
-#endif
     __m256 acc[I8_MR];
     for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wg + b * I8_BLOCK_BYTES;
+        const uint8_t *blk = wg + b * bytes;
         if (pf != NULL)
-            for (int o = 0; o < I8_BLOCK_BYTES; o += 64) PREFETCH(pf + b * I8_BLOCK_BYTES + o);
+            for (int o = 0; o < bytes; o += 64) PREFETCH(pf + b * bytes + o);
         __m256i isum[I8_MR];
         for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
-        for (int t = 0; t < 4; t++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * t));
-            const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-            for (int r = 0; r < mr; r++) {
-                const int8_t *xr = qx + r * K + b * QK + 8 * t;
-                const __m256i xlo = _mm256_set1_epi32(read_i32(xr)), xhi = _mm256_set1_epi32(read_i32(xr + 4));
-#if defined(I8_VNNI)
-                isum[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(isum[r], lo, xlo), hi, xhi);
-#else
-                isum[r] = _mm256_add_epi16(isum[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo),
-                                                                     _mm256_maddubs_epi16(hi, xhi)));
-#endif
+        if (type == TYPE_Q8_0_I8) {
+            for (int t = 0; t < 8; t++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * t));
+                const __m256i mag = _mm256_sign_epi8(v, v); /* |q|; -128 stays 0x80, 128 unsigned */
+                for (int r = 0; r < mr; r++) {
+                    const __m256i xs = _mm256_set1_epi32(read_i32(qx + r * K + b * QK + 4 * t));
+                    isum[r] = i8_dot(isum[r], mag, _mm256_sign_epi8(xs, v));
+                }
             }
-        }
-        const __m256 d = _mm256_loadu_ps((const float *)blk), m = _mm256_loadu_ps((const float *)(blk + 32));
-        for (int r = 0; r < mr; r++) {
+        } else {
+            for (int t = 0; t < 4; t++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * t));
+                const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                for (int r = 0; r < mr; r++) {
+                    const int8_t *xr = qx + r * K + b * QK + 8 * t;
+                    const __m256i xlo = _mm256_set1_epi32(read_i32(xr)), xhi = _mm256_set1_epi32(read_i32(xr + 4));
 #if defined(I8_VNNI)
-            const __m256i s32 = isum[r];
+                    isum[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(isum[r], lo, xlo), hi, xhi);
 #else
-            const __m256i s32 = _mm256_madd_epi16(isum[r], ones);
+                    /* 4-bit weights: 8 sums of two products fit a 16-bit lane, widened once a block */
+                    isum[r] = _mm256_add_epi16(isum[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo),
+                                                                         _mm256_maddubs_epi16(hi, xhi)));
 #endif
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
-            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
+                }
+            }
+#if !defined(I8_VNNI)
+            for (int r = 0; r < mr; r++) isum[r] = _mm256_madd_epi16(isum[r], _mm256_set1_epi16(1));
+#endif
+        }
+        const __m256 d = _mm256_loadu_ps((const float *)blk);
+        for (int r = 0; r < mr; r++) {
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+            if (type == TYPE_Q4_1_I8)
+                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(blk + 32)), _mm256_set1_ps(sx[r * nb + b]), acc[r]);
         }
     }
     for (int r = 0; r < mr; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 #else
 static inline void i8_tile(float *y, int64_t ldy, const int8_t *qx, const float *dx, const float *sx, int64_t K,
-                           const uint8_t *wg, const int mr, const uint8_t *pf) {
+                           const uint8_t *wg, const int mr, const uint8_t *pf, const int type) {
     (void)pf;
-    const int64_t nb = K / QK;
+    const int64_t nb = K / QK, bytes = i8_block_bytes(type);
     for (int r = 0; r < mr; r++)
         for (int lane = 0; lane < I8_ROWS; lane++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = wg + b * I8_BLOCK_BYTES;
+                const uint8_t *blk = wg + b * bytes;
                 const int8_t *xb = qx + r * K + b * QK;
                 int32_t isum = 0;
+                float d;
+                memcpy(&d, blk + 4 * lane, 4);
+                if (type == TYPE_Q8_0_I8) {
+                    for (int j = 0; j < QK; j++) isum += (int8_t)blk[32 + 32 * (j / 4) + 4 * lane + j % 4] * xb[j];
+                    acc += (float)isum * (d * dx[r * nb + b]);
+                    continue;
+                }
                 for (int t = 0; t < 4; t++)
                     for (int i = 0; i < 4; i++) {
                         const uint8_t byte = blk[64 + 32 * t + 4 * lane + i];
                         isum += (byte & 15) * xb[8 * t + i] + (byte >> 4) * xb[8 * t + 4 + i];
                     }
-                float d, m;
-                memcpy(&d, blk + 4 * lane, 4);
+                float m;
                 memcpy(&m, blk + 32 + 4 * lane, 4);
                 acc += (float)isum * (d * dx[r * nb + b]);
                 acc += m * sx[r * nb + b];
@@ -663,14 +715,15 @@ static inline void i8_tile(float *y, int64_t ldy, const int8_t *qx, const float 
 }
 #endif
 
-#define I8_TILE_MR(mr_) i8_tile(y + m0 * ldy + n0, ldy, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, K, wg, mr_, pf)
+#define I8_TILE_MR(mr_) i8_tile(y + m0 * ldy + n0, ldy, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, K, wg, mr_, pf, type)
 
-/* quant_matmul for Q4_1_I8 weights (N a multiple of 8). Returns 0, or -1 where x's quantized copy
- * could not be allocated. */
-static int matmul_q4_1_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *w,
-                          int64_t M, int64_t N, int64_t K, int num_threads)
+/* quant_matmul for Q4_1_I8 / Q8_0_I8 weights (N a multiple of 8). Returns 0, or -1 where x's quantized
+ * copy could not be allocated. */
+static inline __attribute__((always_inline)) int matmul_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                                          const uint8_t *w, int64_t M, int64_t N, int64_t K,
+                                                          int num_threads, const int type)
 {
-    const int64_t nb = K / QK, groups = N / I8_ROWS;
+    const int64_t nb = K / QK, groups = N / I8_ROWS, bytes = i8_block_bytes(type);
     int8_t *qx = aligned_alloc(64, (size_t)(M * K + 64));
     float *dx = aligned_alloc(64, sizeof(float) * (size_t)(2 * M * nb + 16));
     if (qx == NULL || dx == NULL) {
@@ -689,10 +742,10 @@ static int matmul_q4_1_i8(float *y, int64_t ldy, const float *x, int64_t ldx, co
     #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t n0 = g * I8_ROWS;
-        const uint8_t *wg = w + g * nb * I8_BLOCK_BYTES;
+        const uint8_t *wg = w + g * nb * bytes;
         for (int64_t m0 = 0; m0 < M; m0 += I8_MR) {
             /* the next group's weights are read ahead while the first rows of x go through this one */
-            const uint8_t *pf = m0 == 0 && g + 1 < groups ? wg + nb * I8_BLOCK_BYTES : NULL;
+            const uint8_t *pf = m0 == 0 && g + 1 < groups ? wg + nb * bytes : NULL;
             switch (M - m0 < I8_MR ? M - m0 : I8_MR) {
             case 4: I8_TILE_MR(4); break;
             case 3: I8_TILE_MR(3); break;
@@ -707,7 +760,7 @@ static int matmul_q4_1_i8(float *y, int64_t ldy, const float *x, int64_t ldx, co
     return 0;
 }
 
-/* Whether the build's Q4_1_I8 sums take VNNI's vpdpbusd (1), AVX2's vpmaddubsw (2) or plain C (0). */
+/* Whether the build's I8 sums take VNNI's vpdpbusd (1), AVX2's vpmaddubsw (2) or plain C (0). */
 int quant_matmul_i8_path(void) {
 #if defined(I8_VNNI)
     return 1;
@@ -725,12 +778,14 @@ int quant_matmul_i8_path(void) {
 void quant_matmul(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
                   int64_t M, int64_t N, int64_t K, int type, int num_threads)
 {
-    if (type == TYPE_Q4_1_I8) {
-        if (matmul_q4_1_i8(y, ldy, x, ldx, w, M, N, K, num_threads) == 0) return;
+    if (type == TYPE_Q4_1_I8 || type == TYPE_Q8_0_I8) {
+        if ((type == TYPE_Q4_1_I8 ? matmul_i8(y, ldy, x, ldx, w, M, N, K, num_threads, TYPE_Q4_1_I8)
+                                  : matmul_i8(y, ldy, x, ldx, w, M, N, K, num_threads, TYPE_Q8_0_I8)) == 0)
+            return;
         /* no memory for x's quantized copy: the float32 products over the exact weights, a row at a time */
         float *row = aligned_alloc(64, sizeof(float) * (size_t)K);
         for (int64_t n = 0; n < N && row != NULL; n++) {
-            i8_dequantize_row(row, w, row_bytes, n, K);
+            i8_dequantize_row(row, w, row_bytes, n, K, type);
             for (int64_t m = 0; m < M; m++) {
                 float sum = 0.0f;
                 for (int64_t k = 0; k < K; k++) sum += x[m * ldx + k] * row[k];
@@ -779,8 +834,8 @@ void quant_dequantize(float *out, const uint8_t *w, int64_t row_bytes, int64_t N
 {
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        if (type == TYPE_Q4_1_I8)
-            i8_dequantize_row(out + n * K, w, row_bytes, n, K);
+        if (type == TYPE_Q4_1_I8 || type == TYPE_Q8_0_I8)
+            i8_dequantize_row(out + n * K, w, row_bytes, n, K, type);
         else
             dequantize_row(out + n * K, w + n * row_bytes, K, type);
     }

@@ -24,7 +24,7 @@ from services.common.scheduler_output import SchedulerOutput
 from services.worker.attention import get_attention_backend
 from services.worker.gguf_weights import gguf_weights_for, block_gemm_dtype, resolve_dtype
 from services.worker.layers.linear import MergedLinear, RowParallelLinear
-from services.worker.layers.quantized_weight import use_gemm_dtype
+from services.worker.layers.quantized_weight import BlockWeightHolder, use_gemm_dtype
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
 from services.common.model_files import model_id_of
 from services.worker.loader import load_model, resolve_model
@@ -32,6 +32,16 @@ from services.worker.model_runner import ModelRunner
 from services.worker import native_decoder
 from services.worker.kv_transfer import KVTransferEndpoint
 from services.worker.parallel_group import TensorParallelGroup
+
+
+def gemm_dtype_layers(model: torch.nn.Module, gemm_dtype: torch.dtype) -> list[BlockWeightHolder]:
+    """The layers whose block weights take `gemm_dtype`'s copies (quantized_weight.use_gemm_dtype): the
+    linear layers, and for int8 the LM head too (its float32 tiles were a fifth of a 32-row decode
+    step on AVX2; its int8 ones are 1.6-2.5x faster). A bfloat16 CPU keeps float32 logits."""
+    layers: list[BlockWeightHolder] = [m for m in model.modules() if isinstance(m, (MergedLinear, RowParallelLinear))]
+    if gemm_dtype == torch.int8:
+        layers.append(model.lm_head)
+    return layers
 
 class Worker:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, worker_config: WorkerConfig,
@@ -50,9 +60,8 @@ class Worker:
                                         cache_dir)
         self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device, self.tp, gguf_weights)
         gemm_dtype = block_gemm_dtype(model_config.dtype, self.device)
-        if gguf_weights is not None and gemm_dtype != torch.float32:  # the layers', not the LM head's
-            linears = [m for m in self.model.modules() if isinstance(m, (MergedLinear, RowParallelLinear))]
-            use_gemm_dtype(linears, gemm_dtype)
+        if gguf_weights is not None and gemm_dtype != torch.float32:
+            use_gemm_dtype(gemm_dtype_layers(self.model, gemm_dtype), gemm_dtype)
         self.backend = get_attention_backend(worker_config.attention_backend, self.device, cache_dir)
         if self.device.type == "cpu" and cpu_decoder.available(cache_dir):
             native_decoder.enable(self.model)  # the CPU's small steps as one native call, where it can

@@ -23,8 +23,8 @@ from kernels.cpu_quant_matmul import QuantType
 from services.common.config import default_cache_dir
 
 
-# The types whose rows are blocks of their own (Q4_1_I8 holds its rows in groups: its own tests below).
-ROW_TYPES = [qtype for qtype in QuantType if qtype != QuantType.Q4_1_I8]
+# The types whose rows are blocks of their own (the I8 copies hold their rows in groups: their own tests below).
+ROW_TYPES = [qtype for qtype in QuantType if qtype not in qm.I8_TYPES]
 
 
 @pytest.fixture
@@ -221,7 +221,9 @@ def test_only_q4_1_is_packed_and_a_packed_weight_must_fit_its_shape(lib):
         qm.matmul_packed(torch.randn(1, 64), packed, 40, 64, lib)  # 40 rows pad to 64: more bytes than 8's
 
 
-# ------------------------------------------------------------------ Q4_1_I8 (int8 x, `--dtype auto` on AVX2)
+# ------------------------------------------------------------------ Q4_1_I8 / Q8_0_I8 (int8 x, `--dtype auto` on AVX2)
+
+I8_FILE_TYPES = list(qm.I8_OF)  # Q4_1 (the layers'), Q8_0 (the LM head's)
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -233,55 +235,80 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return q, d, d * q.sum(-1)
 
 
-def i8_reference(x: torch.Tensor, blocks: torch.Tensor, k: int) -> torch.Tensor:
-    """x . W for Q4_1 `blocks` with x quantized per block: sum over blocks of d_w dx (q_w . qx) + m_w sx,
-    in float64 from the float32 factors."""
-    data = blocks.numpy().reshape(blocks.shape[0], k // 32, 20)
+def i8_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int) -> torch.Tensor:
+    """x . W for Q4_1 / Q8_0 `blocks` with x quantized per block: sum over blocks of d_w dx (q_w . qx)
+    (+ m_w sx for Q4_1), in float64 from the float32 factors."""
+    data = blocks.numpy().reshape(blocks.shape[0], k // 32, qm.BLOCK_BYTES[qtype])
     d_w = torch.from_numpy(data[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]).double()
-    m_w = torch.from_numpy(data[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]).double()
-    qs = torch.from_numpy(data[..., 4:].astype(np.int64))
-    q_w = torch.cat([qs & 15, qs >> 4], dim=-1).double()  # [n, blocks, 32]: weights j < 16, then j >= 16
+    if qtype == QuantType.Q8_0:
+        m_w = torch.zeros_like(d_w)
+        q_w = torch.from_numpy(data[..., 2:].view(np.int8).astype(np.float64))
+    else:
+        m_w = torch.from_numpy(data[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]).double()
+        qs = torch.from_numpy(data[..., 4:].astype(np.int64))
+        q_w = torch.cat([qs & 15, qs >> 4], dim=-1).double()  # [n, blocks, 32]: weights j < 16, then j >= 16
     q, d, s = (t.double() for t in quantize_x(x))
     dots = torch.einsum("mbj,nbj->mnb", q, q_w)
     return ((d[:, None, :] * d_w[None]) * dots + m_w[None] * s[:, None, :]).sum(-1).float()
 
 
-def test_i8_weights_are_the_q4_1_weights_bit_for_bit(lib):
-    blocks, reference = quantized(24, 96, QuantType.Q4_1, seed=5)
-    i8 = qm.to_i8_blocks(blocks, 96, lib)
-    assert i8.shape == (24, 96 // 32 * 24)
-    assert torch.equal(qm.dequantize(i8, QuantType.Q4_1_I8, 96, lib), reference)
+@pytest.mark.parametrize("qtype", I8_FILE_TYPES)
+def test_i8_weights_are_the_files_weights_bit_for_bit(lib, qtype):
+    blocks, reference = quantized(24, 96, qtype, seed=5)
+    i8 = qm.to_i8_blocks(blocks, qtype, 96, lib)
+    assert i8.shape == (24, 96 // 32 * qm.BLOCK_BYTES[qm.I8_OF[qtype]])
+    assert torch.equal(qm.dequantize(i8, qm.I8_OF[qtype], 96, lib), reference)
 
 
+@pytest.mark.parametrize("qtype", I8_FILE_TYPES)
 @pytest.mark.parametrize("m, n, k", [(1, 8, 32), (2, 16, 96), (3, 24, 576), (4, 8, 64), (5, 40, 160), (13, 16, 32),
                                      (70, 8, 64)])
-def test_i8_matmul_is_int8_x_against_the_exact_weights(lib, m, n, k):
-    blocks, weight = quantized(n, k, QuantType.Q4_1, seed=m + n + k)
+def test_i8_matmul_is_int8_x_against_the_exact_weights(lib, qtype, m, n, k):
+    blocks, weight = quantized(n, k, qtype, seed=m + n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3
     x[m - 1, : 32 if m > 1 else 0] = 0.0  # a block of zeros quantizes to zeros, not NaN
-    got = qm.matmul(x, qm.to_i8_blocks(blocks, k, lib), QuantType.Q4_1_I8, k, lib)
-    torch.testing.assert_close(got, i8_reference(x, blocks, k), rtol=1e-5, atol=1e-5 * k**0.5)
+    got = qm.matmul(x, qm.to_i8_blocks(blocks, qtype, k, lib), qm.I8_OF[qtype], k, lib)
+    torch.testing.assert_close(got, i8_reference(x, blocks, qtype, k), rtol=1e-5, atol=1e-5 * k**0.5)
     # ... which is within int8's rounding of the float32 product, and not the float32 product itself
+    # (Q8_0's scale of the block of tiny weights underflows float16: a K of 32 has only zero weights)
     exact = x @ weight.T
-    assert 1e-4 < (got - exact).norm() / exact.norm() < 2e-2
+    if exact.norm() > 0:
+        assert 1e-4 < (got - exact).norm() / exact.norm() < 2e-2
 
 
+def test_q8_0_i8_takes_every_weight_byte_with_its_sign(lib):
+    # The extremes of both operands: -128 (a file may hold it; |q| is then 128 unsigned) and 127
+    # against x at +-127, where an unsigned-by-signed multiply saturates without the sign trick.
+    k = 64
+    blocks, _ = quantized(8, k, QuantType.Q8_0, seed=3)
+    data = blocks.numpy().reshape(8, k // 32, 34)
+    data[..., 0:2] = np.frombuffer(np.float16(0.5).tobytes(), dtype=np.uint8)  # d = 0.5
+    data[..., 2:] = np.array([-128, 127, -127, 0], dtype=np.int8).view(np.uint8)[np.arange(32) % 4]
+    data[1, :, 2:] = np.uint8(0x80)  # a row of -128 only
+    x = torch.tensor([[127.0, -127.0, 127.0, 5.0] * (k // 4), [-1.0] * k])
+    got = qm.matmul(x, qm.to_i8_blocks(blocks, QuantType.Q8_0, k, lib), QuantType.Q8_0_I8, k, lib)
+    torch.testing.assert_close(got, i8_reference(x, blocks, QuantType.Q8_0, k), rtol=1e-6, atol=0)
+    assert got[1, 1].item() == pytest.approx(0.5 * -128 * -1.0 * k, rel=1e-6)  # -1 quantizes to -127 (dx = 1/127)
+
+
+@pytest.mark.parametrize("qtype", I8_FILE_TYPES)
 @pytest.mark.parametrize("m", [2, 5, 11])
-def test_an_i8_row_sums_alike_whatever_the_batch(lib, m):
-    blocks, _ = quantized(16, 96, QuantType.Q4_1, seed=m)
-    i8 = qm.to_i8_blocks(blocks, 96, lib)
+def test_an_i8_row_sums_alike_whatever_the_batch(lib, qtype, m):
+    blocks, _ = quantized(16, 96, qtype, seed=m)
+    i8, i8_type = qm.to_i8_blocks(blocks, qtype, 96, lib), qm.I8_OF[qtype]
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
-    batch = qm.matmul(x, i8, QuantType.Q4_1_I8, 96, lib)
+    batch = qm.matmul(x, i8, i8_type, 96, lib)
     for i in range(m):
-        assert torch.equal(qm.matmul(x[i : i + 1], i8, QuantType.Q4_1_I8, 96, lib)[0], batch[i])
+        assert torch.equal(qm.matmul(x[i : i + 1], i8, i8_type, 96, lib)[0], batch[i])
 
 
-def test_linear_keeps_i8_weights_on_the_integer_tiles_at_every_row_count(lib):
-    blocks, _ = quantized(16, 64, QuantType.Q4_1, seed=2)
-    i8 = qm.to_i8_blocks(blocks, 64, lib)
+@pytest.mark.parametrize("qtype", I8_FILE_TYPES)
+def test_linear_keeps_i8_weights_on_the_integer_tiles_at_every_row_count(lib, qtype):
+    blocks, _ = quantized(16, 64, qtype, seed=2)
+    i8, i8_type = qm.to_i8_blocks(blocks, qtype, 64, lib), qm.I8_OF[qtype]
     x, bias = torch.randn(max(qm.gemm_rows(lib), 2) + 1, 64), torch.randn(16)
-    got = qm.linear(x, i8, QuantType.Q4_1_I8, 64, bias, lib)
-    assert torch.equal(got, qm.matmul(x, i8, QuantType.Q4_1_I8, 64, lib) + bias)
+    got = qm.linear(x, i8, i8_type, 64, bias, lib)
+    assert torch.equal(got, qm.matmul(x, i8, i8_type, 64, lib) + bias)
 
 
 def test_i8_sums_take_the_cpus_integer_dot_products(isa, lib):
@@ -290,12 +317,14 @@ def test_i8_sums_take_the_cpus_integer_dot_products(isa, lib):
     assert qm.i8_path(lib) == {"scalar": "c", "avx2": "avx2"}.get(isa, "vnni" if vnni else "avx2")
 
 
-def test_i8_weights_are_made_of_q4_1_rows_in_groups_of_8(lib):
+def test_i8_weights_are_made_of_q4_1_or_q8_0_rows_in_groups_of_8(lib):
     blocks, _ = quantized(12, 64, QuantType.Q4_1, seed=0)
     with pytest.raises(ValueError, match="groups of 8"):
-        qm.to_i8_blocks(blocks, 64, lib)
+        qm.to_i8_blocks(blocks, QuantType.Q4_1, 64, lib)
     with pytest.raises(ValueError, match="do not hold"):
-        qm.to_i8_blocks(quantized(8, 64, QuantType.Q8_0, seed=0)[0], 64, lib)
+        qm.to_i8_blocks(quantized(8, 64, QuantType.Q8_0, seed=0)[0], QuantType.Q4_1, 64, lib)
+    with pytest.raises(ValueError, match="no int8 copy"):
+        qm.to_i8_blocks(quantized(8, 64, QuantType.F16, seed=0)[0], QuantType.F16, 64, lib)
 
 
 def test_kvmesh_cpu_isa_serves_an_older_cpus_paths():

@@ -21,6 +21,7 @@ from services.worker.gguf_weights import block_gemm_dtype
 from services.worker.layers.linear import MergedLinear, RowParallelLinear
 from services.worker.layers.quantized_weight import use_gemm_dtype
 from services.worker.native_decoder import NativeDecoder
+from services.worker.worker import gemm_dtype_layers
 
 KV_BYTES = 64 << 20
 
@@ -79,11 +80,12 @@ def test_native_and_module_paths_give_the_same_tokens_and_logprobs(llm: LLM):
 def test_int8_copies_take_the_same_bits_natively_and_through_the_modules(llm: LLM):
     # `--dtype auto` on an AVX2-only CPU (quantized_weight.use_gemm_dtype(..., torch.int8)), given to
     # this model's layers on any CPU for the length of the test.
-    model = model_of(llm)
-    layers = [m for m in model.modules() if isinstance(m, (MergedLinear, RowParallelLinear))]
+    model, causal_lm = model_of(llm), llm.worker.runner.model
+    layers = gemm_dtype_layers(causal_lm, torch.int8)
     exact = [layer.block_weight for layer in layers]
     try:
-        assert use_gemm_dtype(layers, torch.int8) == len(layers)  # every layer of the file is Q4_1
+        assert use_gemm_dtype(layers, torch.int8) == len(layers)  # every layer is Q4_1, the LM head Q8_0
+        assert causal_lm.lm_head.block_weight.gemm_weight.qtype == QuantType.Q8_0_I8
         native = NativeDecoder(model, model.native_decoder.ops)
         assert native.low_precision_from == 2
         tokenizer = llm.get_tokenizer()
@@ -118,7 +120,8 @@ def test_dtype_auto_reads_long_prompts_in_the_cpus_low_precision(llm: LLM):
         layers = [m for m in model.modules() if isinstance(m, (MergedLinear, RowParallelLinear))]
         copies = {None if m.block_weight.gemm_weight is None else m.block_weight.gemm_weight.qtype for m in layers}
         assert layers and copies == {{torch.bfloat16: QuantType.BF16, torch.int8: QuantType.Q4_1_I8}.get(want)}
-        assert model.lm_head.block_weight.gemm_weight is None  # logits stay float32
+        head = model.lm_head.block_weight.gemm_weight  # int8 logits on AVX2; float32 beside bfloat16
+        assert (None if head is None else head.qtype) == (QuantType.Q8_0_I8 if want == torch.int8 else None)
         prompt = llm.get_tokenizer().encode("The history of the river and its bridges. " * 60)
         assert len(prompt) > cpu_quant_matmul.gemm_rows()  # read through the modules
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)

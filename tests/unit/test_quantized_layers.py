@@ -168,20 +168,24 @@ def test_bfloat16_copies_take_steps_from_their_threshold():
     assert torch.equal(fast.linear(x, bias), F.linear(x.bfloat16(), weight.bfloat16()).float() + bias)
 
 
-def test_int8_copies_are_the_q4_1_weights_against_int8_x_from_two_rows():
+def test_int8_copies_are_the_q4_1_and_q8_0_weights_against_int8_x_from_two_rows():
     def gate_up(qtype: QuantType) -> MergedLinear:
         layer = MergedLinear(HIDDEN, {"gate": ShardRows.whole(8), "up": ShardRows.whole(8)}, True, torch.float32)
         for i, shard in enumerate(layer.shards):
             layer.load_shard(layer.weight, shard, blocks(8, HIDDEN, qtype, seed=i)[0], f"{shard}.weight")
         return layer
 
-    layer, q8_layer, odd_rows = gate_up(QuantType.Q4_1), gate_up(QuantType.Q8_0), qkv_layer()
+    layer, q8_layer, f16_layer, odd_rows = (gate_up(QuantType.Q4_1), gate_up(QuantType.Q8_0), gate_up(QuantType.F16),
+                                            qkv_layer())
     for shard, (start, _) in odd_rows.shard_offsets.items():  # 7 rows: not whole groups of 8
         odd_rows.load_shard(odd_rows.weight, shard, blocks(odd_rows.shards[shard].total, HIDDEN, QuantType.Q4_1,
                                                            seed=start)[0], shard)
-    exact = layer.block_weight
-    assert use_gemm_dtype([layer, q8_layer, odd_rows], torch.int8) == 1  # Q4_1 rows in groups of 8 only
-    assert q8_layer.block_weight.gemm_weight is None and odd_rows.block_weight.gemm_weight is None
+    exact, exact_q8 = layer.block_weight, q8_layer.block_weight
+    # Q4_1 and Q8_0 rows in groups of 8 only
+    assert use_gemm_dtype([layer, q8_layer, f16_layer, odd_rows], torch.int8) == 2
+    assert f16_layer.block_weight.gemm_weight is None and odd_rows.block_weight.gemm_weight is None
+    assert q8_layer.block_weight.gemm_weight.qtype == QuantType.Q8_0_I8
+    assert torch.equal(q8_layer.block_weight.gemm_weight.dequantize(), exact_q8.dequantize())
     fast = layer.block_weight
     assert fast.gemm_weight.qtype == QuantType.Q4_1_I8 and fast.gemm_rows == 2
     assert torch.equal(fast.gemm_weight.dequantize(), exact.dequantize())  # the same weights

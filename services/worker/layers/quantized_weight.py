@@ -85,7 +85,7 @@ class BlockWeight(NamedTuple):
     cols: int
     rows: int
     packed: bool = False
-    gemm_weight: BlockWeight | None = None  # the larger steps' copy (BF16 or Q4_1_I8): `use_gemm_dtype`
+    gemm_weight: BlockWeight | None = None  # the larger steps' copy (BF16, Q4_1_I8, Q8_0_I8): `use_gemm_dtype`
 
     @property
     def gemm_rows(self) -> int:
@@ -175,16 +175,18 @@ class BlockWeightHolder:
 #  Q4_1_I8  from 2 rows: its weights are about as compact as Q4_1 (24 bytes a block against 20), its
 #           integer sums 1.3-2.1x the float32 tiles' speed from one row up (AVX2, same machine); a lone
 #           sequence's decode steps stay exact.
+#  Q8_0_I8  from 2 rows too (the LM head: 36 bytes a block against Q8_0's 34): level with the float32
+#           tiles at one row, 2.0x at two, 2.5x at eight, 1.6x at 32 (AVX2, same machine).
 # (docs/benchmarks.md, issue 16)
-LOW_PRECISION_GEMM_ROWS = {QuantType.BF16: 24, QuantType.Q4_1_I8: 2}
+LOW_PRECISION_GEMM_ROWS = {QuantType.BF16: 24, QuantType.Q4_1_I8: 2, QuantType.Q8_0_I8: 2}
 
 
 def use_gemm_dtype(layers: Sequence[BlockWeightHolder], dtype: torch.dtype) -> int:
     """Steps of `LOW_PRECISION_GEMM_ROWS` rows or more multiply these layers' block weights through a
     copy (smaller steps keep the exact float32 kernel over the blocks): for `dtype` bfloat16 the
-    weights dequantized once and rounded to it (BF16); for int8, Q4_1 weights as Q4_1_I8, the same
-    weights against x quantized to int8 (layers of other block types, or of rows not a multiple of 8,
-    keep no copy). Returns how many layers it changed."""
+    weights dequantized once and rounded to it (BF16); for int8, Q4_1 or Q8_0 weights as Q4_1_I8 or
+    Q8_0_I8, the same weights against x quantized to int8 (layers of other block types, or of rows not
+    a multiple of 8, keep no copy). Returns how many layers it changed."""
     if dtype not in (torch.bfloat16, torch.int8):
         raise ValueError(f"the larger steps' copies are bfloat16 or int8, not {dtype}")
     changed = 0
@@ -195,10 +197,10 @@ def use_gemm_dtype(layers: Sequence[BlockWeightHolder], dtype: torch.dtype) -> i
         if dtype == torch.bfloat16:
             copy = BlockWeight(cpu_quant_matmul.to_bf16_blocks(weight.dequantize()), QuantType.BF16, weight.cols,
                                weight.rows)
-        elif weight.qtype == QuantType.Q4_1 and weight.rows % cpu_quant_matmul.I8_GROUP_ROWS == 0:
+        elif weight.qtype in cpu_quant_matmul.I8_OF and weight.rows % cpu_quant_matmul.I8_GROUP_ROWS == 0:
             rows = cpu_quant_matmul.unpack(weight.blocks, weight.rows, weight.cols) if weight.packed else weight.blocks
-            copy = BlockWeight(cpu_quant_matmul.to_i8_blocks(rows, weight.cols), QuantType.Q4_1_I8, weight.cols,
-                               weight.rows)
+            copy = BlockWeight(cpu_quant_matmul.to_i8_blocks(rows, weight.qtype, weight.cols),
+                               cpu_quant_matmul.I8_OF[weight.qtype], weight.cols, weight.rows)
         else:
             continue
         layer.block_weight = weight._replace(gemm_weight=copy)

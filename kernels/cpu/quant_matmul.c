@@ -673,10 +673,10 @@ static inline __attribute__((always_inline)) void i8_tile(
 #endif
         }
         const __m256 d = _mm256_loadu_ps((const float *)blk);
+        const __m256 m = type == TYPE_Q4_1_I8 ? _mm256_loadu_ps((const float *)(blk + 32)) : _mm256_setzero_ps();
         for (int r = 0; r < mr; r++) {
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
-            if (type == TYPE_Q4_1_I8)
-                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(blk + 32)), _mm256_set1_ps(sx[r * nb + b]), acc[r]);
+            if (type == TYPE_Q4_1_I8) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
         }
     }
     for (int r = 0; r < mr; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
@@ -715,13 +715,31 @@ static inline void i8_tile(float *y, int64_t ldy, const int8_t *qx, const float 
 }
 #endif
 
-#define I8_TILE_MR(mr_) i8_tile(y + m0 * ldy + n0, ldy, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, K, wg, mr_, pf, type)
+#define I8_TILE_MR(mr_) i8_tile(y + m0 * ldy, ldy, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, K, wg, mr_, pf, type)
+
+/* One group's 8 columns of y (from y) for all M rows of x; inlined with a constant type (an OpenMP
+ * region's body gets its arguments as variables: the type is made a constant again inside it). */
+static inline __attribute__((always_inline)) void i8_group(float *y, int64_t ldy, const int8_t *qx, const float *dx,
+                                                          const float *sx, int64_t M, int64_t K, const uint8_t *wg,
+                                                          const uint8_t *next, const int type)
+{
+    const int64_t nb = K / QK;
+    for (int64_t m0 = 0; m0 < M; m0 += I8_MR) {
+        /* the next group's weights are read ahead while the first rows of x go through this one */
+        const uint8_t *pf = m0 == 0 ? next : NULL;
+        switch (M - m0 < I8_MR ? M - m0 : I8_MR) {
+        case 4: I8_TILE_MR(4); break;
+        case 3: I8_TILE_MR(3); break;
+        case 2: I8_TILE_MR(2); break;
+        default: I8_TILE_MR(1); break;
+        }
+    }
+}
 
 /* quant_matmul for Q4_1_I8 / Q8_0_I8 weights (N a multiple of 8). Returns 0, or -1 where x's quantized
  * copy could not be allocated. */
-static inline __attribute__((always_inline)) int matmul_i8(float *y, int64_t ldy, const float *x, int64_t ldx,
-                                                          const uint8_t *w, int64_t M, int64_t N, int64_t K,
-                                                          int num_threads, const int type)
+static int matmul_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *w, int64_t M, int64_t N,
+                     int64_t K, int num_threads, int type)
 {
     const int64_t nb = K / QK, groups = N / I8_ROWS, bytes = i8_block_bytes(type);
     int8_t *qx = aligned_alloc(64, (size_t)(M * K + 64));
@@ -741,18 +759,11 @@ static inline __attribute__((always_inline)) int matmul_i8(float *y, int64_t ldy
     for (int64_t m = 0; m < M; m++) quantize_row_q8(qx + m * K, dx + m * nb, sx + m * nb, x + m * ldx, K);
     #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t n0 = g * I8_ROWS;
-        const uint8_t *wg = w + g * nb * bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += I8_MR) {
-            /* the next group's weights are read ahead while the first rows of x go through this one */
-            const uint8_t *pf = m0 == 0 && g + 1 < groups ? wg + nb * bytes : NULL;
-            switch (M - m0 < I8_MR ? M - m0 : I8_MR) {
-            case 4: I8_TILE_MR(4); break;
-            case 3: I8_TILE_MR(3); break;
-            case 2: I8_TILE_MR(2); break;
-            default: I8_TILE_MR(1); break;
-            }
-        }
+        const uint8_t *wg = w + g * nb * bytes, *next = g + 1 < groups ? wg + nb * bytes : NULL;
+        if (type == TYPE_Q8_0_I8)
+            i8_group(y + g * I8_ROWS, ldy, qx, dx, sx, M, K, wg, next, TYPE_Q8_0_I8);
+        else
+            i8_group(y + g * I8_ROWS, ldy, qx, dx, sx, M, K, wg, next, TYPE_Q4_1_I8);
     }
     }
     free(qx);
@@ -779,9 +790,7 @@ void quant_matmul(float *y, int64_t ldy, const float *x, int64_t ldx, const uint
                   int64_t M, int64_t N, int64_t K, int type, int num_threads)
 {
     if (type == TYPE_Q4_1_I8 || type == TYPE_Q8_0_I8) {
-        if ((type == TYPE_Q4_1_I8 ? matmul_i8(y, ldy, x, ldx, w, M, N, K, num_threads, TYPE_Q4_1_I8)
-                                  : matmul_i8(y, ldy, x, ldx, w, M, N, K, num_threads, TYPE_Q8_0_I8)) == 0)
-            return;
+        if (matmul_i8(y, ldy, x, ldx, w, M, N, K, num_threads, type) == 0) return;
         /* no memory for x's quantized copy: the float32 products over the exact weights, a row at a time */
         float *row = aligned_alloc(64, sizeof(float) * (size_t)K);
         for (int64_t n = 0; n < N && row != NULL; n++) {

@@ -148,10 +148,10 @@ def block_gemm_dtype(dtype: str, device: torch.device) -> torch.dtype:
     runs 4-5x its float32 one there at prefill sizes, 1.3-2.3x the native float32 kernel from 24 rows);
     else int8 where the kernel has AVX2 (x quantized to 8 bits per 32-block against the Q4_1 weights
     and the LM head's Q8_0 ones in integer dot products, as llama.cpp and vLLM's GGUF kernels compute:
-    1.3-2.5x the float32 kernel); else float32. Smaller steps stay float32 over the exact weights
-    either way, and with bfloat16 the LM head too; the low-precision steps' activations, KV and
-    logits carry its rounding (the agreement with transformers: loadtests/int8_agreement.py --dtype
-    auto; docs/benchmarks.md)."""
+    1.3-2.5x the float32 kernel); else float32. The LM head's larger steps too. Smaller steps stay
+    float32 over the exact weights either way; the low-precision steps' activations, KV and logits
+    carry its rounding (the agreement with transformers: loadtests/int8_agreement.py --dtype auto;
+    docs/benchmarks.md)."""
     if dtype != "auto" or device.type != "cpu":
         return torch.float32
     if cpu_has("avx512_bf16") or cpu_has("amx_bf16"):

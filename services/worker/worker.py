@@ -34,14 +34,14 @@ from services.worker.kv_transfer import KVTransferEndpoint
 from services.worker.parallel_group import TensorParallelGroup
 
 
-def gemm_dtype_layers(model: torch.nn.Module, gemm_dtype: torch.dtype) -> list[BlockWeightHolder]:
-    """The layers whose block weights take `gemm_dtype`'s copies (quantized_weight.use_gemm_dtype): the
-    linear layers, and for int8 the LM head too (its float32 tiles were a fifth of a 32-row decode
-    step on AVX2; its int8 ones are 1.6-2.5x faster). A bfloat16 CPU keeps float32 logits."""
+def gemm_dtype_layers(model: torch.nn.Module) -> list[BlockWeightHolder]:
+    """The layers whose block weights take `--dtype auto`'s low-precision copies
+    (quantized_weight.use_gemm_dtype): the linear layers and the LM head (its float32 tiles were a
+    fifth of a 32-row decode step on AVX2, its int8 ones 1.6-2.5x faster; bfloat16 ones 1.5x on a
+    Zen 5)."""
     layers: list[BlockWeightHolder] = [m for m in model.modules() if isinstance(m, (MergedLinear, RowParallelLinear))]
-    if gemm_dtype == torch.int8:
-        layers.append(model.lm_head)
-    return layers
+    return [*layers, model.lm_head]
+
 
 class Worker:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, worker_config: WorkerConfig,
@@ -61,7 +61,7 @@ class Worker:
         self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device, self.tp, gguf_weights)
         gemm_dtype = block_gemm_dtype(model_config.dtype, self.device)
         if gguf_weights is not None and gemm_dtype != torch.float32:
-            use_gemm_dtype(gemm_dtype_layers(self.model, gemm_dtype), gemm_dtype)
+            use_gemm_dtype(gemm_dtype_layers(self.model), gemm_dtype)
         self.backend = get_attention_backend(worker_config.attention_backend, self.device, cache_dir)
         if self.device.type == "cpu" and cpu_decoder.available(cache_dir):
             native_decoder.enable(self.model)  # the CPU's small steps as one native call, where it can

@@ -248,6 +248,13 @@ static inline __attribute__((always_inline)) void v_dots(vf d[W], const float *q
                                                          int e, const int C) {
 #if W == 8
     for (int t = 0; t < W; t++) d[t] = v_zero();
+    if (a == 0 && e == W) { /* a whole chunk (all but a prefill's diagonal and a context's ends): no tests */
+        for (int c = 0; c < C; c++) {
+            const vf qc = v_load(q + W * c);
+            for (int t = 0; t < W; t++) d[t] = v_fmadd(qc, v_loadu(kb + t * ks + W * c), d[t]);
+        }
+        return;
+    }
     for (int c = 0; c < C; c++) {
         const vf qc = v_load(q + W * c);
         for (int t = 0; t < W; t++)
@@ -304,10 +311,12 @@ static inline __attribute__((always_inline)) vf v_scores(const float *q, const f
  * ks floats apart): scores, one rescale of each head's running sums, P.V. The heads' scores and exps
  * go side by side (independent chains: one head at a time waits on its own exp polynomial), then their
  * P.V in runs of as many heads as ACC_REGS accumulators hold (each V row loaded once for a run): on
- * AVX-512 the hb heads at once, on AVX2 (a head of 64 takes 8 of its 16 registers) one by one. */
+ * AVX-512 the hb heads at once, on AVX2 (a head of 64 takes 8 of its 16 registers) one by one. A
+ * head's softmax denominator is kept lane by lane and summed across lanes once, at the end: a
+ * horizontal sum per chunk was a serial chain beside every 8 positions' 128 FMAs on AVX2. */
 static inline __attribute__((always_inline)) void attend_heads(
     const float *kp, const float *vp, int64_t ks, int a, int e, vlive live, int r0, const int hb, const int C,
-    float soft_cap, float (*qf)[MAX_HEAD], float (*acc)[MAX_HEAD], float *m, float *l)
+    float soft_cap, float (*qf)[MAX_HEAD], float (*acc)[MAX_HEAD], float *m, float (*l)[W])
 {
     float ps[4][W] __attribute__((aligned(64)));
     float correction[4];
@@ -324,11 +333,11 @@ static inline __attribute__((always_inline)) void attend_heads(
         correction[h] = 1.f;
         if (chunk_max > m[r]) {
             correction[h] = expf(m[r] - chunk_max);
-            l[r] *= correction[h];
+            v_store(l[r], v_mul(v_load(l[r]), v_set1(correction[h])));
             m[r] = chunk_max;
         }
         const vf p = v_select(live, v_exp(v_sub(sv, v_set1(m[r]))), v_zero());
-        l[r] += v_sum(p);
+        v_store(l[r], v_add(v_load(l[r]), p)); /* lane by lane: summed across lanes once, at the end */
         v_store(ps[h], p);
     }
     const int run = ACC_REGS / C < 1 ? 1 : ACC_REGS / C;
@@ -357,7 +366,7 @@ static inline __attribute__((always_inline)) void attend_heads(
  * i0 .. i1 - 1 and every query head of the group. */
 static inline __attribute__((always_inline)) void attend_chunk(
     const float *kp, const float *vp, int64_t ks, int t0, int n, int i0, int i1, int group, const int C,
-    float soft_cap, const int *lo, const int *hi, float (*qf)[MAX_HEAD], float (*acc)[MAX_HEAD], float *m, float *l)
+    float soft_cap, const int *lo, const int *hi, float (*qf)[MAX_HEAD], float (*acc)[MAX_HEAD], float *m, float (*l)[W])
 {
     /* up to four heads' scores side by side (their P.V in runs that fit the registers: attend_heads) */
     const int most = 4;
@@ -401,7 +410,8 @@ static inline __attribute__((always_inline)) void attend_tile_vector(
     /* Rows packed at head_size apart: a chunk's K and V take 8 KB at head size 64 (W = 16). */
     float kb[W * MAX_HEAD] __attribute__((aligned(64)));
     float vb[W * MAX_HEAD] __attribute__((aligned(64)));
-    float m[MAX_ROWS], l[MAX_ROWS];
+    float m[MAX_ROWS];
+    float l[MAX_ROWS][W] __attribute__((aligned(64))); /* each (row, head)'s softmax denominator, by lane */
     int lo[MAX_ROWS], hi[MAX_ROWS];
     int first = INT32_MAX, last = 0;
     for (int i = 0; i < nt; i++) {
@@ -417,7 +427,7 @@ static inline __attribute__((always_inline)) void attend_tile_vector(
             v_store(acc[r] + W * c, v_zero());
         }
         m[r] = -INFINITY;
-        l[r] = 0.f;
+        v_store(l[r], v_zero());
     }
     /* Pass 0: [first, shared) for all rows through the first row's table; pass 1 + i: row i's own
      * positions from `shared` on. */
@@ -465,7 +475,7 @@ static inline __attribute__((always_inline)) void attend_tile_vector(
         }
     }
     for (int r = 0; r < nt * group; r++) {
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        const float sum = v_sum(v_load(l[r])), inv = sum > 0.f ? 1.f / sum : 0.f;
         const int64_t o = (int64_t)(b0 + r / group) * out_stride + (int64_t)(kvh * group + r % group) * head_size;
         if (dtype == 0) {
             for (int c = 0; c < C; c++)

@@ -84,8 +84,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "quant_matmul_isa": (_INT, []),
         "quant_matmul_bf16_dot": (_INT, []),
         "quant_matmul_i8_path": (_INT, []),
-        "quant_pack_q4_1_i8": (None, [_P, _P, _I64, _I64, _I64]),
-        "quant_pack_q8_0_i8": (None, [_P, _P, _I64, _I64, _I64]),
+        "quant_pack_i8": (None, [_P, _P, _I64, _I64, _I64, _INT]),
         "quant_packed_bytes": (_I64, [_I64, _I64]),
         "quant_pack_q4_1": (None, [_P, _P, _I64, _I64, _I64]),
         "quant_matmul_packed": (None, [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT]),
@@ -172,9 +171,8 @@ def to_i8_blocks(blocks: torch.Tensor, qtype: QuantType, k: int, lib: ctypes.CDL
     if blocks.shape[0] % I8_GROUP_ROWS:
         raise ValueError(f"I8 weights hold their rows in groups of {I8_GROUP_ROWS}, not {blocks.shape[0]} rows")
     out = torch.empty(blocks.shape[0], row_bytes(I8_OF[qtype], k), dtype=torch.uint8)
-    lib = lib or native.library(_NAME)
-    pack_fn = lib.quant_pack_q4_1_i8 if qtype == QuantType.Q4_1 else lib.quant_pack_q8_0_i8
-    pack_fn(out.data_ptr(), blocks.data_ptr(), blocks.shape[1], blocks.shape[0], k)
+    (lib or native.library(_NAME)).quant_pack_i8(out.data_ptr(), blocks.data_ptr(), blocks.shape[1],
+                                                 blocks.shape[0], k, I8_OF[qtype])
     return out
 
 

@@ -498,9 +498,10 @@ int quant_matmul_bf16_dot(void) {
 
 static inline int64_t i8_block_bytes(const int type) { return type == TYPE_Q4_1_I8 ? I8_ROWS * 24 : I8_ROWS * 36; }
 
-/* src: N (a multiple of 8) rows of Q4_1 (to Q4_1_I8) or Q8_0 (to Q8_0_I8) blocks, row_bytes apart ->
+/* src: N (a multiple of 8) rows of Q4_1 (type Q4_1_I8) or Q8_0 (type Q8_0_I8) blocks, row_bytes apart ->
  * dst: N * K / 32 * 24 (or 36) bytes. */
-static void pack_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t N, int64_t K, const int type) {
+void quant_pack_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t N, int64_t K, int type) {
+    if (type != TYPE_Q4_1_I8 && type != TYPE_Q8_0_I8) return;
     const int64_t nb = K / QK, bytes = i8_block_bytes(type);
     for (int64_t g = 0; g < N / I8_ROWS; g++)
         for (int64_t b = 0; b < nb; b++) {
@@ -526,14 +527,6 @@ static void pack_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t
                     for (int i = 0; i < 4; i++) out[64 + 32 * t + 4 * r + i] = (uint8_t)(q[8 * t + i] | q[8 * t + 4 + i] << 4);
             }
         }
-}
-
-void quant_pack_q4_1_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t N, int64_t K) {
-    pack_i8(dst, src, row_bytes, N, K, TYPE_Q4_1_I8);
-}
-
-void quant_pack_q8_0_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t N, int64_t K) {
-    pack_i8(dst, src, row_bytes, N, K, TYPE_Q8_0_I8);
 }
 
 /* Row n of an I8 weight (groups of rows row_bytes * 8 bytes apart) as float32: the file's weights. */

@@ -37,8 +37,8 @@ from services.worker.parallel_group import TensorParallelGroup
 def gemm_dtype_layers(model: torch.nn.Module) -> list[BlockWeightHolder]:
     """The layers whose block weights take `--dtype auto`'s low-precision copies
     (quantized_weight.use_gemm_dtype): the linear layers and the LM head (its float32 tiles were a
-    fifth of a 32-row decode step on AVX2, its int8 ones 1.6-2.5x faster; bfloat16 ones 1.5x on a
-    Zen 5)."""
+    fifth of a 32-row decode step on AVX2, its int8 ones 1.6-2.5x faster; bfloat16 ones 1.2-1.6x on
+    a Zen 5)."""
     layers: list[BlockWeightHolder] = [m for m in model.modules() if isinstance(m, (MergedLinear, RowParallelLinear))]
     return [*layers, model.lm_head]
 

@@ -172,7 +172,7 @@ class BlockWeightHolder:
 #  BF16     from 24 rows: a step streams the layers' weights from memory, 66 MB of Q4_1 against 212 MB
 #           of bfloat16; from 24 rows the kernel is bound by arithmetic, and the bfloat16 dot products
 #           do 1.4-2x the float32 tiles' work (gate / down at 24-64 rows, 2 threads, AMD EPYC Zen 5;
-#           the LM head 1.5x over its Q8_0 float32 tiles at 24-64 rows).
+#           the LM head 1.2-1.6x over its Q8_0 float32 tiles at 24-64 rows).
 #  Q4_1_I8  from 2 rows: its weights are about as compact as Q4_1 (24 bytes a block against 20), its
 #           integer sums 1.3-2.1x the float32 tiles' speed from one row up (AVX2, same machine); a lone
 #           sequence's decode steps stay exact.

@@ -19,8 +19,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_fused_ops, cpu_paged_attention, native
-from kernels.reference import paged_attention_ref
+from kvmesh_kernels import cpu_fused_ops, cpu_paged_attention, native
+from kvmesh_kernels.reference import paged_attention_ref
 from services.common.config import default_cache_dir
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.torch_backend import TorchAttentionBackend

@@ -1,5 +1,5 @@
 """One layer's decode attention for decodes that share a prompt prefix (the shared-prefix scenario's
-steps), on the native kernel (kernels/cpu/paged_decode_attention.c): B decodes with the default
+steps), on the native kernel (kvmesh_kernels/cpu/paged_decode_attention.c): B decodes with the default
 model's heads (9 query, 3 kv, head size 64), a --prefix-token prefix in blocks they all hold (the
 prefix cache's), --own tokens each of their own after it; and the same contexts with no block in
 common. With --prefill N instead: one N-token prompt read as one chunk (each token a row attending
@@ -11,7 +11,7 @@ its causal context). p50 and min of --calls calls, ms.
     .venv/bin/python -m loadtests.prefix_attention_bench --isa avx2 --prefill 1000 --calls 30 --before old.so
 
 With --before PATH (a library compiled from another version of the source, e.g. the previous commit's
-with the flags kernels/native.py uses), its calls alternate with this build's and the outputs are
+with the flags kvmesh_kernels/native.py uses), its calls alternate with this build's and the outputs are
 compared bit for bit.
 """
 
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from kernels import cpu_paged_attention
+from kvmesh_kernels import cpu_paged_attention
 from services.common.config import default_cache_dir
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16

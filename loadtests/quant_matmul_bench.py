@@ -1,4 +1,4 @@
-"""torch's float32 `F.linear` against the quantized-weight kernel (kernels/cpu_quant_matmul.py) at
+"""torch's float32 `F.linear` against the quantized-weight kernel (kvmesh_kernels/cpu_quant_matmul.py) at
 the default model's weight shapes, with the weights of its GGUF file (SmolLM2-135M Q4_1, LM head
 Q8_0): per shape and M, microseconds a call and the weight bytes streamed per second.
 
@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_quant_matmul as qm
+from kvmesh_kernels import cpu_quant_matmul as qm
 from services.common.config import default_cache_dir
 from services.common.gguf_file import GGUFFile
 from services.common.model_files import locate_model

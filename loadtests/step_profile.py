@@ -17,8 +17,8 @@ import functools
 import sys
 import time
 
-import kernels.cpu_fused_ops as fused_ops
-import kernels.cpu_quant_matmul as quant_matmul
+import kvmesh_kernels.cpu_fused_ops as fused_ops
+import kvmesh_kernels.cpu_quant_matmul as quant_matmul
 import services.worker.layers.activation as activation
 import services.worker.layers.rotary_embedding as rotary
 import services.worker.models.llama as llama

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import sys
 
-# Triton fixes compiled-or-interpreted when the kernels are imported (kernels/interpreter.py):
+# Triton fixes compiled-or-interpreted when the kernels are imported (kvmesh_kernels/interpreter.py):
 # decide before any import of ours.
 if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -50,7 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
-from kernels.paged_attention import (  # noqa: E402
+from kvmesh_kernels.paged_attention import (  # noqa: E402
     AttentionParams, PagedBatch, choose_num_splits, device_num_sms, paged_attention,
 )
 from services.common.clients import WorkerInfo  # noqa: E402

@@ -24,9 +24,9 @@ import gguf
 import numpy as np
 import torch
 
-from kernels import cpu_quant_matmul
-from kernels.cpu_quant_matmul import QuantType
-from kernels.native import NativeKernelUnavailable, cpu_has
+from kvmesh_kernels import cpu_quant_matmul
+from kvmesh_kernels.cpu_quant_matmul import QuantType
+from kvmesh_kernels.native import NativeKernelUnavailable, cpu_has
 from services.common.gguf_file import GGUFFile
 from services.common.model_files import locate_model
 from services.worker.layers.linear import WeightSource, shape_of

@@ -1,4 +1,4 @@
-"""A Llama-family model's decoder stack as one native call on the CPU (kernels/cpu_decoder.py) for
+"""A Llama-family model's decoder stack as one native call on the CPU (kvmesh_kernels/cpu_decoder.py) for
 the steps where Python's per-layer glue is a large share: fewer tokens than the quantized matmul's
 GEMM threshold, so every linear layer is the native kernel's (decodes, short chunks).
 
@@ -16,7 +16,7 @@ import ctypes
 
 import torch
 
-from kernels import cpu_decoder, cpu_quant_matmul
+from kvmesh_kernels import cpu_decoder, cpu_quant_matmul
 from services.worker.attention.torch_backend import NativeAttentionPlan
 from services.worker.forward_context import get_forward_context
 

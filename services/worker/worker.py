@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_decoder, cpu_fused_ops
+from kvmesh_kernels import cpu_decoder, cpu_fused_ops
 from services.common.clients import WorkerInfo
 from services.common.config import (CacheConfig, DisaggregationConfig, ModelConfig, ParallelConfig, WorkerConfig,
                                    default_cache_dir)

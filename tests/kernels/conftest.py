@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from kernels import native
+from kvmesh_kernels import native
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

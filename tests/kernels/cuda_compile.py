@@ -49,8 +49,8 @@ def compile_kernel(kernel, pointers: dict[str, str], constexprs: dict[str, objec
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("run without TRITON_INTERPRET: the kernels must be compiled, not interpreted")
-    from kernels.paged_attention import TILE_N, _paged_attention_kernel, _split_kv_reduce_kernel
-    from kernels.reshape_and_cache import _reshape_and_cache_kernel
+    from kvmesh_kernels.paged_attention import TILE_N, _paged_attention_kernel, _split_kv_reduce_kernel
+    from kvmesh_kernels.reshape_and_cache import _reshape_and_cache_kernel
 
     # (dtype, num_splits, group, head_size, block_size, window, soft cap): each path and feature once.
     for dtype, splits, group, head_size, block_size, window, cap in (

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.paged_attention import PagedBatch
+from kvmesh_kernels.paged_attention import PagedBatch
 
 # Absolute and relative tolerances against the float32 reference. The kernels round the softmax
 # probabilities to the cache dtype for the value product (as the tensor cores take them) and round

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_fused_ops, native
+from kvmesh_kernels import cpu_fused_ops, native
 from services.common.config import default_cache_dir
 from services.worker.layers.rmsnorm import RMSNorm
 from services.worker.layers.rotary_embedding import apply_rotary, split_and_rotate_qkv
@@ -128,7 +128,7 @@ def test_bad_arguments_are_refused():
 def test_loading_the_native_kernels_leaves_subnormals_alone():
     """-ffast-math would link crtfastmath.o, which sets flush-to-zero for the whole process on load
     and silently changes every torch op's results near zero (and trips Hypothesis)."""
-    from kernels import cpu_paged_attention
+    from kvmesh_kernels import cpu_paged_attention
 
     cpu_paged_attention.build(default_cache_dir())
     assert cpu_fused_ops.available(default_cache_dir())

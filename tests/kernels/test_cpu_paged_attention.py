@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import cpu_paged_attention, native
-from kernels.reference import paged_attention_ref
+from kvmesh_kernels import cpu_paged_attention, native
+from kvmesh_kernels.reference import paged_attention_ref
 from services.common.config import default_cache_dir
 from tests.kernels.paged_inputs import TOLERANCES, Shape, make_case, poisoned_like
 

@@ -1,4 +1,4 @@
-"""The quantized-weight matmul (kernels/cpu_quant_matmul.py) in every build this CPU runs (native,
+"""The quantized-weight matmul (kvmesh_kernels/cpu_quant_matmul.py) in every build this CPU runs (native,
 AVX2 built explicitly, portable C): its dequantization bit for bit gguf's (what transformers
 converts a GGUF file with), its matmul a float32 matmul over those weights up to the sum's order,
 over odd shapes, both of `linear`'s paths and every block type it reads."""
@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_quant_matmul as qm
-from kernels import native
-from kernels.cpu_quant_matmul import QuantType
+from kvmesh_kernels import cpu_quant_matmul as qm
+from kvmesh_kernels import native
+from kvmesh_kernels.cpu_quant_matmul import QuantType
 from services.common.config import default_cache_dir
 
 
@@ -332,7 +332,7 @@ def test_kvmesh_cpu_isa_serves_an_older_cpus_paths():
     # features an AVX2-only CPU lacks are denied to whoever chooses by them (--dtype auto among them).
     if not native.runs_here("avx2"):
         pytest.skip("this CPU has no AVX2")
-    code = ("from kernels import native, cpu_quant_matmul as qm; from services.common.config import default_cache_dir; "
+    code = ("from kvmesh_kernels import native, cpu_quant_matmul as qm; from services.common.config import default_cache_dir; "
             "qm.build(default_cache_dir()); print(qm.isa(), native.cpu_has('avx512f'), native.cpu_has('avx2'))")
     run = functools.partial(subprocess.run, [sys.executable, "-c", code], capture_output=True, text=True)
     assert run(env={**os.environ, "KVMESH_CPU_ISA": "avx2"}).stdout.split() == ["256", "False", "True"]

@@ -1,4 +1,4 @@
-"""The paged-attention kernels against the plain-torch reference (kernels/reference.py).
+"""The paged-attention kernels against the plain-torch reference (kvmesh_kernels/reference.py).
 
 On the CPU they run under Triton's interpreter (conftest.py), so the shapes are small: few heads,
 contexts up to 257 tokens. Every case draws fresh random inputs, poisons the output with NaN (every
@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import AttentionParams, PagedBatch, choose_num_splits, paged_attention
-from kernels.reference import paged_attention_ref
+from kvmesh_kernels.paged_attention import AttentionParams, PagedBatch, choose_num_splits, paged_attention
+from kvmesh_kernels.reference import paged_attention_ref
 from tests.kernels.conftest import kernels_device
 from tests.kernels.paged_inputs import TOLERANCES, PagedCase, Shape, make_case, poisoned_like
 
@@ -178,7 +178,7 @@ def _dot_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
 
 @pytest.mark.skipif(kernels_device().type == "cuda", reason="a fact about Triton's interpreter")
 def test_interpreter_still_needs_the_bfloat16_dot_workaround() -> None:
-    # kernels/interpreter.py: the interpreter's tl.dot multiplies bfloat16's raw uint16 storage, so
+    # kvmesh_kernels/interpreter.py: the interpreter's tl.dot multiplies bfloat16's raw uint16 storage, so
     # the launchers upcast bfloat16 dot operands under it. When a Triton upgrade fixes the dot, this
     # fails: drop `dot_in_fp32` and this test.
     a, b = torch.randn(2, 16, 16).to(torch.bfloat16)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import reshape_and_cache_ref
-from kernels.reshape_and_cache import reshape_and_cache
+from kvmesh_kernels.reference import reshape_and_cache_ref
+from kvmesh_kernels.reshape_and_cache import reshape_and_cache
 
 
 def write_and_check(key: torch.Tensor, value: torch.Tensor, num_blocks: int, block_size: int,

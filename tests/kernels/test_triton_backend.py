@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels.reference import paged_attention_ref
+from kvmesh_kernels.reference import paged_attention_ref
 from services.worker.attention import get_attention_backend
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.attention.triton_backend import TritonAttentionBackend

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 
-from kernels import cpu_fused_ops
+from kvmesh_kernels import cpu_fused_ops
 from services.common.config import ModelConfig, default_cache_dir
 from services.worker import loader
 from services.worker.attention import AttentionMetadata

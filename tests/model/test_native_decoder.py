@@ -12,8 +12,8 @@ import gc
 import pytest
 import torch
 
-from kernels import cpu_quant_matmul
-from kernels.cpu_quant_matmul import QuantType
+from kvmesh_kernels import cpu_quant_matmul
+from kvmesh_kernels.cpu_quant_matmul import QuantType
 from services import LLM, SamplingParams
 from services.worker.attention.torch_backend import NativeAttentionPlan
 from services.worker.forward_context import ForwardContext, set_forward_context

@@ -1,5 +1,5 @@
 """The processor and the gateway never import torch (a processor once dequantized the whole GGUF
-model to get its tokenizer), and kernels/ imports nothing from services/.
+model to get its tokenizer), and kvmesh_kernels/ imports nothing from services/.
 
 Checked twice: in a fresh interpreter (sys.modules), and on the real processes (/proc/<pid>/maps).
 The processor starts from an empty cache dir, as a Kubernetes pod without the worker's cache does.
@@ -34,8 +34,8 @@ print(json.dumps({"torch": "torch" in sys.modules, "model_id": model_id_of(path)
 
 KERNELS_IMPORTS = """
 import json, pkgutil, importlib, sys
-import kernels
-for module in pkgutil.iter_modules(kernels.__path__):
+import kvmesh_kernels
+for module in pkgutil.iter_modules(kvmesh_kernels.__path__):
     importlib.import_module(f"kernels.{module.name}")
 print(json.dumps(sorted(name for name in sys.modules if name == "services" or name.startswith("services."))))
 """

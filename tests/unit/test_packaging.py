@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import importlib.metadata
 
-import kernels
+import kvmesh_kernels
 import services
 
 
-def test_transformers_does_not_mistake_our_kernels_package_for_hugging_faces():
-    # `kernels` is also the import name of a Hugging Face package that transformers probes; if it
-    # believed ours were that one it would try to load hub kernels (and fail offline).
-    from transformers.utils.import_utils import is_kernels_available
+def test_our_kernels_package_does_not_shadow_hugging_faces():
+    # `kernels` is the import name of a Hugging Face package that transformers requires and imports
+    # with its model classes; a package of ours by that name, first on sys.path, broke that import.
+    import kernels
+    from transformers.integrations import hub_kernels  # noqa: F401  (imports `kernels` when present)
 
-    assert kernels.__file__.startswith(services.__path__[0].rsplit("/", 1)[0])
-    assert not is_kernels_available()
+    assert kvmesh_kernels.__file__.startswith(services.__path__[0].rsplit("/", 1)[0])
+    assert importlib.metadata.packages_distributions()["kernels"] == ["kernels"]
+    assert hasattr(kernels, "CUDAProperties")
 
 
 def test_distribution_exposes_the_console_script_and_packages():

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_quant_matmul
-from kernels.cpu_quant_matmul import QuantType
-from kernels.native import cpu_has
+from kvmesh_kernels import cpu_quant_matmul
+from kvmesh_kernels.cpu_quant_matmul import QuantType
+from kvmesh_kernels.native import cpu_has
 from services.common.config import ModelConfig, default_cache_dir
 from services.worker.gguf_weights import LoadQuantizedWeights, block_gemm_dtype, resolve_dtype
 from services.worker.layers.linear import MergedLinear, RowParallelLinear, ShardRows

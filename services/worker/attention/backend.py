@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels import cpu_fused_ops, cpu_paged_attention
+from kvmesh_kernels import cpu_fused_ops, cpu_paged_attention
 from services.common.config import default_cache_dir
 from services.worker.attention.metadata import AttentionMetadata
 
@@ -44,7 +44,7 @@ def get_attention_backend(name: str, device: torch.device, cache_dir: Path | Non
         return TorchAttentionBackend(native_decode=True)
     if name == "triton":
         # Imported here, not at the top: importing the kernels fixes Triton's compiled-or-interpreted
-        # choice for the process (kernels/interpreter.py), and torch-backend users need no Triton.
+        # choice for the process (kvmesh_kernels/interpreter.py), and torch-backend users need no Triton.
         from services.worker.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(device)

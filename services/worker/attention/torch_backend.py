@@ -7,9 +7,9 @@ Per step, `plan()` turns the metadata into gather indices once; every layer then
   2. attends all single-token decodes in ONE batched call: SDPA over their gathered blocks,
   3. attends each prefill chunk with one SDPA call per chunk (compute-bound; no per-token loop).
   "cpu":
-  1. writes the step's K/V with one native call (kernels/cpu_fused_ops.py),
+  1. writes the step's K/V with one native call (kvmesh_kernels/cpu_fused_ops.py),
   2. attends every token of the step, decodes and prefill chunks alike, in ONE native call that
-     reads the paged cache in place (kernels/cpu_paged_attention.py): each token is a row with its
+     reads the paged cache in place (kvmesh_kernels/cpu_paged_attention.py): each token is a row with its
      own causal context length, no gather, no mask, no per-request loop.
 """
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_fused_ops
-from kernels.cpu_paged_attention import paged_decode_attention
+from kvmesh_kernels import cpu_fused_ops
+from kvmesh_kernels.cpu_paged_attention import paged_decode_attention
 from services.worker.attention.metadata import AttentionMetadata
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.paged_attention import AttentionParams, PagedBatch, check_supported, paged_attention
-from kernels.reshape_and_cache import reshape_and_cache
+from kvmesh_kernels.paged_attention import AttentionParams, PagedBatch, check_supported, paged_attention
+from kvmesh_kernels.reshape_and_cache import reshape_and_cache
 from services.worker.attention.metadata import AttentionMetadata
 
 

@@ -6,13 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_fused_ops
+from kvmesh_kernels import cpu_fused_ops
 
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, 2 * intermediate] = gate | up -> [num_tokens, intermediate]
-        # float32 on the CPU: the native op, the one the native decoder (kernels/cpu_decoder.py)
+        # float32 on the CPU: the native op, the one the native decoder (kvmesh_kernels/cpu_decoder.py)
         # calls, so that both paths round alike.
         if x.dtype == torch.float32 and cpu_fused_ops.usable(x):
             return cpu_fused_ops.silu_and_mul(x.contiguous())

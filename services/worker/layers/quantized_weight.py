@@ -4,7 +4,7 @@
                  order; sliced like a safetensors slice (whole rows; columns in whole blocks)
     BlockWeight  what a linear layer, the LM head or the embedding computes with instead of a float
                  weight: [rows, row_bytes] uint8 blocks and the native matmul
-                 (kernels/cpu_quant_matmul.py), bit for bit the dequantized weights; a linear
+                 (kvmesh_kernels/cpu_quant_matmul.py), bit for bit the dequantized weights; a linear
                  layer's Q4_1 blocks are repacked for the kernel (`pack`: a vector's lanes are
                  output rows, 1.3-1.9x faster at one to four rows with AVX-512), the same bytes in another order
 
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_quant_matmul
-from kernels.cpu_quant_matmul import BLOCK, QuantType
+from kvmesh_kernels import cpu_quant_matmul
+from kvmesh_kernels.cpu_quant_matmul import BLOCK, QuantType
 
 
 class GGUFBlocks:

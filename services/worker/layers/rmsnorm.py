@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_fused_ops
+from kvmesh_kernels import cpu_fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # x: [num_tokens, hidden_size]. Without a residual: RMSNorm(x). With one: (RMSNorm(x + residual),
         # x + residual), the sum being the next residual.
-        # On the CPU, one native call either way (kernels/cpu_fused_ops.py): torch's float32 op costs
+        # On the CPU, one native call either way (kvmesh_kernels/cpu_fused_ops.py): torch's float32 op costs
         # ~7 us at a single token, its parallel region stalls when other processes hold the cores, and
         # the add is one more op per norm. The cast back happens before the scale, as in
         # transformers, so that low-precision models round exactly as their reference.

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 import transformers
 
-from kernels import cpu_fused_ops
+from kvmesh_kernels import cpu_fused_ops
 
 ROPE_TYPES = ("default", "linear", "llama3")
 

@@ -1,4 +1,4 @@
-"""Fused CPU ops for the model's per-layer glue (kernels/cpu/fused_ops.c), each one call instead of
+"""Fused CPU ops for the model's per-layer glue (kvmesh_kernels/cpu/fused_ops.c), each one call instead of
 several torch ops, at the same rounding as the torch code they replace:
 
   kv_write          the step's K and V rows into their paged-cache slots (two index_copy_)
@@ -13,7 +13,7 @@ several torch ops, at the same rounding as the torch code they replace:
 At a decode batch of 128 on the 2-core test machine they take a third to a fifth of the time of
 the torch ops they replace, mostly dispatch, temporaries and dtype copies of small tensors.
 SiLU-and-mul alone gains little over torch's (bound by its exp and division); it is here so that
-the whole decoder can run as one native call (kernels/cpu_decoder.py) with the same rounding as the
+the whole decoder can run as one native call (kvmesh_kernels/cpu_decoder.py) with the same rounding as the
 layers' modules, which call it too.
 The worker builds them once at start-up (`available(cache_dir)`); callers check `usable(x)`: built,
 and a CPU tensor of a supported dtype. The torch code stays the path everywhere else (CUDA, no
@@ -26,8 +26,8 @@ import ctypes
 
 import torch
 
-from kernels import native
-from kernels.native import FAST_MATH
+from kvmesh_kernels import native
+from kvmesh_kernels.native import FAST_MATH
 
 _BASE_FLAGS = ("-O3", *FAST_MATH, "-ffp-contract=off", "-fopenmp")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}

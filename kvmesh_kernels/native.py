@@ -1,5 +1,5 @@
-"""Builds the small C kernels under kernels/cpu/ once with the system's C compiler and loads them
-with ctypes. A library is cached under the cache dir its caller passes (kernels/ imports nothing
+"""Builds the small C kernels under kvmesh_kernels/cpu/ once with the system's C compiler and loads them
+with ctypes. A library is cached under the cache dir its caller passes (kvmesh_kernels/ imports nothing
 from services/), under `native/`, keyed by its source, compiler, flags
 and the CPU's features (it is built with -march=native, and a cache dir may be shared by nodes
 with other CPUs), so a changed source is rebuilt and concurrent builds never see half a file.
@@ -73,7 +73,7 @@ def cpu_has(*features: str) -> bool:
 
 
 def build(name: str, flags: tuple[str, ...], cache_dir: Path) -> ctypes.CDLL:
-    """kernels/cpu/{name}.c compiled with `flags` (plus -shared -fPIC) into `cache_dir`/native, loaded
+    """kvmesh_kernels/cpu/{name}.c compiled with `flags` (plus -shared -fPIC) into `cache_dir`/native, loaded
     as the process's `name` kernel (`library(name)`). A name is served with one set of flags."""
     if name in _libraries and _loaded.get((name, flags)) is not _libraries[name]:
         raise ValueError(f"the native kernel {name} is already served with other flags; load() a variant")
@@ -83,7 +83,7 @@ def build(name: str, flags: tuple[str, ...], cache_dir: Path) -> ctypes.CDLL:
 
 
 class Kernel:
-    """One C file under kernels/cpu/ as its Python module serves it: compiled with the module's flags
+    """One C file under kvmesh_kernels/cpu/ as its Python module serves it: compiled with the module's flags
     for this CPU (`build`, the served library) or for another instruction set (`variant`, for tests),
     each library given its functions' signatures by `declare`."""
 
@@ -111,7 +111,7 @@ class Kernel:
 
 
 def load(name: str, flags: tuple[str, ...], cache_dir: Path) -> ctypes.CDLL:
-    """kernels/cpu/{name}.c compiled with `flags` and loaded, without serving it: a variant for tests."""
+    """kvmesh_kernels/cpu/{name}.c compiled with `flags` and loaded, without serving it: a variant for tests."""
     if (name, flags) in _loaded:
         return _loaded[(name, flags)]
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")

@@ -1,5 +1,5 @@
-"""Paged attention for the CPU: a small C kernel (kernels/cpu/paged_decode_attention.c) compiled
-once with the system's C compiler (kernels/native.py) and called through ctypes.
+"""Paged attention for the CPU: a small C kernel (kvmesh_kernels/cpu/paged_decode_attention.c) compiled
+once with the system's C compiler (kvmesh_kernels/native.py) and called through ctypes.
 
 Gathering each sequence's blocks into a dense tensor and calling SDPA costs more than the whole
 MLP at decode batch sizes on a CPU; reading the paged cache in place removes that copy. Each row of
@@ -13,8 +13,8 @@ import ctypes
 
 import torch
 
-from kernels import native
-from kernels.native import FAST_MATH, NativeKernelUnavailable
+from kvmesh_kernels import native
+from kvmesh_kernels.native import FAST_MATH, NativeKernelUnavailable
 
 __all__ = ["NativeKernelUnavailable", "build", "is_available", "paged_decode_attention", "variant",
            "vector_width"]

@@ -116,7 +116,7 @@ static inline __attribute__((always_inline)) void attend_item(
 
 /*
  * The vector path, one body for two instruction sets chosen when the library is built (the build
- * is for the CPU it runs on, kernels/native.py): AVX-512 (W = 16 lanes) or AVX2 + FMA (W = 8), the
+ * is for the CPU it runs on, kvmesh_kernels/native.py): AVX-512 (W = 16 lanes) or AVX2 + FMA (W = 8), the
  * latter being what most cloud x86 VMs offer. Each (tile, kv head) item walks its context in
  * chunks of up to W positions (never across a block), asking for the next chunk's rows while it
  * computes one (they are strided: a miss at a time otherwise): bfloat16 K and V rows of a chunk are

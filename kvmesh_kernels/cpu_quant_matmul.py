@@ -1,4 +1,4 @@
-"""`y = x @ W^T` on the CPU with W kept in a GGUF file's blocks (kernels/cpu/quant_matmul.c): the
+"""`y = x @ W^T` on the CPU with W kept in a GGUF file's blocks (kvmesh_kernels/cpu/quant_matmul.c): the
 weights stay as the file holds them (Q4_1: 0.625 bytes a weight, Q8_0: 1.06, F16: 2, against
 float32's 4) and are dequantized exactly, a panel at a time, next to a float32 matmul.
 
@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import native
-from kernels.native import FAST_MATH
+from kvmesh_kernels import native
+from kvmesh_kernels.native import FAST_MATH
 
 BLOCK = 32  # weights per block of every type here; a row's length must be a multiple
 _BASE_FLAGS = ("-O3", *FAST_MATH, "-fopenmp")

@@ -1,4 +1,4 @@
-"""The decoder stack in one native call (kernels/cpu/decoder.c): the CPU's small steps (decodes, short
+"""The decoder stack in one native call (kvmesh_kernels/cpu/decoder.c): the CPU's small steps (decodes, short
 chunks) call every layer's kernels from C instead of from ~10 Python modules per layer, bit for bit
 the same kernels, arguments, thread counts and order, so the same result.
 
@@ -18,8 +18,8 @@ import ctypes
 
 import torch
 
-from kernels import native
-from kernels.native import FAST_MATH
+from kvmesh_kernels import native
+from kvmesh_kernels.native import FAST_MATH
 
 _P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 _NAME = "decoder"

@@ -1,10 +1,10 @@
 """Where a kernel runs: compiled for a CUDA device, or on the CPU under Triton's interpreter.
 
 `@triton.jit` decides between the two when the kernel's module is imported, from the environment
-variable TRITON_INTERPRET: set it to 1 *before* importing `kernels.paged_attention` or
-`kernels.reshape_and_cache` (tests/kernels/conftest.py does) and every launch runs in numpy on the
-host, on CPU or CUDA tensors alike. That is also why `kernels/__init__.py` imports those modules
-lazily: `import kernels` must not fix the choice.
+variable TRITON_INTERPRET: set it to 1 *before* importing `kvmesh_kernels.paged_attention` or
+`kvmesh_kernels.reshape_and_cache` (tests/kernels/conftest.py does) and every launch runs in numpy on the
+host, on CPU or CUDA tensors alike. That is also why `kvmesh_kernels/__init__.py` imports those modules
+lazily: `import kvmesh_kernels` must not fix the choice.
 
 One known gap of the interpreter (Triton 3.9): `tl.dot` on bfloat16 operands multiplies their raw
 uint16 storage and returns garbage; loads, stores and casts of bfloat16 are right. The launchers

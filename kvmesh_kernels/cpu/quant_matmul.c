@@ -1,5 +1,5 @@
 /*
- * y = x @ W^T with W kept in a GGUF file's blocks, x and y float32 (kernels/cpu_quant_matmul.py).
+ * y = x @ W^T with W kept in a GGUF file's blocks, x and y float32 (kvmesh_kernels/cpu_quant_matmul.py).
  *
  * Row n of W is K / 32 blocks of one type (ggml's layouts; values are exact in float32):
  *

@@ -5,7 +5,7 @@
     kv_cache:     [2, num_blocks, block_size, num_kv_heads, head_size]  (services/worker/kv_cache.py)
 
 A program copies a few whole tokens (all heads); the reference is
-`kernels.reference.reshape_and_cache_ref`.
+`kvmesh_kernels.reference.reshape_and_cache_ref`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.interpreter import check_device
+from kvmesh_kernels.interpreter import check_device
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TILE_ELEMENTS = 4096  # elements of K (and of V) one program moves: 4 tokens of 8 heads x 128

@@ -31,7 +31,7 @@ writes that share's output (normalised by its own sum) and log-sum-exp in float3
 reduction kernel, grid (num_tokens, num_heads), combines the shares. `choose_num_splits` picks more
 than one only for decode-only batches too small to fill the device, from host integers.
 
-References: `kernels.reference.paged_attention_ref`.
+References: `kvmesh_kernels.reference.paged_attention_ref`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.interpreter import check_device, dot_in_fp32
+from kvmesh_kernels.interpreter import check_device, dot_in_fp32
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TILE_N = 64  # context positions per step of the walk: 4 blocks of 16, 2 of 32

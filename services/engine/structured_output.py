@@ -3,7 +3,7 @@ constraint, off the engine loop; one matcher per request, advanced by every toke
 step's packed token bitmask for the requests that sample under a grammar.
 
     add_request ──► submit(): the constraint's compiled grammar from the LRU cache, or a compile on
-                    the pool's thread. The request waits (EngineCore holds it back) until ready().
+                    one of the pool's threads. The request waits (EngineCore holds it back) until ready().
     schedule()  ──► bitmask(requests sampling now): one mask row per constrained request ──► worker
     update_from_output ──► RequestGrammar.accept(token): the matcher moves on
     next schedule()    ──► a complete grammar ends its request (EngineCore._finish_complete_grammars)
@@ -12,6 +12,12 @@ A matcher accepts only the tokens a request keeps: a step's token that arrives f
 preempted meanwhile is dropped before it reaches the matcher, and a request resumed after
 preemption keeps its outputs, so its matcher is exactly where its outputs left it (no rollback is
 needed without speculative tokens). Nothing outlives the request but the cached compiled grammar.
+
+What a compile may cost is bounded twice: the constraint's bounds (GrammarLimits, checked in linear
+time before anything is built) and llguidance's own fuel limits, which end a lexer or grammar too
+costly to build inside the compile itself. The compile timeout only ends a request's wait; those
+two bounds end the work. Compiles release the GIL and run on several threads, so one costly grammar
+neither stalls the engine loop nor holds back the other requests' compiles.
 
 The engine reads the vocabulary from the worker's tokenizer.json (llguidance's own tokenizer, no
 transformers): the engine and the worker share a machine or a volume, or structured outputs fail
@@ -32,12 +38,14 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
-from services.common.grammar import to_grammar
+from services.common.config import GrammarLimits
+from services.common.grammar import MAX_ERROR_CHARS, checked_grammar, parser_limits
 from services.common.structured_outputs import StructuredOutputs
 
 TOKENIZER_FILE = "tokenizer.json"
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (llguidance's are small: states are built lazily)
-DEFAULT_COMPILE_TIMEOUT = 10.0  # seconds a request waits for its grammar before it fails
+DEFAULT_COMPILE_TIMEOUT: float = GrammarLimits.grammar_compile_timeout  # seconds a request waits for its grammar
+DEFAULT_COMPILE_THREADS: int = GrammarLimits.grammar_compile_threads
 
 
 class GrammarError(ValueError):
@@ -76,12 +84,14 @@ class StructuredOutputManager:
     """Engine-loop thread only (the compile pool's threads touch nothing but their own compile)."""
 
     def __init__(self, model_path: str | Path, vocab_size: int, cache_size: int = DEFAULT_CACHE_SIZE,
-                 compile_timeout: float = DEFAULT_COMPILE_TIMEOUT, max_workers: int = 1) -> None:
+                 compile_timeout: float = DEFAULT_COMPILE_TIMEOUT, max_workers: int = DEFAULT_COMPILE_THREADS,
+                 limits: GrammarLimits = GrammarLimits()) -> None:
         self.tokenizer_file = Path(model_path) / TOKENIZER_FILE
         self.vocab_size = vocab_size  # the logits' width: a mask row covers every logit
         self.words_per_row = (vocab_size + 31) // 32
         self.cache_size = cache_size
         self.compile_timeout = compile_timeout
+        self.limits = limits  # what a constraint may hold (the processor checked it too: the engine trusts no caller)
         self._cache: OrderedDict[tuple[StructuredOutputs, tuple[int, ...]], Future] = OrderedDict()
         self._pending: dict[str, PendingGrammar] = {}  # request id -> its grammar being compiled
         self._pool = ThreadPoolExecutor(max_workers, "grammar-compile")
@@ -136,12 +146,12 @@ class StructuredOutputManager:
         start = time.perf_counter()
         tokenizer = self._tokenizer(eos_token_ids)
         try:
-            grammar = to_grammar(constraint)
+            grammar = checked_grammar(constraint, self.limits)
         except ValueError as e:
-            raise GrammarError(f"invalid {constraint.kind}: {e}") from None
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            raise GrammarError(str(e)) from None
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
         if matcher.is_error():
-            raise GrammarError(f"invalid {constraint.kind}: {matcher.get_error().strip()}")
+            raise GrammarError(f"invalid {constraint.kind}: {matcher.get_error().strip()[:MAX_ERROR_CHARS]}")
         for observe in self.compile_observers:
             observe(time.perf_counter() - start)
         return matcher

@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 
+from services.common.config import GrammarLimits
 from services.common.grammar import check_grammar
 from services.common.model_files import resolve_tokenizer
 from services.common.structured_outputs import StructuredOutputs
@@ -58,7 +59,7 @@ def test_one_compile_per_constraint_and_eviction(model_path):
 
 
 def test_a_request_waits_for_its_compile_and_fails_past_the_time_bound(model_path):
-    m = manager(model_path, compile_timeout=0.0)
+    m = manager(model_path, compile_timeout=0.0, max_workers=1)
     release = threading.Event()
     m._pool.submit(release.wait)  # the pool's one thread is busy: the compile queues behind it
     try:
@@ -83,7 +84,7 @@ def test_a_request_waits_for_its_compile_and_fails_past_the_time_bound(model_pat
 ])
 def test_a_bad_constraint_fails_its_request_and_is_not_cached(model_path, constraint, why):
     with pytest.raises(ValueError, match=why):  # the gateway and processor say so first
-        check_grammar(constraint)
+        check_grammar(constraint, GrammarLimits())
     m = manager(model_path)
     m.submit("bad", constraint, EOS)
     m._pending["bad"].future.exception(timeout=30)

@@ -4,14 +4,16 @@ naming the field for everything else."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
+from services.common.config import GrammarLimits
 from services.common.structured_outputs import StructuredOutputs
 from services.gateway.errors import APIError
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.structured import structured_outputs_of
+from services.gateway.structured import structured_outputs_of, validate_structured_outputs
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}, "required": ["b"]}
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}},
@@ -24,6 +26,13 @@ def chat(**fields) -> ChatCompletionRequest:
 
 def completion(**fields) -> CompletionRequest:
     return CompletionRequest.model_validate({"prompt": "x", **fields})
+
+
+def read_and_validate(body: ChatCompletionRequest, limits: GrammarLimits = GrammarLimits()) -> StructuredOutputs | None:
+    """The gateway's two steps: the constraint read and bounded, then compiled (off the loop)."""
+    constraint = structured_outputs_of(body, limits)
+    asyncio.run(validate_structured_outputs(body, constraint, limits))
+    return constraint
 
 
 def test_every_spelling_of_a_schema_is_one_constraint():
@@ -80,5 +89,5 @@ def test_forced_tool_choices_constrain_to_the_calls_json():
 ])
 def test_bad_constraints_are_400s_naming_the_field(fields, param, message):
     with pytest.raises(APIError) as e:
-        structured_outputs_of(chat(**fields))
+        read_and_validate(chat(**fields))
     assert e.value.status == 400 and e.value.info.param == param and message in e.value.info.message, e.value.info

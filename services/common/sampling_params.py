@@ -13,6 +13,10 @@ MAX_LOGPROBS = 20  # the gateway's default limit (--max-logprobs), as vLLM's
 WHOLE_VOCABULARY = -1  # logprobs / prompt_logprobs: every token's (vLLM's -1), resolved by the processor
 MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: a bias of +-100 already forces or bans a token
+# Entries of any token-id list, counted before duplicates go: more than any vocabulary has, so a
+# longer list repeats ids. The gateway's own limits (--max-allowed-token-ids, ...) are lower.
+MAX_TOKEN_IDS = 1 << 18
+TOKEN_ID_LISTS = ("allowed_token_ids", "logit_bias", "stop_token_ids", "logprob_token_ids")
 REALS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -31,14 +35,15 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the context length
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # each id once, in the order given
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N per output token, plus the sampled one; -1: the whole vocabulary
     prompt_logprobs: int | None = None  # the same for each prompt token
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    # Only these tokens may be sampled (vLLM's allowed_token_ids); None: every token. Never empty.
+    # Only these tokens may be sampled (vLLM's allowed_token_ids); None: every token. Never empty;
+    # sorted, each id once.
     allowed_token_ids: tuple[int, ...] | None = None
     # The logprobs of exactly these tokens (after the sampled one's) at each output position, in place of
     # the top-N (vLLM's logprob_token_ids); `logprobs`, if set too, must be their number.
@@ -52,14 +57,23 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        # First, and in O(1): a list from the wire (a protobuf container) is copied only once it passes.
+        for name in TOKEN_ID_LISTS:
+            value = getattr(self, name)
+            if value is not None and len(value) > MAX_TOKEN_IDS:
+                raise ValueError(f"{name} has {len(value)} token ids; at most {MAX_TOKEN_IDS}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        for name in ("allowed_token_ids", "logprob_token_ids"):
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, tuple(getattr(self, name)))
+        # Each id once: a list of duplicates costs every service that reads it, and means no more.
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
+        if self.allowed_token_ids is not None:  # a set: sorted, so that equal sets compare equal
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(self.allowed_token_ids))))
+        if self.logprob_token_ids is not None:  # columns of the answer, in the order asked: kept as sent
+            object.__setattr__(self, "logprob_token_ids", tuple(self.logprob_token_ids))
+        if self.logit_bias is not None:  # a copy: the caller's dict (or protobuf map) may change
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()

@@ -13,6 +13,7 @@ import torch
 
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import NewRequestData
+from services.worker.sampling_metadata import RequestSamplingTensors
 
 
 @dataclass(slots=True)
@@ -22,6 +23,7 @@ class CachedRequestState:
     output_token_ids: list[int]
     sampling_params: SamplingParams
     stop_token_ids: frozenset[int]
+    sampling_tensors: RequestSamplingTensors  # built once, when the request joins the batch
 
 
 class InputBatch:
@@ -45,7 +47,7 @@ class InputBatch:
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
-    def add(self, new: NewRequestData) -> None:
+    def add(self, new: NewRequestData, sampling_tensors: RequestSamplingTensors) -> None:
         if new.req_id in self.row_of:
             raise ValueError(f"request {new.req_id!r} is already in the worker's batch")
         if self.num_reqs >= self.max_num_reqs:
@@ -58,7 +60,7 @@ class InputBatch:
         self.row_of[new.req_id] = row
         self.states.append(CachedRequestState(
             new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
-            new.stop_token_ids,
+            new.stop_token_ids, sampling_tensors,
         ))
         self.token_ids_np[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)

@@ -23,7 +23,7 @@ from services.worker.grammar_bitmask import apply_grammar_bitmask
 from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.parallel_group import TensorParallelGroup
 from services.worker.sampler import Sampler, compute_prompt_logprobs, gather_logprobs
-from services.worker.sampling_metadata import SamplingMetadata
+from services.worker.sampling_metadata import RequestSamplingTensors, SamplingMetadata
 
 
 class SampledTokens(NamedTuple):
@@ -76,7 +76,10 @@ class ModelRunner:
 
     def _add(self, new: NewRequestData) -> None:
         check_sampling_values(new.sampling_params)
-        self.batch.add(new)
+        # Its token-id lists become tensors here, once (ValueError for an id outside the vocabulary):
+        # each step then costs the same whatever their lengths.
+        tensors = RequestSamplingTensors.of(new.sampling_params, new.stop_token_ids, self.vocab_size, self.device)
+        self.batch.add(new, tensors)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -180,6 +183,7 @@ class ModelRunner:
             stop_token_ids_per_row=[s.stop_token_ids for s in states],
             vocab_size=self.vocab_size,
             device=logits.device,
+            request_tensors=[s.sampling_tensors for s in states],
         )
         sampled = self.sampler(logits, meta)
         logprobs = None

@@ -104,11 +104,8 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
         return logits
     logits = logits.clone()
     if meta.allowed_tokens is not None:
-        restricted_rows, rows, token_ids = meta.allowed_tokens
-        banned = torch.zeros_like(logits, dtype=torch.bool)  # [B, V]
-        banned[restricted_rows] = True
-        banned[rows, token_ids] = False
-        logits.masked_fill_(banned, float("-inf"))
+        restricted_rows, allowed = meta.allowed_tokens  # [R], [R, V]
+        logits[restricted_rows] = logits[restricted_rows].masked_fill(~allowed, float("-inf"))
     if meta.logit_bias is not None:
         rows, token_ids, bias = meta.logit_bias
         logits.index_put_((rows, token_ids), bias, accumulate=True)

@@ -3,11 +3,15 @@
 Built once per step by the model runner from host lists (`SamplingMetadata.build`); the sampler then
 runs one batched tensor program over it. A field that no row of the batch uses is `None`, so the
 sampler skips its work entirely (the all-greedy step is one argmax).
+
+What a request's token-id lists say (allowed ids, logit bias, stop ids) is turned into tensors once,
+when it joins the batch (`RequestSamplingTensors`); a step only stacks and concatenates those, so its
+cost does not grow with the lists' lengths, and one request's long list does not slow its batch-mates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -57,11 +61,40 @@ class PenaltyTensors(NamedTuple):
 
 
 class AllowedTokens(NamedTuple):
-    """The rows that may sample only some tokens, and those tokens as sparse (row, token id) entries."""
+    """The rows that may sample only some tokens, and which tokens, as one mask row each."""
 
     restricted_rows: torch.Tensor  # [R] int64
-    rows: torch.Tensor  # [K] int64
-    token_ids: torch.Tensor  # [K] int64
+    allowed: torch.Tensor  # [R, V] bool; True where restricted_rows[i] may sample
+
+
+class RequestSamplingTensors(NamedTuple):
+    """One request's token-indexed sampling state, on the logits' device, built once when it joins the
+    worker's batch (`of`). Each field is None when the request does not use it."""
+
+    allowed: torch.Tensor | None  # [V] bool: the tokens it may sample (allowed_token_ids)
+    bias_token_ids: torch.Tensor | None  # [K] int64: logit_bias's keys, each once
+    bias_values: torch.Tensor | None  # [K] float32: their biases
+    # EOS and stop ids, masked to -inf while it has fewer than min_tokens outputs; None without min_tokens.
+    min_tokens_stop_ids: torch.Tensor | None  # [S] int64
+
+    @classmethod
+    def of(cls, params: SamplingParams, stop_token_ids: Set[int], vocab_size: int,
+           device: torch.device) -> RequestSamplingTensors:
+        """ValueError for an id outside the vocabulary, in any list (`stop_token_ids` holds EOS and the
+        request's stop ids). O(list lengths), once per request."""
+        allowed = None
+        if params.allowed_token_ids is not None:
+            ids = _checked_ids(params.allowed_token_ids, vocab_size, "allowed_token_ids")
+            allowed = torch.zeros(vocab_size, dtype=torch.bool)
+            allowed[ids] = True
+            allowed = _to_device(allowed, device)
+        bias_token_ids = bias_values = None
+        if params.logit_bias:
+            bias_token_ids = _to_device(_checked_ids(params.logit_bias.keys(), vocab_size, "logit_bias"), device)
+            bias_values = _to_device(torch.tensor(list(params.logit_bias.values()), dtype=torch.float32), device)
+        stop_ids = _checked_ids(stop_token_ids, vocab_size, "stop token")
+        return cls(allowed=allowed, bias_token_ids=bias_token_ids, bias_values=bias_values,
+                   min_tokens_stop_ids=_to_device(stop_ids, device) if params.min_tokens and len(stop_ids) else None)
 
 
 class ExplicitLogprobs(NamedTuple):
@@ -100,17 +133,24 @@ class SamplingMetadata:
         params: Sequence[SamplingParams],
         output_token_ids: Sequence[Sequence[int]],
         prompt_token_ids: Sequence[Sequence[int]],
-        stop_token_ids_per_row: Sequence[set[int] | frozenset[int]],
+        stop_token_ids_per_row: Sequence[Set[int]],
         vocab_size: int,
         device: torch.device,
+        request_tensors: Sequence[RequestSamplingTensors] | None = None,
     ) -> SamplingMetadata:
         """`stop_token_ids_per_row[i]` is row i's EOS ids plus its `stop_token_ids`. Row i draws the token
-        at position len(prompt_token_ids[i]) + len(output_token_ids[i])."""
+        at position len(prompt_token_ids[i]) + len(output_token_ids[i]). `request_tensors[i]` is row i's
+        RequestSamplingTensors, kept from when it joined the batch; None: built here from the params."""
         device = torch.device(device)
         num_rows = len(params)
         if not len(output_token_ids) == len(prompt_token_ids) == len(stop_token_ids_per_row) == num_rows:
             raise ValueError("params, output_token_ids, prompt_token_ids and stop_token_ids_per_row "
                              "must have one entry per batch row")
+        if request_tensors is None:
+            request_tensors = [RequestSamplingTensors.of(p, stops, vocab_size, device)
+                               for p, stops in zip(params, stop_token_ids_per_row)]
+        elif len(request_tensors) != num_rows:
+            raise ValueError("request_tensors must have one entry per batch row")
         greedy = [p.temperature < GREEDY_EPSILON for p in params]
         random_params = [None if g else p for p, g in zip(params, greedy)]
         # top_k >= vocab_size keeps everything: treat it as off.
@@ -133,9 +173,9 @@ class SamplingMetadata:
                    for row, (p, prompt, outputs) in enumerate(zip(params, prompt_token_ids, output_token_ids))
                    if p.seed is not None and not greedy[row]},
             penalties=_penalty_tensors(params, output_token_ids, prompt_token_ids, vocab_size, device),
-            logit_bias=_logit_bias(params, vocab_size, device),
-            stop_token_mask=_stop_token_mask(params, output_token_ids, stop_token_ids_per_row, vocab_size, device),
-            allowed_tokens=_allowed_tokens(params, vocab_size, device),
+            logit_bias=_logit_bias(request_tensors, device),
+            stop_token_mask=_stop_token_mask(params, output_token_ids, request_tensors, device),
+            allowed_tokens=_allowed_tokens(request_tensors, device),
             max_num_logprobs=max_num_logprobs,
             explicit_logprobs=_explicit_logprobs(params, max_num_logprobs or 0, vocab_size, device),
         )
@@ -168,31 +208,21 @@ def _penalized_outputs(params: SamplingParams, prompt: Sequence[int], outputs: S
     return [*prompt[len(prompt) - params.num_resumed_outputs:], *outputs]
 
 
-def _logit_bias(params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> TokenEntries | None:
-    rows: list[int] = []
-    token_ids: list[int] = []
-    values: list[float] = []
-    for row, p in enumerate(params):
-        if p.logit_bias:
-            rows.extend([row] * len(p.logit_bias))
-            token_ids.extend(p.logit_bias.keys())
-            values.extend(p.logit_bias.values())
+def _logit_bias(tensors: Sequence[RequestSamplingTensors], device: torch.device) -> TokenEntries | None:
+    rows = [row for row, t in enumerate(tensors) if t.bias_token_ids is not None]
     if not rows:
         return None
-    _check_token_ids(token_ids, vocab_size, "logit_bias")
-    return _token_entries(rows, token_ids, torch.tensor(values, dtype=torch.float32), device)
+    return TokenEntries(rows=_repeat_rows(rows, [tensors[row].bias_token_ids for row in rows], device),
+                        token_ids=torch.cat([tensors[row].bias_token_ids for row in rows]),
+                        values=torch.cat([tensors[row].bias_values for row in rows]))
 
 
-def _allowed_tokens(params: Sequence[SamplingParams], vocab_size: int,
-                    device: torch.device) -> AllowedTokens | None:
-    restricted = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+def _allowed_tokens(tensors: Sequence[RequestSamplingTensors], device: torch.device) -> AllowedTokens | None:
+    restricted = [row for row, t in enumerate(tensors) if t.allowed is not None]
     if not restricted:
         return None
-    rows = [row for row in restricted for _ in params[row].allowed_token_ids]
-    token_ids = [t for row in restricted for t in params[row].allowed_token_ids]
-    _check_token_ids(token_ids, vocab_size, "allowed_token_ids")
-    return AllowedTokens(*(_to_device(torch.tensor(x, dtype=torch.int64), device)
-                           for x in (restricted, rows, token_ids)))
+    return AllowedTokens(restricted_rows=_to_device(torch.tensor(restricted, dtype=torch.int64), device),
+                         allowed=torch.stack([tensors[row].allowed for row in restricted]))
 
 
 def _explicit_logprobs(params: Sequence[SamplingParams], width: int, vocab_size: int,
@@ -201,37 +231,38 @@ def _explicit_logprobs(params: Sequence[SamplingParams], width: int, vocab_size:
     if not rows:
         return None
     ids = [params[row].logprob_token_ids for row in rows]
-    _check_token_ids([t for row_ids in ids for t in row_ids], vocab_size, "logprob_token_ids")
+    _checked_ids((t for row_ids in ids for t in row_ids), vocab_size, "logprob_token_ids")
     return ExplicitLogprobs(rows=_to_device(torch.tensor(rows, dtype=torch.int64), device),
                             token_ids=_pad_rows(ids, 0, device, width))
 
 
 def _stop_token_mask(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
-                     stop_token_ids_per_row: Sequence[set[int] | frozenset[int]], vocab_size: int,
-                     device: torch.device) -> TokenEntries | None:
-    rows: list[int] = []
-    token_ids: list[int] = []
-    for row, (p, outputs, stop_ids) in enumerate(zip(params, output_token_ids, stop_token_ids_per_row)):
-        if len(outputs) < p.min_tokens and stop_ids:
-            rows.extend([row] * len(stop_ids))
-            token_ids.extend(stop_ids)
+                     tensors: Sequence[RequestSamplingTensors], device: torch.device) -> TokenEntries | None:
+    rows = [row for row, (p, outputs, t) in enumerate(zip(params, output_token_ids, tensors))
+            if t.min_tokens_stop_ids is not None and len(outputs) < p.min_tokens]
     if not rows:
         return None
-    _check_token_ids(token_ids, vocab_size, "stop token")
-    return _token_entries(rows, token_ids, torch.full((len(rows),), float("-inf")), device)
+    token_ids = torch.cat([tensors[row].min_tokens_stop_ids for row in rows])
+    return TokenEntries(rows=_repeat_rows(rows, [tensors[row].min_tokens_stop_ids for row in rows], device),
+                        token_ids=token_ids, values=torch.full_like(token_ids, float("-inf"), dtype=torch.float32))
 
 
-def _token_entries(rows: list[int], token_ids: list[int], values: torch.Tensor,
-                   device: torch.device) -> TokenEntries:
-    return TokenEntries(rows=_to_device(torch.tensor(rows, dtype=torch.int64), device),
-                        token_ids=_to_device(torch.tensor(token_ids, dtype=torch.int64), device),
-                        values=_to_device(values, device))
+def _repeat_rows(rows: list[int], entries: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[K] int64: rows[i] once per element of entries[i] (their lengths are known on the host)."""
+    counts = torch.tensor([len(e) for e in entries], dtype=torch.int64)
+    return _to_device(torch.tensor(rows, dtype=torch.int64).repeat_interleave(counts), device)
 
 
-def _check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"{what} token ids {sorted(set(bad))[:8]} are outside the vocabulary [0, {vocab_size})")
+def _checked_ids(token_ids: Iterable[int], vocab_size: int, what: str) -> torch.Tensor:
+    """[K] int64 host tensor of `token_ids`; ValueError naming (up to 8 of) those outside the vocabulary."""
+    try:
+        ids = torch.from_numpy(np.fromiter(token_ids, dtype=np.int64))
+    except OverflowError:  # an int beyond int64 (only in-process callers can build one)
+        raise ValueError(f"{what} token ids must be in the vocabulary [0, {vocab_size})") from None
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if len(bad):
+        raise ValueError(f"{what} token ids {bad.unique()[:8].tolist()} are outside the vocabulary [0, {vocab_size})")
+    return ids
 
 
 def _pad_rows(rows: Sequence[Sequence[int]], pad: int, device: torch.device, width: int = 0) -> torch.Tensor:

@@ -36,6 +36,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from services.worker.parallel_group import namespaced
+
 RECEIVER_RANK, SENDER_RANK = 0, 1
 READY_POLL_S = 0.002  # how often a sender checks that its receiver is ready (a store round trip)
 
@@ -83,9 +85,11 @@ def scatter_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], 
 
 
 class KVTransferEndpoint:
-    def __init__(self, address: str, device: torch.device, timeout: float) -> None:
+    def __init__(self, address: str, device: torch.device, timeout: float, secret: str | None = None) -> None:
         """Listen on `address` (host:port; port 0: any free one). `timeout`: seconds any one
-        rendezvous, send or receive may wait."""
+        rendezvous, send or receive may wait. `secret`: the internal token; with it every key lives
+        under a prefix only its holders can compute, so a store client without it can neither
+        announce a transfer nor join a pair's group (parallel_group.namespaced)."""
         host, port = split_address(address)
         self.host = host
         self.device = device
@@ -94,13 +98,15 @@ class KVTransferEndpoint:
         # where it is told to. The store owns the fd.
         server = socket.create_server((host, port))
         port = server.getsockname()[1]
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=self.timeout,
-                                   master_listen_fd=server.detach())
+        self._secret = secret
+        self.store = namespaced(dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                              timeout=self.timeout, master_listen_fd=server.detach()),
+                                secret, "kv-transfer")
         self.endpoint_id = f"{host}:{port}/{secrets.token_hex(6)}"
         self._lock = threading.Lock()  # guards the dicts and the generation counter
         self._receiving: dict[str, PairGroup] = {}  # by the sender's endpoint id
         self._sending: dict[str, PairGroup] = {}  # by the receiver's endpoint id
-        self._peer_stores: dict[str, dist.TCPStore] = {}
+        self._peer_stores: dict[str, dist.Store] = {}
         self._next_gen = 0
         # One rendezvous at a time per pair and direction: a second transfer waits for the group.
         self._pair_locks: dict[tuple[str, str], threading.Lock] = {}
@@ -170,7 +176,7 @@ class KVTransferEndpoint:
             raise KVTransferError(f"sending {len(block_ids)} KV blocks to {peer} failed: {exc}") from exc
         return blocks.numel() * blocks.element_size()
 
-    def _wait_ready(self, store: dist.TCPStore, key: str) -> None:
+    def _wait_ready(self, store: dist.Store, key: str) -> None:
         """Polls rather than `store.wait`: the peer's store client is shared by this worker's
         transfers to it, and a blocking wait would hold its one connection from the others."""
         deadline = time.monotonic() + self.timeout.total_seconds()
@@ -179,12 +185,13 @@ class KVTransferEndpoint:
                 raise RuntimeError(f"the receiver was not ready for {key} within {self.timeout.total_seconds():g} s")
             time.sleep(READY_POLL_S)
 
-    def _peer_store(self, peer: str) -> dist.TCPStore:
+    def _peer_store(self, peer: str) -> dist.Store:
         with self._lock:
             store = self._peer_stores.get(peer)
         if store is None:
             host, port = split_address(peer)
-            store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
+            store = namespaced(dist.TCPStore(host, port, is_master=False, timeout=self.timeout), self._secret,
+                               "kv-transfer")
             with self._lock:
                 self._peer_stores[peer] = store
         return store

@@ -7,6 +7,11 @@ TCPStore that rank 0 hosts on the host of `distributed_address` (not on every in
 every collective waits at most `distributed_timeout` seconds: a rank whose peer died fails its
 step with GroupError instead of hanging in a collective for torch's default 30 minutes.
 
+A TCPStore has no authentication, so a group with a secret (the internal token) keeps every key
+under a prefix derived from it: a client that does not know the token can connect but cannot
+find, join or overwrite the group's keys. Gloo's own sockets bind the interface that holds the
+rendezvous host's address (loopback under `kvmesh serve`), not the hostname's.
+
 Collectives, all over the whole group and called by every rank in the same order:
 
     all_reduce       sum of the ranks' partial results (row-parallel layers, vocab embedding)
@@ -18,7 +23,13 @@ Collectives, all over the whole group and called by every rank in the same order
 from __future__ import annotations
 
 from datetime import timedelta
+import fcntl
+import hashlib
+import hmac
+import ipaddress
+import os
 import socket
+import struct
 
 import torch
 import torch.distributed as dist
@@ -55,8 +66,10 @@ class TensorParallelGroup:
         return self.rank == DRIVER_RANK
 
     @classmethod
-    def create(cls, parallel: ParallelConfig, device: torch.device) -> TensorParallelGroup:
-        """Join the group `parallel` names; blocks until every rank has joined (at most the timeout)."""
+    def create(cls, parallel: ParallelConfig, device: torch.device,
+               secret: str | None = None) -> TensorParallelGroup:
+        """Join the group `parallel` names; blocks until every rank has joined (at most the timeout).
+        `secret`: the internal token every rank holds; a rank without it never meets the others."""
         size, rank = parallel.tensor_parallel_size, parallel.rank
         if size == 1:
             return cls()
@@ -71,7 +84,10 @@ class TensorParallelGroup:
             listen_fd = socket.create_server((host, int(port))).detach() if rank == DRIVER_RANK else None
             store = dist.TCPStore(host, int(port), size, is_master=rank == DRIVER_RANK, timeout=timeout,
                                   master_listen_fd=listen_fd)
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+            if device.type != "cuda":
+                bind_gloo_to(host)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    store=namespaced(store, secret, "tensor-parallel"), rank=rank,
                                     world_size=size, timeout=timeout)
         except (OSError, RuntimeError, dist.DistError) as exc:
             raise GroupError(f"rank {rank} of {size} could not join its group at {parallel.distributed_address} "
@@ -124,6 +140,43 @@ class TensorParallelGroup:
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+def namespaced(store: dist.Store, secret: str | None, purpose: str) -> dist.Store:
+    """`store` with every key under a prefix only holders of `secret` can compute (no secret: as is)."""
+    if not secret:
+        return store
+    tag = hmac.new(secret.encode(), f"kvmesh {purpose} store".encode(), hashlib.sha256).hexdigest()
+    return dist.PrefixStore(tag, store)
+
+
+_SIOCGIFADDR = 0x8915
+
+
+def interface_of(host: str) -> str | None:
+    """The name of the network interface that holds `host`'s IPv4 address (loopback: the loopback
+    one); None when none does (an IPv6 or unresolvable host)."""
+    try:
+        address = ipaddress.ip_address(socket.gethostbyname(host))
+    except (OSError, ValueError):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # an interface without an IPv4 address
+            if ipaddress.ip_address(raw[20:24]) == address or (address.is_loopback and name == "lo"):
+                return name
+    return None
+
+
+def bind_gloo_to(host: str) -> None:
+    """Have gloo listen on the interface of `host` rather than on the hostname's address, which is
+    often the LAN's. An operator's own GLOO_SOCKET_IFNAME wins."""
+    name = interface_of(host)
+    if name is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
 
 
 def free_loopback_address() -> str:

@@ -46,7 +46,8 @@ def gemm_dtype_layers(model: torch.nn.Module) -> list[BlockWeightHolder]:
 class Worker:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, worker_config: WorkerConfig,
                  parallel_config: ParallelConfig = ParallelConfig(),
-                 disaggregation: DisaggregationConfig = DisaggregationConfig()) -> None:
+                 disaggregation: DisaggregationConfig = DisaggregationConfig(), secret: str | None = None) -> None:
+        """`secret`: the internal token, which guards the tensor-parallel and KV-transfer stores."""
         self.device = torch.device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, model_config.quantization, model_config.model, self.device)
         self.cache_config = cache_config
@@ -55,7 +56,7 @@ class Worker:
         self.model_path = resolve_model(model_config.model, cache_dir)
         if self.device.type == "cpu":
             cpu_fused_ops.available(cache_dir)  # built once here; without a compiler the layers use torch ops
-        self.tp = TensorParallelGroup.create(parallel_config, self.device)  # waits for the other ranks
+        self.tp = TensorParallelGroup.create(parallel_config, self.device, secret)  # waits for the other ranks
         gguf_weights = gguf_weights_for(model_config.quantization, model_config.model, self.device, self.dtype,
                                         cache_dir)
         self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device, self.tp, gguf_weights)
@@ -72,7 +73,7 @@ class Worker:
             max_len = model_config.max_model_len
         # Disaggregation (issue 14): this worker's end of KV transfers with other engines' workers.
         self.kv_transfer = None if disaggregation.kv_transfer_address is None else KVTransferEndpoint(
-            disaggregation.kv_transfer_address, self.device, disaggregation.kv_transfer_timeout)
+            disaggregation.kv_transfer_address, self.device, disaggregation.kv_transfer_timeout, secret)
         self.info = WorkerInfo(model_id=model_id_of(self.model_path), model_path=str(self.model_path),
                                vocab_size=self.hf_config.vocab_size, max_model_len=max_len,
                                block_size=cache_config.block_size, rank=self.tp.rank, world_size=self.tp.size,

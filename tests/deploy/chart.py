@@ -57,16 +57,30 @@ _DASHBOARD_DATA = re.compile(r"^(  (\S+\.json): \|-\n)((?:    .*\n|\n)+)", re.MU
 def golden_manifest(rendered: dict[str, str]) -> str:
     """The manifest with each dashboard's JSON (a file, not a template; test_dashboards checks it
     and that the ConfigMaps carry it unchanged) cut down to its digest, and the generated token
-    replaced by a placeholder, so that the golden files show the templates' output."""
+    secrets (tokens, the TLS certificate) replaced by placeholders, so that the golden files show
+    the templates' output."""
     def digest(match: re.Match) -> str:
         body = match.group(3)
         return f"{match.group(1)}    <dashboards/{match.group(2)}: sha256 {hashlib.sha256(body.encode()).hexdigest()[:16]}>\n"
-    return _GENERATED_TOKEN.sub(r"\1<randAlphaNum 48, base64>", _DASHBOARD_DATA.sub(digest, manifest(rendered)))
+    return _hide_generated(_DASHBOARD_DATA.sub(digest, manifest(rendered)))
 
 
-# The chart's generated internal token: random on every render, so the golden files show a placeholder.
-_GENERATED_TOKEN = re.compile(r"^(# Source: [^\n]*/internal-token-secret\.yaml\n(?:.*\n)*?data:\n  \S+: )\S+$",
-                              re.MULTILINE)
+# The templates whose Secrets' data the chart generates (random on every render).
+_GENERATED_SOURCES = ("/internal-token-secret.yaml", "/internal-tls.yaml")
+
+
+def _hide_generated(text: str) -> str:
+    """Each value under `data:` of a generated Secret as <generated, base64>."""
+    out, generated, in_data = [], False, False
+    for line in text.splitlines(keepends=True):
+        if line.startswith("# Source: "):
+            generated = line.rstrip().endswith(_GENERATED_SOURCES)
+        if in_data and line.startswith("  "):
+            line = line[:line.index(": ") + 2] + "<generated, base64>\n"
+        else:
+            in_data = generated and line == "data:\n"
+        out.append(line)
+    return "".join(out)
 
 
 def objects(rendered: dict[str, str]) -> list[dict[str, Any]]:

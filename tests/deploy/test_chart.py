@@ -8,6 +8,7 @@ import difflib
 import importlib
 import os
 import re
+import subprocess
 from dataclasses import fields
 from typing import Any
 
@@ -183,6 +184,7 @@ def test_probes_use_grpc_health_and_the_configured_ports() -> None:
     values = {c: {"port": p, "metricsPort": p + 100} for c, p in ports.items()}
     values["worker"]["stepPort"] = 41203  # the worker's step channel
     values["gateway"] = {"port": 41000, "service": {"type": "ClusterIP", "port": 80}}
+    values["internalAuth"] = {"tls": {"enabled": False}}  # kubelet's own gRPC probes speak plain text only
     rendered = render(values)
     text = manifest(rendered)
     for default in ("8000", "50051", "50052", "50053", "50063", "9051", "9052", "9053"):
@@ -371,30 +373,49 @@ def volume_of(pod: dict[str, Any], container: dict[str, Any], path: str) -> dict
     return volume
 
 
-@pytest.mark.parametrize("auth", [{}, {"existingSecret": "my-token", "key": "secret"}], ids=["generated", "existing"])
-def test_every_kvmesh_container_reads_the_internal_token_from_the_secret(auth: dict[str, str]) -> None:
-    objs = objects(render({"internalAuth": auth}))
-    secrets = [o for o in objs if o["kind"] == "Secret"]
-    name = auth.get("existingSecret", "kvmesh-internal-token")
-    if auth:
-        assert secrets == []  # the user's own Secret
-    else:
-        [secret] = secrets
-        assert secret["metadata"]["name"] == name
-        assert len(base64.b64decode(secret["data"]["token"])) == 48
-    for component in COMPONENTS:
+# The role tokens each component holds: its own, to call with, and its callers', to check them.
+HELD_TOKENS = {"gateway": ["gateway"], "processor": ["gateway", "processor"], "engine": ["processor", "engine"],
+               "worker": ["engine"]}
+
+
+def test_each_component_holds_only_its_role_tokens() -> None:
+    """One Secret per caller role, each mounted only where it is sent or checked: the gateway's pod
+    holds no token that opens an engine or a worker."""
+    objs = objects(render())
+    secrets = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-token")}
+    assert set(secrets) == {"kvmesh-gateway-token", "kvmesh-processor-token", "kvmesh-engine-token"}
+    assert len({s["data"]["token"] for s in secrets.values()}) == 3
+    assert all(len(base64.b64decode(s["data"]["token"])) == 48 for s in secrets.values())
+    for component, roles in HELD_TOKENS.items():
         pod = pod_spec(objs, component)
         container = pod["containers"][0]
-        assert args_of(objs, component)["internal-token-file"] == TOKEN_FILE
-        volume = volume_of(pod, container, TOKEN_FILE)
-        assert volume["secret"]["secretName"] == name
-        assert volume["secret"]["items"] == [{"key": auth.get("key", "token"), "path": "token"}]
-        assert volume["secret"]["defaultMode"] == 0o440  # root and the fsGroup
+        args = args_of(objs, component)
+        assert [flag for flag in args if flag.endswith("token-file")] == [f"{role}-token-file" for role in roles]
+        for role in roles:
+            volume = volume_of(pod, container, args[f"{role}-token-file"])
+            assert volume["secret"]["secretName"] == f"kvmesh-{role}-token"
+            assert volume["secret"]["items"] == [{"key": "token", "path": "token"}]
+            assert volume["secret"]["defaultMode"] == 0o440  # root and the fsGroup
+        mounted = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        assert mounted & set(secrets) == {f"kvmesh-{role}-token" for role in roles}, component
         assert "KVMESH_INTERNAL_TOKEN" not in str(container.get("env"))
 
 
+def test_an_existing_shared_token_goes_to_every_component() -> None:
+    objs = objects(render({"internalAuth": {"existingSecret": "my-token", "key": "secret"}}))
+    assert not [o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-token")]
+    for component in COMPONENTS:
+        pod = pod_spec(objs, component)
+        args = args_of(objs, component)
+        assert args["internal-token-file"] == TOKEN_FILE
+        assert not [flag for flag in args if flag.endswith("token-file") and flag != "internal-token-file"]
+        volume = volume_of(pod, pod["containers"][0], TOKEN_FILE)
+        assert volume["secret"]["secretName"] == "my-token"
+        assert volume["secret"]["items"] == [{"key": "secret", "path": "token"}]
+
+
 def test_each_install_draws_its_own_token() -> None:
-    tokens = {find(objects(render()), "Secret", "kvmesh-internal-token")["data"]["token"] for _ in range(2)}
+    tokens = {find(objects(render()), "Secret", "kvmesh-gateway-token")["data"]["token"] for _ in range(2)}
     assert len(tokens) == 2
 
 
@@ -443,27 +464,60 @@ def test_network_policies_admit_only_the_next_hop_and_prometheus() -> None:
                 if o["kind"] == "NetworkPolicy"]
 
 
-def test_mutual_tls_mounts_the_certificates_and_probes_with_them() -> None:
-    tls = {"enabled": True, "secretName": "kvmesh-tls", "serverName": "internal.kvmesh"}
+@pytest.mark.parametrize("secret_name", ["kvmesh-tls", ""], ids=["existing", "generated"])
+def test_mutual_tls_mounts_the_certificates_and_probes_with_them(secret_name: str) -> None:
+    tls = {"enabled": True, "secretName": secret_name, "serverName": "internal.kvmesh"}
     objs = objects(render({"internalAuth": {"existingSecret": "", "key": "token", "tls": tls}}))
     for obj in objs:
         if obj["kind"] not in CUSTOM_KINDS:
             kubernetes_validate.validate(obj, KUBE_VERSIONS[0], strict=True)
+    secret = secret_name or "kvmesh-internal-tls"
     for component in COMPONENTS:
         pod = pod_spec(objs, component)
         container = pod["containers"][0]
         args = args_of(objs, component)
         assert args["tls-server-name"] == "internal.kvmesh"
         for flag in ("tls-cert-file", "tls-key-file", "tls-ca-file"):
-            assert volume_of(pod, container, args[flag])["secret"]["secretName"] == "kvmesh-tls"
+            assert volume_of(pod, container, args[flag])["secret"]["secretName"] == secret
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             if "grpc" in container.get(probe, {}) or "exec" in container.get(probe, {}):
                 command = container[probe]["exec"]["command"]
                 assert command[:3] == ["python", "-m", "services.common.rpc.health_probe"]
                 assert f"--tls-ca-file={args['tls-ca-file']}" in command
                 assert f"--port={args['port']}" in command
-    with pytest.raises(helm.HelmValuesError):  # TLS needs its Secret
-        render({"internalAuth": {"existingSecret": "", "key": "token", "tls": {**tls, "secretName": ""}}})
+    generated = [o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == "kvmesh-internal-tls"]
+    assert len(generated) == (0 if secret_name else 1)
+
+
+def test_tls_is_on_by_default_with_a_certificate_the_chart_makes(tmp_path) -> None:
+    """Helm's own CA and a certificate for the server name, for server and client authentication:
+    the pair the services' mutual TLS accepts (checked with openssl)."""
+    objs = objects(render())
+    assert all(args_of(objs, component)["tls-server-name"] == "kvmesh-internal" for component in COMPONENTS)
+    data = find(objs, "Secret", "kvmesh-internal-tls")["data"]
+    for key in ("ca.crt", "tls.crt", "tls.key"):
+        (tmp_path / key).write_bytes(base64.b64decode(data[key]))
+    verify = subprocess.run(["openssl", "verify", "-purpose", "sslclient", "-CAfile", tmp_path / "ca.crt",
+                             tmp_path / "tls.crt"], capture_output=True, text=True, timeout=30)
+    assert verify.returncode == 0, verify.stderr
+    text = subprocess.run(["openssl", "x509", "-in", tmp_path / "tls.crt", "-noout", "-text"], capture_output=True,
+                          text=True, timeout=30, check=True).stdout
+    assert "DNS:kvmesh-internal" in text and "TLS Web Server Authentication" in text
+
+
+def test_tls_with_cert_manager_issues_the_certificate_the_pods_mount() -> None:
+    objs = objects(render({"internalAuth": {"tls": {"certManager": True}}}))
+    assert not [o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == "kvmesh-internal-tls"]
+    issuers = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Issuer"}
+    certificates = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Certificate"}
+    ca, leaf = certificates["kvmesh-internal-ca"]["spec"], certificates["kvmesh-internal-tls"]["spec"]
+    assert ca["isCA"] and ca["issuerRef"]["name"] in issuers and "selfSigned" in issuers[ca["issuerRef"]["name"]]["spec"]
+    assert issuers[leaf["issuerRef"]["name"]]["spec"]["ca"]["secretName"] == ca["secretName"]
+    assert leaf["secretName"] == "kvmesh-internal-tls" and leaf["dnsNames"] == ["kvmesh-internal"]
+    assert set(leaf["usages"]) == {"server auth", "client auth"}
+    pod = pod_spec(objs, "worker")
+    assert volume_of(pod, pod["containers"][0], args_of(objs, "worker")["tls-ca-file"])["secret"]["secretName"] == \
+        "kvmesh-internal-tls"
 
 
 # ----------------------------------------------------------------------------- tensor parallel

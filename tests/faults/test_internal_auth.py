@@ -40,6 +40,7 @@ from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc, processor
 from services.common.rpc.security import RpcSecurity
 from services.common.rpc.server import GRPC_OPTIONS
 from services.common.scheduler_output import SchedulerOutput
+from services.common.sampling_params import MAX_TOKEN_IDS
 from services.common.validation import MAX_STOP_TOKEN_IDS
 from services.engine.client import GrpcEngineClient
 from services.processor.client import GrpcProcessorClient
@@ -199,9 +200,11 @@ POISONED = [
     poisoned("logit_bias 1e30", lambda r: r.sampling_params.logit_bias.update({28: 1e30})),
     poisoned("stop_token_ids out of vocabulary", lambda r: r.sampling_params.stop_token_ids.append(10**9)),
     poisoned("too many stop_token_ids",
-             lambda r: r.sampling_params.stop_token_ids.extend([7] * (MAX_STOP_TOKEN_IDS + 1))),
+             lambda r: r.sampling_params.stop_token_ids.extend(range(MAX_STOP_TOKEN_IDS + 1))),
     poisoned("too many stop strings", lambda r: r.sampling_params.stop.extend(["x"] * 5000)),
     poisoned("allowed_token_ids out of vocabulary", lambda r: r.sampling_params.allowed_token_ids.extend([28, 10**9])),
+    poisoned("allowed_token_ids longer than any vocabulary",
+             lambda r: r.sampling_params.allowed_token_ids.extend([28] * (MAX_TOKEN_IDS + 1))),
     poisoned("logprob_token_ids negative", lambda r: r.sampling_params.logprob_token_ids.append(-3)),
     poisoned("too many logprob_token_ids", lambda r: r.sampling_params.logprob_token_ids.extend([28] * 129)),
     poisoned("logprobs not the number of logprob_token_ids",
@@ -471,13 +474,20 @@ def test_kvmesh_serve_authenticates_its_children(model_path: Path):
                 assert call_raw(channel, service, service.methods_by_name["GetInfo" if name != "processor"
                                                                           else "GetModelInfo"], None) \
                     == grpc.StatusCode.UNAUTHENTICATED
-            # The token is in a file of this user's only, never on a command line.
+        # Each child holds the role tokens it calls with and is called with, no other; each token is
+        # in a file of this user's only, never on a command line. The gateway holds its own only.
+        held = {"gateway": ["gateway"], "processor": ["gateway", "processor"], "engine": ["processor", "engine"],
+                "worker": ["engine"]}
+        for name, roles in held.items():
             argv = Path(f"/proc/{services[name]['pid']}/cmdline").read_bytes().split(b"\0")
-            token_file = Path(argv[argv.index(b"--internal-token-file") + 1].decode())
-            token = token_file.read_text().strip()
-            assert len(token) >= 32 and token.encode() not in b" ".join(argv)
-            assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
-            assert stat.S_IMODE(token_file.parent.stat().st_mode) == 0o700
+            flags = [arg.decode() for arg in argv if arg.endswith(b"-token-file")]
+            assert flags == [f"--{role}-token-file" for role in roles], name
+            for flag in flags:
+                token_file = Path(argv[argv.index(flag.encode()) + 1].decode())
+                token = token_file.read_text().strip()
+                assert len(token) >= 32 and token.encode() not in b" ".join(argv)
+                assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+                assert stat.S_IMODE(token_file.parent.stat().st_mode) == 0o700
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert not token_file.parent.exists()  # removed with the run

@@ -2,22 +2,33 @@
 
 Two layers, both grpcio's own machinery, nothing hand-rolled:
 
-    token   a shared secret (SecurityConfig.internal_token_file: a mounted Kubernetes Secret, or
-            $KVMESH_INTERNAL_TOKEN). Clients send it as `authorization: Bearer <token>` call
-            metadata; TokenInterceptor, a server interceptor in front of every handler, compares it
-            in constant time and answers UNAUTHENTICATED without calling the handler. The standard
-            health service stays open (kubelet's gRPC probes send no metadata); reflection and every
-            kvmesh service need the token.
+    tokens  one secret per caller role (SecurityConfig.{gateway,processor,engine}_token_file: a
+            mounted Kubernetes Secret each), or one shared by every role
+            (SecurityConfig.internal_token_file, or $KVMESH_INTERNAL_TOKEN). Clients send their own
+            role's token as `authorization: Bearer <token>` call metadata, and its role as
+            `kvmesh-role`; TokenInterceptor, a server interceptor in front of every handler, answers
+            PERMISSION_DENIED for a role that may not call the method (SERVICE_CALLERS,
+            METHOD_CALLERS), then UNAUTHENTICATED unless the token is that role's (or the shared
+            one), compared in constant time, all without calling the handler. The standard health
+            service stays open (kubelet's gRPC probes send no metadata); reflection needs a token
+            of any role.
     mTLS    optional (SecurityConfig.tls_*): servers listen with grpc.ssl_server_credentials and
             require a client certificate from the CA; clients dial with grpc.ssl_channel_credentials
             presenting theirs. A peer without a certificate from the CA never completes a handshake.
 
-Without a token a server logs a warning that it is unauthenticated and serves anyone (a service
-started by hand, off Kubernetes); `kvmesh serve` always gives its children a token of its own.
+Who calls what: the gateway calls the Processor service only; the processor calls the
+Engine's client methods; an engine calls its workers, and a decode engine a prefill engine's
+Prefill, ReleaseTransfer and GetInfo. So the internet-facing gateway's token opens no engine and no
+worker. The shared token stands for every role, for services started by hand.
 
-    security = RpcSecurity.load(config)                    # once, at the edge
+Without a token a server logs a warning that it is unauthenticated and serves anyone (a service
+started by hand, off Kubernetes); `kvmesh serve` gives each child the role tokens it sends or checks.
+A refused call is counted in kvmesh_rpc_refused_total{service,reason} and logged, at most once a
+minute per service and reason, so that a flood of them costs a dict look-up each, not a log line.
+
+    security = RpcSecurity.load(config, "engine")          # once, at the edge, as this process's role
     server = RpcServer(host, port, names, security=security)   # interceptor + credentials
-    channel = security.aio_channel(address, GRPC_OPTIONS)       # token on every call (+ TLS)
+    channel = security.aio_channel(address, GRPC_OPTIONS)       # this role's token on every call (+ TLS)
 """
 
 from __future__ import annotations
@@ -27,12 +38,16 @@ import logging
 import os
 import ssl
 import tempfile
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily
 
 from services.common.config import SecurityConfig
 
@@ -40,57 +55,171 @@ logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "KVMESH_INTERNAL_TOKEN"
 TOKEN_METADATA_KEY = "authorization"
+# The role a caller's token is of, sent beside it: a role that may not call a method is refused at
+# once (PERMISSION_DENIED), by a server that need not hold that role's token to say so.
+ROLE_METADATA_KEY = "kvmesh-role"
 # Methods callable without the token: the health service only (kubelet probes it).
 OPEN_METHOD_PREFIXES = (f"/{health.SERVICE_NAME}/",)
 UNAUTHENTICATED_MESSAGE = "this service needs the internal token (missing or wrong)"
 
+# Caller roles: each has its own token. ANY is the role of the shared token, which may call everything.
+GATEWAY, PROCESSOR, ENGINE = "gateway", "processor", "engine"
+ROLES = (GATEWAY, PROCESSOR, ENGINE)
+ANY = "any"
+# The worker's step channel is no gRPC method; its hello is authorized as if it were this one.
+STEP_CHANNEL_METHOD = "/kvmesh.v1.Worker/StepChannel"
+
+_REFLECTION = frozenset(ROLES)  # read-only, and a debugging aid for whoever holds a token
+# Who may call each method: a method's own entry, else its service's, else nobody but the shared token.
+# Every method of every kvmesh service is classified here (a test checks the protos against it).
+SERVICE_CALLERS: dict[str, frozenset[str]] = {
+    "kvmesh.v1.Processor": frozenset({GATEWAY}),
+    "kvmesh.v1.Engine": frozenset({PROCESSOR}),  # Generate, Abort, GetStats, MatchPrefix
+    "kvmesh.v1.Worker": frozenset({ENGINE}),  # GetInfo, InitializeCache, SendKV, ReceiveKV, the step channel
+    "grpc.reflection.v1alpha.ServerReflection": _REFLECTION,
+    "grpc.reflection.v1.ServerReflection": _REFLECTION,
+}
+METHOD_CALLERS: dict[str, frozenset[str]] = {
+    # A decode engine asks a prefill engine for its workers' KV endpoints, then to prefill and to release.
+    "/kvmesh.v1.Engine/GetInfo": frozenset({PROCESSOR, ENGINE}),
+    "/kvmesh.v1.Engine/Prefill": frozenset({ENGINE}),
+    "/kvmesh.v1.Engine/ReleaseTransfer": frozenset({ENGINE}),
+    STEP_CHANNEL_METHOD: frozenset({ENGINE}),
+}
+PERMISSION_DENIED_MESSAGE = "this caller's credential may not call {method}"
+
+
+def callers_of(method: str) -> frozenset[str]:
+    """The roles that may call `method` ("/package.Service/Method"); the shared token may call all."""
+    allowed = METHOD_CALLERS.get(method)
+    if allowed is None:
+        allowed = SERVICE_CALLERS.get(method.lstrip("/").rpartition("/")[0], frozenset())
+    return allowed | {ANY}
+
 
 def read_token(config: SecurityConfig, environ: Mapping[str, str] = os.environ) -> str | None:
-    """The token from the file, else from $KVMESH_INTERNAL_TOKEN, else None. ValueError for an
-    empty one (a Secret mounted without its key would otherwise mean "no authentication")."""
+    """The shared token from the file, else from $KVMESH_INTERNAL_TOKEN, else None. ValueError for
+    an empty one (a Secret mounted without its key would otherwise mean "no authentication")."""
     if config.internal_token_file is not None:
-        token = Path(config.internal_token_file).read_text().strip()
-        if not token:
-            raise ValueError(f"the internal token file {config.internal_token_file} is empty")
-        return token
+        return read_token_file(config.internal_token_file)
     token = environ.get(TOKEN_ENV)
     if token is not None and not token.strip():
         raise ValueError(f"${TOKEN_ENV} is set but empty")
     return token.strip() if token else None
 
 
+def read_token_file(path: Path) -> str:
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"the internal token file {path} is empty")
+    return token
+
+
+def read_role_tokens(config: SecurityConfig) -> dict[str, str]:
+    """The role tokens the config names, by role."""
+    files = {GATEWAY: config.gateway_token_file, PROCESSOR: config.processor_token_file,
+             ENGINE: config.engine_token_file}
+    return {role: read_token_file(path) for role, path in files.items() if path is not None}
+
+
+class Refusals:
+    """Refused internal calls: counted by (service, reason) for kvmesh_rpc_refused_total, and logged
+    at most once a minute per pair (a flood of refusals must not become a flood of log lines).
+    Thread-safe: gRPC refuses on the event loop, the step channel on its handshake threads."""
+
+    LOG_INTERVAL = 60.0  # seconds
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str], int] = {}
+        self._next_log: dict[tuple[str, str], float] = {}
+        self._unlogged: dict[tuple[str, str], int] = {}
+
+    def refuse(self, service: str, reason: grpc.StatusCode, detail: str) -> None:
+        key = (service, reason.name)
+        now = time.monotonic()
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + 1
+            self._unlogged[key] = self._unlogged.get(key, 0) + 1
+            if now < self._next_log.get(key, 0.0):
+                return
+            self._next_log[key] = now + self.LOG_INTERVAL
+            count, self._unlogged[key] = self._unlogged[key], 0
+        logger.warning("refused %d internal call(s) to %s with %s in the last %gs (latest: %s)", count, service,
+                       reason.name, self.LOG_INTERVAL, detail)
+
+    def count(self, service: str, reason: grpc.StatusCode) -> int:
+        with self._lock:
+            return self._counts.get((service, reason.name), 0)
+
+    def register(self, registry: CollectorRegistry) -> None:
+        """Serve the counts on `registry` (a process's /metrics)."""
+        registry.register(self)
+
+    def describe(self) -> list:
+        return []  # the family appears at the first collect (prometheus-client's own protocol)
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily("kvmesh_rpc_refused", "internal calls refused before any handler ran, by "
+                                     "service and reason (UNAUTHENTICATED, PERMISSION_DENIED)",
+                                     labels=["service", "reason"])
+        with self._lock:
+            counts = dict(self._counts)
+        for (service, reason), count in sorted(counts.items()):
+            family.add_metric([service, reason], count)
+        yield family
+
+
 @dataclass(frozen=True)
 class RpcSecurity:
-    """What one process needs to serve and to call: the token (None: none) and, for mTLS, its
-    certificate, key and CA as PEM bytes. `RpcSecurity()` is plain text without a token."""
+    """What one process needs to serve and to call: `token`, the credential it sends (None: none);
+    `callers`, the tokens it accepts as (token, role) pairs (empty: `token`, as the shared one);
+    and, for mTLS, its certificate, key and CA as PEM bytes. `RpcSecurity()` is plain text
+    without a token; `RpcSecurity("t")` sends and accepts the shared token "t"."""
 
     token: str | None = None
     cert: bytes | None = None
     key: bytes | None = None
     ca: bytes | None = None
     server_name: str | None = None
+    callers: tuple[tuple[str, str], ...] = ()
+    role: str | None = None  # the role of `token` (None: the shared token, of every role)
+    refusals: Refusals = field(default_factory=Refusals, compare=False, repr=False)
 
     @classmethod
-    def load(cls, config: SecurityConfig) -> RpcSecurity:
-        """Reads the files the config names (OSError when one cannot be read)."""
+    def load(cls, config: SecurityConfig, role: str | None = None) -> RpcSecurity:
+        """Reads the files the config names (OSError when one cannot be read). `role` is this
+        process's: it sends that role's token, else the shared one (a worker calls no one)."""
+        shared, tokens = read_token(config), read_role_tokens(config)
+        callers = (*(((shared, ANY),) if shared else ()), *((token, r) for r, token in tokens.items()))
+        own, own_role = (tokens[role], role) if role in tokens else (shared, None)
         if not config.tls:
-            return cls(read_token(config))
-        return cls(read_token(config), Path(config.tls_cert_file).read_bytes(), Path(config.tls_key_file).read_bytes(),
-                   Path(config.tls_ca_file).read_bytes(), config.tls_server_name)
+            return cls(own, callers=callers, role=own_role)
+        return cls(own, Path(config.tls_cert_file).read_bytes(), Path(config.tls_key_file).read_bytes(),
+                   Path(config.tls_ca_file).read_bytes(), config.tls_server_name, callers, own_role)
 
     @property
     def tls(self) -> bool:
         return self.cert is not None
 
     @property
+    def accepted(self) -> tuple[tuple[str, str], ...]:
+        """The (token, role) pairs this process accepts as a server."""
+        return self.callers or (((self.token, ANY),) if self.token else ())
+
+    @property
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
         """The metadata every call carries (empty without a token)."""
-        return ((TOKEN_METADATA_KEY, f"Bearer {self.token}"),) if self.token else ()
+        if not self.token:
+            return ()
+        if self.role is None:
+            return ((TOKEN_METADATA_KEY, f"Bearer {self.token}"),)
+        return (TOKEN_METADATA_KEY, f"Bearer {self.token}"), (ROLE_METADATA_KEY, self.role)
 
     # ------------------------------------------------------------------ server side
 
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return [TokenInterceptor(self.token)] if self.token else []
+        return [TokenInterceptor(self.accepted, self.refusals)] if self.accepted else []
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
         """Listen on `address`: mTLS (client certificates required) or plain text."""
@@ -101,9 +230,9 @@ class RpcSecurity:
         return server.add_secure_port(address, credentials)
 
     def warn_if_open(self, what: str) -> None:
-        if self.token is None:
-            logger.warning("%s is UNAUTHENTICATED: no internal token (--internal-token-file or $%s), so anyone "
-                           "who reaches its port may call it", what, TOKEN_ENV)
+        if not self.accepted:
+            logger.warning("%s is UNAUTHENTICATED: no internal token (--internal-token-file, a role's token file "
+                           "or $%s), so anyone who reaches its port may call it", what, TOKEN_ENV)
 
     # ------------------------------------------------------------------ client side
 
@@ -126,9 +255,16 @@ class RpcSecurity:
 
     # ------------------------------------------------------------------ plain sockets (the step channel)
 
-    def token_matches(self, sent: str) -> bool:
-        """Whether `sent` is this process's token, in constant time (True when it has none)."""
-        return self.token is None or hmac.compare_digest(sent.encode(), self.token.encode())
+    def authorize(self, sent: str, method: str) -> grpc.StatusCode | None:
+        """None when the token `sent` (bare, without "Bearer ") may call `method` (always, for a
+        process that accepts no token); else UNAUTHENTICATED (no token it knows) or
+        PERMISSION_DENIED (a role that may not). Counts and logs a refusal."""
+        if not self.accepted:
+            return None
+        code = _authorize(None, _role_of(f"Bearer {sent}".encode(), _expected(self.accepted)), method)
+        if code is not None:
+            self.refusals.refuse(method.lstrip("/").rpartition("/")[0], code, method)
+        return code
 
     def ssl_context(self, server: bool) -> ssl.SSLContext:
         """The same mutual TLS as the gRPC channels, for a plain socket: this process's certificate,
@@ -155,40 +291,81 @@ class RpcSecurity:
         return [*options, ("grpc.ssl_target_name_override", self.server_name)]
 
 
+def _expected(accepted: Sequence[tuple[str, str]]) -> tuple[tuple[bytes, str], ...]:
+    return tuple((f"Bearer {token}".encode(), role) for token, role in accepted)
+
+
+def _role_of(sent: bytes | None, expected: Sequence[tuple[bytes, str]]) -> str | None:
+    """The role whose `Bearer <token>` `sent` is, comparing with every known token in constant time
+    (no early exit: the time taken tells nothing of which one, if any, matched)."""
+    role = None
+    for value, candidate in expected:
+        if hmac.compare_digest(sent or b"", value):
+            role = candidate
+    return role if sent is not None else None
+
+
+def _authorize(claimed: str | None, role: str | None, method: str) -> grpc.StatusCode | None:
+    """`claimed`: the role the caller said (None: none said); `role`: its token's (None: unknown)."""
+    if role is None or claimed not in (None, role) and role != ANY:
+        return grpc.StatusCode.UNAUTHENTICATED
+    return None if role in callers_of(method) else grpc.StatusCode.PERMISSION_DENIED
+
+
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Ends every call without the right token UNAUTHENTICATED before its handler runs; the
-    health service is open."""
+    """Ends every call without a known token UNAUTHENTICATED, and every call from a role that may
+    not call its method PERMISSION_DENIED, before its handler runs and without parsing its message;
+    the health service is open. `accepted`: (token, role) pairs."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, accepted: Sequence[tuple[str, str]], refusals: Refusals | None = None) -> None:
+        self._expected = _expected(accepted)
+        self._callers: dict[str, frozenset[str]] = {}  # callers_of, by method
+        self.refusals = refusals or Refusals()
+        self._refusing: dict[tuple[str, grpc.StatusCode], grpc.RpcMethodHandler] = {}  # one per registered method
 
-    def authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+    def role_of(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+        """The role of the caller's token (None: no token, or none this server knows)."""
         sent = next((value for key, value in metadata or () if key == TOKEN_METADATA_KEY), None)
-        if sent is None:
-            return False
-        return hmac.compare_digest(sent.encode() if isinstance(sent, str) else sent, self._expected)
+        return _role_of(sent.encode() if isinstance(sent, str) else sent, self._expected)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if (handler is None or handler_call_details.method.startswith(OPEN_METHOD_PREFIXES)
-                or self.authorized(handler_call_details.invocation_metadata)):
+        method = handler_call_details.method
+        if handler is None or method.startswith(OPEN_METHOD_PREFIXES):
             return handler
-        return _refusing(handler)
+        metadata = handler_call_details.invocation_metadata
+        claimed = next((value for key, value in metadata or () if key == ROLE_METADATA_KEY), None)
+        allowed = self._callers.get(method)
+        if allowed is None:
+            allowed = self._callers[method] = callers_of(method)
+        if claimed is not None and claimed not in allowed:  # refused without comparing a token
+            code = grpc.StatusCode.PERMISSION_DENIED
+        else:
+            code = _authorize(claimed, self.role_of(metadata), method)
+        if code is None:
+            return handler
+        self.refusals.refuse(method.lstrip("/").rpartition("/")[0], code, method)
+        refusing = self._refusing.get((method, code))
+        if refusing is None:
+            refusing = self._refusing[method, code] = _refusing(handler, code, method)
+        return refusing
 
 
-async def _refuse(request_or_iterator, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, method: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that refuses the call with `code`, its message left
+    unparsed (raw bytes: a refusal costs no deserialization)."""
+    details = UNAUTHENTICATED_MESSAGE if code == grpc.StatusCode.UNAUTHENTICATED else \
+        PERMISSION_DENIED_MESSAGE.format(method=method)
 
+    async def refuse(request_or_iterator, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, details)
 
-def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that refuses the call without reading a message."""
     make = {(False, False): grpc.unary_unary_rpc_method_handler,
             (False, True): grpc.unary_stream_rpc_method_handler,
             (True, False): grpc.stream_unary_rpc_method_handler,
             (True, True): grpc.stream_stream_rpc_method_handler}[(handler.request_streaming,
                                                                  handler.response_streaming)]
-    return make(_refuse, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    return make(refuse, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
 # ----------------------------------------------------------------------------- client interceptors

@@ -245,10 +245,21 @@ timeoutSeconds: 5
 failureThreshold: 3
 {{- end }}
 
-{{/* ---- Internal security: the token (always) and mutual TLS (optional) of the gRPC services. */}}
+{{/* ---- Internal security: the role tokens (always) and mutual TLS (by default) of the gRPC services. */}}
 
 {{- define "kvmesh.internalTokenSecretName" -}}
 {{- default (include "kvmesh.componentName" (list . "internal-token")) .Values.internalAuth.existingSecret }}
+{{- end }}
+
+{{/* The caller roles whose tokens a component holds: its own, to call with, and its callers', to check.
+Usage: include "kvmesh.tokenRoles" "engine" (a space-separated list) */}}
+{{- define "kvmesh.tokenRoles" -}}
+{{- get (dict "gateway" "gateway" "processor" "gateway processor" "engine" "processor engine" "worker" "engine") . }}
+{{- end }}
+
+{{/* The Secret with the mutual-TLS certificate: the user's, or the one the chart makes. */}}
+{{- define "kvmesh.tlsSecretName" -}}
+{{- default (include "kvmesh.componentName" (list . "internal-tls")) .Values.internalAuth.tls.secretName }}
 {{- end }}
 
 {{/* The TLS flags (a service's, and the exec health probe's). */}}
@@ -261,38 +272,70 @@ failureThreshold: 3
 {{- end }}
 {{- end }}
 
-{{/* Flags of every kvmesh container: the token file (never the token), and TLS when enabled. */}}
+{{/* Flags of a kvmesh container: the token files (never a token) its component holds, and TLS when
+enabled. Usage: include "kvmesh.internalSecurityArgs" (list . "engine") */}}
 {{- define "kvmesh.internalSecurityArgs" -}}
+{{- $root := index . 0 -}}
+{{- if $root.Values.internalAuth.existingSecret }}
 - --internal-token-file=/var/run/kvmesh/internal-token/token
-{{- with include "kvmesh.tlsArgs" . }}
+{{- else }}
+{{- range splitList " " (include "kvmesh.tokenRoles" (index . 1)) }}
+- --{{ . }}-token-file=/var/run/kvmesh/{{ . }}-token/token
+{{- end }}
+{{- end }}
+{{- with include "kvmesh.tlsArgs" $root }}
 {{ . }}
 {{- end }}
 {{- end }}
 
+{{/* Usage: include "kvmesh.internalSecurityVolumeMounts" (list . "engine") */}}
 {{- define "kvmesh.internalSecurityVolumeMounts" -}}
+{{- $root := index . 0 -}}
+{{- if $root.Values.internalAuth.existingSecret }}
 - name: internal-token
   mountPath: /var/run/kvmesh/internal-token
   readOnly: true
-{{- if .Values.internalAuth.tls.enabled }}
+{{- else }}
+{{- range splitList " " (include "kvmesh.tokenRoles" (index . 1)) }}
+- name: {{ . }}-token
+  mountPath: /var/run/kvmesh/{{ . }}-token
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- if $root.Values.internalAuth.tls.enabled }}
 - name: internal-tls
   mountPath: /var/run/kvmesh/tls
   readOnly: true
 {{- end }}
 {{- end }}
 
-{{/* Mode 0440: the files belong to root and to the pod's fsGroup (the service's group), readable by nothing else. */}}
+{{/* Mode 0440: the files belong to root and to the pod's fsGroup (the service's group), readable by nothing else.
+Usage: include "kvmesh.internalSecurityVolumes" (list . "engine") */}}
 {{- define "kvmesh.internalSecurityVolumes" -}}
+{{- $root := index . 0 -}}
+{{- if $root.Values.internalAuth.existingSecret }}
 - name: internal-token
   secret:
-    secretName: {{ include "kvmesh.internalTokenSecretName" . }}
+    secretName: {{ include "kvmesh.internalTokenSecretName" $root }}
     defaultMode: 0440
     items:
-      - key: {{ .Values.internalAuth.key }}
+      - key: {{ $root.Values.internalAuth.key }}
         path: token
-{{- if .Values.internalAuth.tls.enabled }}
+{{- else }}
+{{- range splitList " " (include "kvmesh.tokenRoles" (index . 1)) }}
+- name: {{ . }}-token
+  secret:
+    secretName: {{ include "kvmesh.componentName" (list $root (printf "%s-token" .)) }}
+    defaultMode: 0440
+    items:
+      - key: token
+        path: token
+{{- end }}
+{{- end }}
+{{- if $root.Values.internalAuth.tls.enabled }}
 - name: internal-tls
   secret:
-    secretName: {{ .Values.internalAuth.tls.secretName }}
+    secretName: {{ include "kvmesh.tlsSecretName" $root }}
     defaultMode: 0440
     items:
       - {key: tls.crt, path: tls.crt}

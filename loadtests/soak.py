@@ -4,14 +4,18 @@ should be and following each process's resident memory.
     .venv/bin/python -m loadtests.soak --duration 600 [--clients 6] [--port 8321]
 
 It starts `python -m services.cli serve --print-addresses --kv-cache-memory 256MiB --no-access-log` on
---port (and stops it at the end). `--clients` loops run until the duration is over, each picking
-(seeded) one of:
+--port (and stops it at the end), with an API key in KVMESH_API_KEY that every client sends.
+`--clients` loops run until the duration is over, each picking (seeded) one of:
 
     chat          streamed chat, 8..48 tokens: 200, an SSE stream ending in [DONE] with a finish_reason
     completion    a short or a ~1,000-token prompt, not streamed: 200 and `max_tokens` tokens
     disconnect    a streamed chat dropped after its first chunks (the server must free it)
     tokenize      /tokenize of a chat: 200
     bad           one of BAD_REQUESTS: exactly the 4xx it names
+    crowd         one made-up client address opens one connection more than --max-connections-per-client:
+                  the last is a 429 naming that flag
+    intruder      one of INTRUSIONS on an internal gRPC port, with the gateway's own token (read from the
+                  file serve gave it) or a made-up one: exactly the refusal it names
 
 An answer with another status, a stream without [DONE], or an exception is *unexpected*. Every 15 s
 it reads VmRSS of each service's process; memory is "flat" when the last sample is within
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import sys
@@ -33,12 +38,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx2 as httpx
 
 from loadtests.serve_process import start_serve, stop_serve
+from services.common.config import SecurityConfig
+from services.common.rpc.kvmesh.v1 import engine_pb2
+from services.common.rpc.security import GATEWAY, PROCESSOR, RpcSecurity
 
 SERVICES = ("gateway", "processor", "engine", "worker")
 MODEL = "smollm2"
+API_KEY = "soak-key"  # may not set priority: no --priority-api-key-file
+PER_CLIENT = 32  # --max-connections-per-client: above what the client loops hold, all from 127.0.0.1
 LONG_PROMPT = " ".join(f"Paragraph {i}: the river carried boats of grain and salt past the old mill." for i in range(60))
 
 
@@ -60,10 +71,34 @@ BAD_REQUESTS: list[tuple[str, str, Any, int]] = [
     ("too many choices", "/completions", {"model": MODEL, "prompt": "hi", "n": 1000}, 400),
     ("broken JSON", "/completions", '{"model": "smollm2", "prompt": ', 400),
     ("logit_bias out of vocabulary", "/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 1}}, 400),
+    ("allowed_token_ids of 2^18 duplicates, n=16", "/completions",
+     {"model": MODEL, "prompt": "hi", "n": 16, "allowed_token_ids": [7] * 2**18}, 400),
+    ("too many logit_bias entries", "/completions",
+     {"model": MODEL, "prompt": "hi", "logit_bias": {str(t): -1 for t in range(2000)}}, 400),
+    ("too many stop_token_ids", "/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [2] * 5000}, 400),
+    ("priority without the right to set it", "/completions", {"model": MODEL, "prompt": "hi", "priority": -1}, 403),
+    ("request_id with a newline", "/completions",
+     {"model": MODEL, "prompt": "hi", "request_id": "a\nforged line"}, 400),
     ("huge integer", "/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "hi", "extra": int("9" * 401)}]}, 400),
+    ("choice bomb", "/completions",
+     {"model": MODEL, "prompt": "hi", "guided_choice": [f"choice number {i}" for i in range(30_000)]}, 400),
+    ("deep schema", "/completions", {"model": MODEL, "prompt": "hi", "guided_json": "[" * 50_000 + "]" * 50_000}, 400),
+    ("long regex", "/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "guided_regex": "(a|b)" * 1000}, 400),
 ]
-WEIGHTS = {"chat": 5, "completion": 3, "disconnect": 2, "tokenize": 1, "bad": 3}
+WEIGHTS = {"chat": 5, "completion": 3, "disconnect": 2, "tokenize": 1, "bad": 3, "crowd": 1, "intruder": 1,
+           "abort_reason": 1}
+# (name, service, method path, streamed, whose token, the status it must end with): the gateway's
+# token opens the processor only; a token nobody issued opens nothing.
+INTRUSIONS: list[tuple[str, str, str, bool, str, grpc.StatusCode]] = [
+    ("gateway token: worker InitializeCache", "worker", "/kvmesh.v1.Worker/InitializeCache", False, "gateway",
+     grpc.StatusCode.PERMISSION_DENIED),
+    ("gateway token: engine Generate", "engine", "/kvmesh.v1.Engine/Generate", True, "gateway",
+     grpc.StatusCode.PERMISSION_DENIED),
+    ("made-up token: processor Generate", "processor", "/kvmesh.v1.Processor/Generate", True, "made-up",
+     grpc.StatusCode.UNAUTHENTICATED),
+]
 
 
 @dataclass
@@ -131,17 +166,94 @@ async def bad(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> No
     tally.counts[f"bad: {name}"] += 1
 
 
-SCENARIOS = {"chat": chat, "completion": completion, "disconnect": disconnect, "tokenize": tokenize, "bad": bad}
+async def crowd(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+    source = f"127.0.{rng.randint(1, 254)}.{rng.randint(1, 254)}"  # one client, none of the other loops
+    host, port = client.base_url.host, client.base_url.port
+    opened: list[asyncio.StreamWriter] = []
+    try:
+        for _ in range(PER_CLIENT + 1):
+            reader, writer = await asyncio.open_connection(host, port, local_addr=(source, 0))
+            opened.append(writer)
+        answer = await asyncio.wait_for(reader.read(), 10)  # the last one's, then it is closed
+    finally:
+        for writer in opened:
+            writer.close()
+    if not answer.startswith(b"HTTP/1.1 429") or b"--max-connections-per-client" not in answer:
+        return tally.bad("crowd", f"connection {PER_CLIENT + 1} of one client: {answer[:200]!r}")
+    tally.counts["crowd"] += 1
 
 
-async def client_loop(api: str, seed: int, deadline: float, tally: Tally) -> None:
+@dataclass(frozen=True)
+class Internal:
+    """The internal services' addresses, by name, and the tokens the intruder tries, by whose."""
+
+    addresses: dict[str, str]
+    credentials: dict[str, RpcSecurity]
+
+    @classmethod
+    def of(cls, services: dict[str, dict[str, Any]]) -> Internal:
+        argv = Path(f"/proc/{services['gateway']['pid']}/cmdline").read_bytes().split(b"\0")
+        token_file = Path(argv[argv.index(b"--gateway-token-file") + 1].decode())
+        gateway = RpcSecurity.load(SecurityConfig(gateway_token_file=token_file), GATEWAY)
+        # serve keeps every role's token beside the gateway's.
+        processor = RpcSecurity.load(SecurityConfig(processor_token_file=token_file.parent / "processor-token"),
+                                     PROCESSOR)
+        return cls({name: services[name]["address"] for name in ("processor", "engine", "worker")},
+                   {"gateway": gateway, "processor": processor, "made-up": RpcSecurity("a-token-nobody-issued")})
+
+
+async def intruder(internal: Internal, client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+    name, service, method, streamed, whose, expected = rng.choice(INTRUSIONS)
+    security = internal.credentials[whose]
+    async with grpc.aio.insecure_channel(internal.addresses[service]) as channel:
+        call = (channel.unary_stream if streamed else channel.unary_unary)(method)
+        try:
+            answer = call(b"", metadata=security.call_metadata, timeout=30)
+            if streamed:
+                async for _ in answer:
+                    pass
+            else:
+                await answer
+            code = grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as error:
+            code = error.code()
+    if code != expected:
+        return tally.bad("intruder", f"{name}: {code.name} (expected {expected.name})")
+    tally.counts[f"intruder: {name}"] += 1
+
+
+async def abort_reason(internal: Internal, client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+    """An engine Abort, with the processor's own token, naming a reason the engine does not know:
+    INVALID_ARGUMENT naming `reason`, and the engine goes on serving."""
+    security = internal.credentials["processor"]
+    async with grpc.aio.insecure_channel(internal.addresses["engine"]) as channel:
+        abort = channel.unary_unary("/kvmesh.v1.Engine/Abort",
+                                    request_serializer=engine_pb2.AbortRequest.SerializeToString,
+                                    response_deserializer=engine_pb2.AbortResponse.FromString)
+        request = engine_pb2.AbortRequest(request_ids=[f"soak-{rng.getrandbits(32)}"],
+                                          reason=rng.choice(["bogus", "error"]))
+        try:
+            await abort(request, metadata=security.call_metadata, timeout=30)
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.aio.AioRpcError as error:
+            code, details = error.code(), error.details() or ""
+    if code != grpc.StatusCode.INVALID_ARGUMENT or not details.startswith("reason:"):
+        return tally.bad("abort_reason", f"{code.name}: {details[:200]} (expected INVALID_ARGUMENT naming reason)")
+    tally.counts["abort_reason"] += 1
+
+
+SCENARIOS = {"chat": chat, "completion": completion, "disconnect": disconnect, "tokenize": tokenize, "bad": bad,
+             "crowd": crowd}
+
+
+async def client_loop(api: str, seed: int, deadline: float, tally: Tally, scenarios: dict[str, Any]) -> None:
     rng = random.Random(seed)
     names, weights = zip(*WEIGHTS.items())
-    async with httpx.AsyncClient(base_url=api, timeout=180) as client:
+    async with httpx.AsyncClient(base_url=api, timeout=180, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
         while time.monotonic() < deadline:
             name = rng.choices(names, weights)[0]
             try:
-                await SCENARIOS[name](client, rng, tally)
+                await scenarios[name](client, rng, tally)
             except Exception as exc:  # a failed connection or a timeout is what a soak must count
                 tally.bad(name, f"{type(exc).__name__}: {exc}")
 
@@ -176,11 +288,14 @@ async def engine_left_over(api: str) -> dict[str, float]:
     return left
 
 
-async def soak(api: str, pids: dict[str, int], args: argparse.Namespace) -> dict[str, Any]:
+async def soak(api: str, pids: dict[str, int], internal: Internal, args: argparse.Namespace) -> dict[str, Any]:
     tally, samples = Tally(), []
     start = time.monotonic()
     sampler = asyncio.create_task(sample_memory(pids, 15.0, samples, start))
-    await asyncio.gather(*(client_loop(api, args.seed + i, start + args.duration, tally) for i in range(args.clients)))
+    scenarios = {**SCENARIOS, "intruder": functools.partial(intruder, internal),
+                 "abort_reason": functools.partial(abort_reason, internal)}
+    await asyncio.gather(*(client_loop(api, args.seed + i, start + args.duration, tally, scenarios)
+                           for i in range(args.clients)))
     sampler.cancel()
     samples.append((time.monotonic() - start, {name: rss_mb(pid) for name, pid in pids.items()}))
     warm = next((s for t, s in samples if t >= args.warmup), samples[0][1])
@@ -218,10 +333,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
-    proc, ready, log = start_serve(["--kv-cache-memory", "256MiB", "--port", str(args.port), "--no-access-log"])
+    proc, ready, log = start_serve(["--kv-cache-memory", "256MiB", "--port", str(args.port), "--no-access-log",
+                                    "--max-connections-per-client", str(PER_CLIENT)], env={"KVMESH_API_KEY": API_KEY})
     try:
         pids = {name: ready["services"][name]["pid"] for name in SERVICES}
-        result = asyncio.run(soak(ready["api"], pids, args))
+        result = asyncio.run(soak(ready["api"], pids, Internal.of(ready["services"]), args))
     finally:
         stop_serve(proc)
     print(f"kvmesh serve's log: {log}")

@@ -15,8 +15,10 @@ non-zero when one of its workers fails (gone, stuck, a failed step); when the en
 workers exits, all of them are restarted, on the same ports (the processor reconnects to the same
 address), the other groups untouched, after a back-off (--restart-backoff, doubled per restart within
 --restart-window, at most --restart-backoff-max; each pair counts its own); after --max-restarts of
-one pair within the window it gives up. The processor and the gateway hold no state worth restarting for: one of them dying is a bug,
-and stops everything (exit 1). On Ctrl-C or SIGTERM, or on giving up, it stops them all, the
+one pair within the window that pair stays down and the other pairs serve on. A processor or gateway
+that exits is restarted alone, on the same port, on a budget of its own. Several of them recover at
+once, none waiting for another's model to load. Serving ends (exit 1) when the processor, the gateway
+or the last engine taking requests gives up. On Ctrl-C or SIGTERM, or on giving up, it stops them all, the
 gateway first so that requests in flight can finish (--grace), then the rest (--internal-grace);
 SIGKILL after a grace. The
 children get SIGTERM should this process die without stopping them (Linux's parent-death signal,
@@ -43,6 +45,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from enum import Enum
 from pathlib import Path
 from typing import NamedTuple
 
@@ -55,6 +58,8 @@ from services.common.config import (
     EngineServiceConfig,
     GATEWAY_SERVE_FIELDS,
     GatewayConfig,
+    GRAMMAR_COMPILE_FIELDS,
+    GrammarLimits,
     Limits,
     PROCESSOR_MODEL_FIELDS,
     ModelConfig,
@@ -69,6 +74,7 @@ from services.common.config import (
     WorkerConfig,
 )
 from services.common.flags import add_flags, build, to_argv
+from services.common.rpc.security import ROLES
 
 SERVICES = {
     "worker": "services.worker.server",
@@ -129,6 +135,7 @@ SERVE_FLAGS: list[tuple[type, dict[str, object]]] = [
     (RoutingConfig, {}),
     (ParallelConfig, {"only": ["tensor_parallel_size", "distributed_timeout"]}),
     (DisaggregationConfig, {"only": ["kv_transfer_timeout", "kv_lease", "remote_prefill_timeout", "prefill_threshold"]}),
+    (GrammarLimits, {}),
 ]
 
 
@@ -197,27 +204,12 @@ class Supervisor:
         self.children.extend(children)
         return all(self._wait_ready(child, timeout) for child in children)
 
-    def restart(self, stages: Sequence[Sequence[str]], delay: float, timeout: float) -> bool:
-        """Stop the children named in `stages` (the survivors get PARTNER_EXIT_WAIT to exit on their
-        own first), wait `delay`, start them again stage by stage, each stage's children together,
-        with the same flags (same ports) and wait until each is ready; False as start()."""
-        names = [name for stage in stages for name in stage]
-        members = [c for c in self.children if c.name in names]
-        deadline = time.monotonic() + PARTNER_EXIT_WAIT
-        while any(c.proc.poll() is None for c in members) and time.monotonic() < deadline and not self.stop_requested:
-            time.sleep(0.1)
-        self._stop(members, KILL_AFTER)
-        if not self._sleep(delay):
-            return False
-        for stage in stages:
-            started = []
-            for old in (c for c in members if c.name in stage):
-                child = Child(old.name, self._spawn(old.name, old.argv), old.address, old.argv, old.ready)
-                self.children[self.children.index(old)] = child
-                started.append(child)
-            if not all(self._wait_ready(child, timeout) for child in started):
-                return False
-        return True
+    def respawn(self, name: str) -> Child:
+        """Start the child `name` again with the same flags (same ports), in place of the old one."""
+        index = next(i for i, c in enumerate(self.children) if c.name == name)
+        old = self.children[index]
+        self.children[index] = Child(name, self._spawn(name, old.argv), old.address, old.argv, old.ready)
+        return self.children[index]
 
     @staticmethod
     def _spawn(name: str, service_argv: list[str]) -> subprocess.Popen:
@@ -243,21 +235,11 @@ class Supervisor:
             time.sleep(0.2)
         return False
 
-    def _sleep(self, seconds: float) -> bool:
-        """False if a stop was requested meanwhile."""
+    def sleep(self, seconds: float) -> None:
+        """Until `seconds` passed or a stop was requested."""
         deadline = time.monotonic() + seconds
         while not self.stop_requested and time.monotonic() < deadline:
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-        return not self.stop_requested
-
-    def wait(self) -> Child | None:
-        """Until a stop is requested (None) or a child exits (that child)."""
-        while not self.stop_requested:
-            for child in self.children:
-                if child.proc.poll() is not None:
-                    return child
-            time.sleep(0.2)
-        return None
 
     def stop(self) -> None:
         """The gateway first (it lets requests in flight finish), then the others together."""
@@ -278,12 +260,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 print(f"kvmesh: the {child.name} did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
         for child in children:
-            # The whole group: the service and anything it started.
-            try:
-                os.killpg(child.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            child.proc.wait()
+            _kill_group(child)
 
 
 class ServeSpec(NamedTuple):
@@ -301,6 +278,7 @@ class ServeSpec(NamedTuple):
     routing: RoutingConfig
     parallel: ParallelConfig
     disaggregation: DisaggregationConfig = DisaggregationConfig()
+    grammar_limits: GrammarLimits = GrammarLimits()
 
 
 class RestartBudget:
@@ -325,11 +303,11 @@ class RestartBudget:
 def serve(spec: ServeSpec) -> int:
     supervisor = Supervisor(spec.serve.grace, spec.serve.internal_grace)
     previous = {sig: signal.signal(sig, supervisor.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    # The children's internal token, new each run: in a file only this user can read (never in an
+    # The children's role tokens, new each run: in files only this user can read (never in an
     # argv, which `ps` shows to everyone), in a directory that lives as long as they may restart.
     with tempfile.TemporaryDirectory(prefix="kvmesh-serve-") as private:
         try:
-            return _serve(spec, supervisor, write_token_file(Path(private)))
+            return _serve(spec, supervisor, write_role_tokens(Path(private)))
         finally:
             supervisor.stop()
             for sig, handler in previous.items():
@@ -337,13 +315,33 @@ def serve(spec: ServeSpec) -> int:
 
 
 def write_token_file(directory: Path) -> SecurityConfig:
-    """A random internal token in `directory`/internal-token (mode 0600; mkdtemp's directory is
-    0700), as the config that points the services at it."""
-    path = directory / "internal-token"
+    """A random shared internal token in `directory`/internal-token (mode 0600; mkdtemp's directory
+    is 0700), as the config that points the services at it."""
+    return SecurityConfig(internal_token_file=write_secret(directory / "internal-token"))
+
+
+def write_role_tokens(directory: Path) -> SecurityConfig:
+    """A random token per caller role in `directory`/<role>-token (mode 0600), as the config that
+    names them all: service_argvs gives each child only the ones its kind holds."""
+    return SecurityConfig(**{f"{role}_token_file": write_secret(directory / f"{role}-token") for role in ROLES})
+
+
+def write_secret(path: Path) -> Path:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_urlsafe(32))
-    return SecurityConfig(internal_token_file=path)
+    return path
+
+
+# The role tokens each kind of child holds: its own, to call with, and its callers', to check them.
+# The gateway, the one facing the internet, holds its own only.
+CHILD_ROLE_TOKENS = {"gateway": ("gateway",), "processor": ("gateway", "processor"),
+                     "engine": ("processor", "engine"), "worker": ("engine",)}
+
+
+def child_security(security: SecurityConfig, kind: str) -> SecurityConfig:
+    """`security` with only the role tokens a child of `kind` holds (a shared token stays)."""
+    return replace(security, **{f"{role}_token_file": None for role in ROLES if role not in CHILD_ROLE_TOKENS[kind]})
 
 
 class Group(NamedTuple):
@@ -436,7 +434,7 @@ def internal_names(groups: Sequence[Group]) -> tuple[str, ...]:
 
 def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = SecurityConfig()) -> dict[str, list[str]]:
     """Each child's flags, every field of its configs spelled out (services/common/flags.py);
-    `security` (the token file) goes to every one of them."""
+    of `security` (the token files), each child gets the role tokens its kind holds."""
     model = replace(spec.model, served_model_name=spec.model.name)  # one name for every service's metrics
 
     def serving(name: str) -> list[str]:
@@ -458,7 +456,8 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
                                *to_argv(model, only=["served_model_name"]), *serving(group.engine),
                                *transfer_argv(spec.disaggregation, group, ["engine_role", "kv_lease",
                                                                            "kv_transfer_timeout",
-                                                                           "remote_prefill_timeout"])]
+                                                                           "remote_prefill_timeout"]),
+                               *to_argv(spec.grammar_limits)]
     # Disaggregated: the processor routes to the decode engines and names the prefill ones to them.
     engines = tuple(layout.address(g.engine) for g in layout.groups if g.role != "prefill")
     prefill = DisaggregationConfig(prefill_engine_address=tuple(
@@ -466,15 +465,19 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
         prefill_threshold=spec.disaggregation.prefill_threshold)
     argvs["processor"] = [*to_argv(ProcessorServiceConfig(engine_address=engines)), *to_argv(spec.routing),
                           *to_argv(spec.prefix_index), *to_argv(model, only=PROCESSOR_MODEL_FIELDS),
-                          *serving("processor"),
+                          *serving("processor"), *to_argv(spec.grammar_limits, exclude=GRAMMAR_COMPILE_FIELDS),
                           *(to_argv(prefill, only=["prefill_engine_address", "prefill_threshold"])
                             if prefill.prefill_engine_address else [])]
     gateway = replace(spec.gateway, processor_address=layout.address("processor"),
                       aggregate_metrics=tuple(layout.metrics_url(name) for name in layout.internal))
     argvs["gateway"] = [*to_argv(gateway), *to_argv(model, only=["served_model_name"]), *to_argv(spec.limits),
+                        *to_argv(spec.grammar_limits, exclude=GRAMMAR_COMPILE_FIELDS),
                         *to_argv(ServingConfig(spec.serve.host, spec.serve.port, spec.serve.grace),
                                  only=["host", "port", "grace"])]
-    return {name: [*argv, *to_argv(security)] for name, argv in argvs.items()}
+    kinds = {"processor": "processor", "gateway": "gateway",
+             **{name: "worker" for group in layout.groups for name in group.workers},
+             **{group.engine: "engine" for group in layout.groups}}
+    return {name: [*argv, *to_argv(child_security(security, kinds[name]))] for name, argv in argvs.items()}
 
 
 def transfer_argv(config: DisaggregationConfig, group: Group, only: list[str]) -> list[str]:
@@ -522,32 +525,153 @@ def _serve(spec: ServeSpec, supervisor: Supervisor, security: SecurityConfig) ->
     return supervise(supervisor, spec.serve, layout.groups)
 
 
+class Single(NamedTuple):
+    """A service restarted alone (the processor, the gateway): it holds no state a pair depends on."""
+
+    name: str
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    @property
+    def stages(self) -> tuple[tuple[str, ...], ...]:
+        return ((self.name,),)
+
+    def describe(self) -> str:
+        return f"the {self.name}"
+
+
+Unit = Group | Single  # what supervision restarts as one
+
+
+class Outcome(Enum):
+    SERVING = "serving"
+    GAVE_UP = "gave up"
+
+
+class Recovery:
+    """One unit's way back after one of its children exited, a step at a time, so that several
+    units recover at once and none waits for another's model to load:
+
+        draining (its survivors exit on their own, PARTNER_EXIT_WAIT) -> stopping (SIGTERM, then
+        SIGKILL after KILL_AFTER) -> back-off (its budget's delay, or give up) -> starting (stage by
+        stage, each until ready or --startup-timeout) -> serving
+                  a stage that exits or times out: draining again, with one more restart counted
+    """
+
+    def __init__(self, supervisor: Supervisor, unit: Unit, budget: RestartBudget, startup_timeout: float,
+                 why: str) -> None:
+        self.supervisor, self.unit, self.budget = supervisor, unit, budget
+        self.startup_timeout = startup_timeout
+        self.why = why  # what went wrong last, for the log
+        self.phase = "draining"
+        self.deadline = time.monotonic() + PARTNER_EXIT_WAIT
+        self.stage = 0  # the stage starting, while "starting"
+        self.ready: set[str] = set()  # its children found ready so far
+
+    def members(self, names: Sequence[str] | None = None) -> list[Child]:
+        names = self.unit.names if names is None else names
+        return [c for c in self.supervisor.children if c.name in names]
+
+    def step(self, now: float) -> Outcome | None:
+        """Moves on as far as `now` allows; the outcome once there is one."""
+        if self.phase == "draining" and (now >= self.deadline or all(c.proc.poll() is not None
+                                                                     for c in self.members())):
+            for child in self.members():
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            self.phase, self.deadline = "stopping", now + KILL_AFTER
+        if self.phase == "stopping" and (now >= self.deadline or all(c.proc.poll() is not None
+                                                                     for c in self.members())):
+            for child in self.members():
+                _kill_group(child)
+            delay = self.budget.next_delay(now)
+            if delay is None:
+                return Outcome.GAVE_UP
+            print(f"kvmesh: {self.why}; restarting {self.unit.describe()} in {delay:g}s", file=sys.stderr, flush=True)
+            self.phase, self.deadline, self.stage = "backoff", now + delay, 0
+        if self.phase == "backoff" and now >= self.deadline:
+            self._start_stage(now)
+        if self.phase == "starting":
+            return self._follow_start(now)
+        return None
+
+    def _start_stage(self, now: float) -> None:
+        for name in self.unit.stages[self.stage]:
+            self.supervisor.respawn(name)
+        self.phase, self.deadline, self.ready = "starting", now + self.startup_timeout, set()
+
+    def _follow_start(self, now: float) -> Outcome | None:
+        for child in self.members(self.unit.stages[self.stage]):
+            if child.proc.poll() is not None:
+                return self._failed(now, f"the {child.name} exited with code {child.proc.returncode} while starting")
+            if child.name not in self.ready and child.ready():
+                self.ready.add(child.name)
+        if len(self.ready) < len(self.unit.stages[self.stage]):
+            if now > self.deadline:
+                return self._failed(now, f"{self.unit.describe()} were not healthy after {self.startup_timeout:.0f}s")
+            return None
+        self.stage += 1
+        if self.stage == len(self.unit.stages):
+            return Outcome.SERVING
+        self._start_stage(now)
+        return None
+
+    def _failed(self, now: float, why: str) -> None:
+        print(f"kvmesh: {why}", file=sys.stderr, flush=True)
+        self.why = f"{self.unit.describe()} did not come back"
+        self.phase, self.deadline = "draining", now  # its survivors are stopped at the next step
+        return None
+
+
+def _kill_group(child: Child) -> None:
+    """SIGKILL to the child's process group (the service and anything it started), then reap it."""
+    try:
+        os.killpg(child.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    child.proc.wait()
+
+
 def supervise(supervisor: Supervisor, config: ServeConfig, groups: Sequence[Group] = (SOLE_GROUP,)) -> int:
-    """Until a stop is requested (0): restart a dead engine with all its workers with back-off, each
-    group on its own budget; give up (1) when a group's budget is spent or when the processor or the
-    gateway dies. One group is restarted at a time; the others keep serving meanwhile."""
-    budgets = {group: RestartBudget(config.restart_backoff, config.restart_backoff_max, config.max_restarts,
-                                    config.restart_window) for group in groups}
-    while (died := supervisor.wait()) is not None:
-        group = next((p for p in groups if died.name in p.names), None)
-        if group is None:
-            print(f"kvmesh: the {died.name} exited with code {died.proc.returncode}; stopping the others",
-                  file=sys.stderr)
-            return 1
-        why = f"the {died.name} exited with code {died.proc.returncode}"
-        # A group that fails to come back counts as one more restart, with its back-off.
-        while (delay := budgets[group].next_delay(time.monotonic())) is not None:
-            print(f"kvmesh: {why}; restarting {group.describe()} in {delay:g}s", file=sys.stderr, flush=True)
-            if supervisor.restart(group.stages, delay, config.startup_timeout):
-                print(f"kvmesh: {group.describe()} are serving again", file=sys.stderr, flush=True)
-                break
-            if supervisor.stop_requested:
-                return 0
-            why = f"{group.describe()} did not come back"
-        else:
-            print(f"kvmesh: {why}; {group.describe()} were restarted {config.max_restarts} times in "
-                  f"{config.restart_window:.0f}s: giving up", file=sys.stderr)
-            return 1
+    """Until a stop is requested (0): restart whatever exited, each unit on its own budget and several
+    at once (Recovery): an engine with all its workers, the processor, the gateway. A unit whose
+    budget is spent stays down; that ends serving (1) when it is the processor, the gateway or the
+    last engine that takes requests (a decode or colocated one), else the other engines serve on."""
+    units: list[Unit] = [*groups, *(Single(c.name) for c in supervisor.children
+                                    if not any(c.name in g.names for g in groups))]
+    budgets = {unit: RestartBudget(config.restart_backoff, config.restart_backoff_max, config.max_restarts,
+                                   config.restart_window) for unit in units}
+    recoveries: dict[Unit, Recovery] = {}
+    lost: set[Unit] = set()
+    while not supervisor.stop_requested:
+        for unit in units:
+            if unit in recoveries or unit in lost:
+                continue
+            died = next((c for c in supervisor.children if c.name in unit.names and c.proc.poll() is not None), None)
+            if died is not None:
+                why = f"the {died.name} exited with code {died.proc.returncode}"
+                recoveries[unit] = Recovery(supervisor, unit, budgets[unit], config.startup_timeout, why)
+        for unit, recovery in list(recoveries.items()):
+            outcome = recovery.step(time.monotonic())
+            if outcome is None:
+                continue
+            del recoveries[unit]
+            if outcome is Outcome.SERVING:
+                verb = "is" if len(unit.names) == 1 else "are"
+                print(f"kvmesh: {unit.describe()} {verb} serving again", file=sys.stderr, flush=True)
+                continue
+            lost.add(unit)
+            serving = [g for g in groups if g.role != "prefill" and g not in lost]
+            last = isinstance(unit, Single) or not serving
+            print(f"kvmesh: {recovery.why}; {unit.describe()} restarted {config.max_restarts} times in "
+                  f"{config.restart_window:.0f}s: giving up on {unit.describe()}"
+                  + ("; stopping the others" if last else f", serving with {len(serving)} other engine(s)"),
+                  file=sys.stderr, flush=True)
+            if last:
+                return 1
+        supervisor.sleep(0.2)
     return 0
 
 

@@ -131,6 +131,7 @@ class GenerateRequest:
     echo: bool = False  # the first delta carries the prompt's text
     group_id: str | None = None  # the client request this is part of (a completion's prompts); None: request_id
     session_id: str | None = None  # routing affinity (the `session` policy): same key, same engine
+    tenant_id: str | None = None  # a hash of the client's API key: the engine's queue takes turns between tenants
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ writes into these objects.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from services.common.sampling_params import MAX_LOGPROBS
+from services.common.sampling_params import MAX_LOGPROBS, MAX_TOKEN_IDS
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 QUANTIZATIONS = ("auto", "gguf", "int8", "f16", "none")
@@ -47,6 +48,12 @@ def http_url(text: str) -> str:
     if not text.startswith(("http://", "https://")):
         raise ValueError(f"not an http(s) URL: {text!r}")
     return text
+
+
+def trusted_proxy(text: str) -> str:
+    """An IP address or network, as written (ValueError for anything else)."""
+    ipaddress.ip_network(text.strip(), strict=False)
+    return text.strip()
 
 
 def option(default: Any, help: str, *, flag: str | None = None, choices: Sequence[Any] | None = None,
@@ -253,12 +260,23 @@ class ServingConfig:
 @dataclass(frozen=True)
 class SecurityConfig:
     """How the internal gRPC services (worker, engine, processor) know their callers, on both
-    sides of each call (services/common/rpc/security.py). The token is never a flag: a file (a
-    mounted Kubernetes Secret) or $KVMESH_INTERNAL_TOKEN, so that `ps` does not show it."""
+    sides of each call (services/common/rpc/security.py). A token is never a flag: a file (a
+    mounted Kubernetes Secret) or $KVMESH_INTERNAL_TOKEN, so that `ps` does not show it. Each caller
+    role (gateway, processor, engine) has its own token file; a service accepts the tokens it is
+    given, each for the methods its role may call, and the shared token for every method."""
 
     internal_token_file: Path | None = option(
         None, "file holding the shared token every internal gRPC call carries and every internal service "
               "requires (default: $KVMESH_INTERNAL_TOKEN; neither: no authentication, with a warning)")
+    gateway_token_file: Path | None = option(
+        None, "file holding the gateway's own token: the gateway sends it, and a processor accepts it for "
+              "the Processor service only")
+    processor_token_file: Path | None = option(
+        None, "file holding the processor's own token: the processor sends it, and an engine accepts it for "
+              "its client methods (Generate, Abort, GetStats, GetInfo, MatchPrefix)")
+    engine_token_file: Path | None = option(
+        None, "file holding the engine's own token: an engine sends it, and a worker accepts it (gRPC and "
+              "step channel), as does another engine for disaggregated prefill")
     tls_cert_file: Path | None = option(
         None, "PEM certificate this service presents, as server and as client (mutual TLS; needs "
               "--tls-key-file and --tls-ca-file)")
@@ -395,6 +413,10 @@ class RoutingConfig:
     max_migrations: int = option(
         2, "times a request moves to another engine when its engine dies mid-stream (0: never; the "
            "client gets the error)", minimum=0)
+    max_engine_deaths: int = option(
+        2, "engines that may die with one request id in flight, retries with that id included, before the "
+           "processor fails it instead of sending it to another: a request that kills engines reaches no more",
+        minimum=1)
     routing_request_cost: int = option(
         256, "prompt tokens that one request already running or waiting on an engine counts as, when kv-aware "
              "routing weighs an engine's cache hit against its queue", minimum=0)
@@ -446,6 +468,9 @@ class GatewayConfig:
     api_key: tuple[str, ...] = option(
         (), "a key clients must send as `Authorization: Bearer <key>` (repeatable; default: the "
             "comma-separated keys in KVMESH_API_KEY; none: no authentication)")
+    priority_api_key_file: Path | None = option(
+        None, "a file of API keys, one a line, that may set a request's `priority` (and are keys like --api-key's); "
+              "with --api-key, any other key's request that sets it is a 403")
     aggregate_metrics: tuple[str, ...] = option(
         (), "/metrics URL of a local service to merge into this /metrics (repeatable; set by `kvmesh serve`, "
             "never in a pod, where each is scraped on its own)", parse=http_url)
@@ -457,6 +482,16 @@ class GatewayConfig:
     keep_alive_timeout: float = option(5.0, "seconds an idle keep-alive connection stays open", minimum=0.1)
     max_connections: int = option(1000, "client connections open at once; more are answered 503 and closed at once "
                                         "(lowered to fit the process's file-descriptor limit)", minimum=1)
+    max_connections_per_client: int = option(
+        256, "connections one client may hold open at once; more are answered 429 and closed at once (the client "
+             "is the peer's address, or X-Forwarded-For's behind a --trusted-proxy)", minimum=1)
+    trusted_proxy: tuple[str, ...] = option(
+        (), "the IP address or network (10.0.0.0/8) of proxies in front of the gateway (repeatable): on their "
+            "connections the client is the last address X-Forwarded-For names that is not a trusted proxy; "
+            "elsewhere that header is ignored", parse=trusted_proxy)
+    max_buffered_body_bytes: int = option(
+        256 * 2**20, "bytes of request bodies the gateway holds at once, all requests in flight together; a request "
+                     "whose body would go over is answered 503 and closed", minimum=1)
     max_header_bytes: int = option(16384, "bytes of a request's line and headers; more is a 431", minimum=1024)
     max_headers: int = option(100, "headers of one request; more is a 431", minimum=1)
     session_header: str = option(
@@ -469,6 +504,9 @@ class GatewayConfig:
     root_path: str = option(
         "", "the path prefix a proxy serves the API under and strips before forwarding (e.g. /kvmesh): the "
             "ASGI root_path, as vLLM's --root-path")
+    cache_salt_per_api_key: bool = option(
+        False, "keep each API key's prefix cache its own: every request's cache_salt starts with a hash of its "
+               "key, so cached_tokens cannot tell one tenant what another sent. Off: keys share cached prefixes")
     enable_request_id_headers: bool = option(
         False, "answer every response with an X-Request-Id header (the client's, or a new one), as vLLM's flag")
     enable_force_include_usage: bool = option(
@@ -492,9 +530,11 @@ class GatewayConfig:
 
 
 # What `kvmesh serve` takes of GatewayConfig (the rest it sets itself, or leaves to a pod).
-GATEWAY_SERVE_FIELDS = ("api_key", "access_log", "log_level", "header_timeout", "body_timeout",
-                        "keep_alive_timeout", "max_connections", "max_header_bytes", "max_headers", "session_header",
-                        "return_tokens_as_token_ids", "root_path", "enable_request_id_headers",
+GATEWAY_SERVE_FIELDS = ("api_key", "priority_api_key_file", "access_log", "log_level", "header_timeout",
+                        "body_timeout", "keep_alive_timeout", "max_connections", "max_connections_per_client",
+                        "trusted_proxy", "max_buffered_body_bytes", "max_header_bytes", "max_headers", "session_header",
+                        "return_tokens_as_token_ids", "root_path", "cache_salt_per_api_key",
+                        "enable_request_id_headers",
                         "enable_force_include_usage", "enable_tokenizer_info_endpoint", "enable_auto_tool_choice",
                         "tool_call_parser")
 
@@ -519,6 +559,14 @@ class Limits:
                       "a request (the whole vocabulary) is allowed, as vLLM's --max-logprobs", minimum=-1)
     max_stop_strings: int = option(16, "stop strings in one request", minimum=1)
     max_stop_string_length: int = option(256, "characters of one stop string", minimum=1)
+    # Token-id lists, counted as sent (duplicates included); each id must also be in the vocabulary.
+    max_allowed_token_ids: int = option(
+        131072, "token ids in one request's allowed_token_ids, duplicates counted. The default covers most of a "
+                "152k vocabulary; to ban a few tokens, logit_bias -100 is the cheaper way",
+        minimum=1, maximum=MAX_TOKEN_IDS)
+    max_logit_bias: int = option(1024, "token ids in one request's logit_bias", minimum=1, maximum=MAX_TOKEN_IDS)
+    max_stop_token_ids: int = option(1024, "token ids in one request's stop_token_ids, duplicates counted",
+                                     minimum=1, maximum=MAX_TOKEN_IDS)
     # None: only the model's context bounds it. --max-tokens would read as a default, hence the name.
     max_tokens: int | None = option(
         None, "tokens one choice may generate; a request that leaves max_tokens open gets this many at most "
@@ -526,6 +574,39 @@ class Limits:
 
     def __post_init__(self) -> None:
         check_fields(self)
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What one output constraint (JSON schema, regex, choice list, grammar) may hold, and what its
+    compile may cost. Gateway, processor and engine each check the bounds in linear time before
+    anything compiles (services/common/grammar.py); over one is a 400 naming its flag."""
+
+    max_constraint_bytes: int = option(
+        128 * 1024, "bytes of one request's constraint: its JSON schema, regex, grammar or choice list as JSON",
+        minimum=16)
+    max_constraint_choices: int = option(4096, "entries of one choice list (guided_choice, structured_outputs.choice)",
+                                         minimum=1)
+    max_constraint_depth: int = option(
+        64, "nesting depth of a JSON schema: its objects and arrays within each other, counted as in the JSON text",
+        minimum=2)
+    max_regex_length: int = option(4096, "characters of a regex constraint (guided_regex, structured_outputs.regex)",
+                                   minimum=1)
+    max_grammar_rules: int = option(1024, "rules of a Lark or GBNF grammar constraint (guided_grammar, "
+                                          "structured_outputs.grammar)", minimum=1)
+    grammar_compile_timeout: float = option(
+        10.0, "seconds a request waits for its grammar to compile on the engine before it fails; llguidance's "
+              "own fuel limits end the compile itself", minimum=0.0)
+    grammar_compile_threads: int = option(
+        2, "threads that compile grammars on the engine, off its loop: a slow grammar holds one of them, never "
+           "the others' compiles or the steps", minimum=1)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+# The engine's fields of GrammarLimits: gateway and processor check bounds and validate, never compile.
+GRAMMAR_COMPILE_FIELDS = ("grammar_compile_timeout", "grammar_compile_threads")
 
 
 @dataclass(frozen=True)
@@ -540,11 +621,14 @@ class ServeConfig:
                                "still running then end with an error", minimum=0.0)
     internal_grace: float = option(2.0, "the same for processor, engine and worker, stopped once the gateway is "
                                         "gone", minimum=0.0)
-    restart_backoff: float = option(1.0, "seconds before the first restart of a dead engine+worker pair; doubled "
-                                         "for each restart that follows within --restart-window", minimum=0.0)
+    restart_backoff: float = option(1.0, "seconds before the first restart of a dead engine+worker pair, processor "
+                                         "or gateway; doubled for each restart that follows within --restart-window",
+                                    minimum=0.0)
     restart_backoff_max: float = option(30.0, "the most seconds between restarts", minimum=0.0)
-    max_restarts: int = option(5, "restarts of the engine+worker pair within --restart-window before kvmesh serve "
-                                  "gives up and stops everything (exit 1)", minimum=0)
+    max_restarts: int = option(5, "restarts of one engine+worker pair, the processor or the gateway within "
+                                  "--restart-window before kvmesh serve gives up on it; the other pairs serve "
+                                  "on, and losing the last pair, the processor or the gateway stops everything "
+                                  "(exit 1)", minimum=0)
     restart_window: float = option(300.0, "seconds over which restarts are counted; a pair healthy this long "
                                           "starts again from --restart-backoff", minimum=1.0)
     num_engines: int = option(1, "engine+worker pairs behind the one processor (each restarted on its own)",

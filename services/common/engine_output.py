@@ -38,6 +38,9 @@ class EngineCoreRequest:
     # The client request this one is part of (its choices, its prompts); None: its own request id.
     # The engine's waiting queue shares the engine fairly between groups.
     group_id: str | None = None
+    # Whose request it is (a hash of the client's API key, never the key; None: nobody's): the
+    # waiting queue takes turns between tenants before groups.
+    tenant_id: str | None = None
     # Routing affinity (the processor's `session` policy); stays in the processor, never on the wire.
     session_id: str | None = None
     # Disaggregation (issue 14): the prefill engine the processor's decider chose for this prompt.

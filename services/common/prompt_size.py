@@ -4,8 +4,9 @@ Tokenizing (and rendering a chat template) costs time and memory in proportion t
 prompt is measured in characters first. A token covers at most `max_token_chars` characters of
 text (the longest token of the vocabulary; byte-level pieces of one character only add tokens),
 so a text of more than `max_model_len * max_token_chars` characters has more tokens than the
-context holds, and is refused without tokenizing it. Chat messages count the characters of every
-string in them (content, names, tool calls) and of the template's extra inputs; a template writes
+context holds, and is refused without tokenizing it. Chat messages count the characters of
+everything in them (content, names, tool calls; numbers as JSON writes them, one per entry of an
+object or array) and of the template's extra inputs (tools, documents); a template writes
 at least one token per message, so there may be no more messages than the context has tokens.
 
 Both the gateway (with a generous `max_token_chars`, before the request travels) and the processor
@@ -25,17 +26,26 @@ class PromptSize(NamedTuple):
 
 
 def text_chars(value: Any) -> int:
-    """Characters of every string in `value` (JSON: strings, numbers, objects, arrays), keys
-    included, without recursion."""
+    """Characters `value` (JSON: strings, numbers, objects, arrays) brings to a template, without
+    recursion: every string (keys included), every number and literal as JSON writes it, and one
+    per entry of an object or array. Counting strings alone would let a template that writes its
+    inputs with `tojson` render megabytes of numbers (or empty arrays) counted as nothing."""
     total, pending = 0, [value]
     while pending:
         item = pending.pop()
         if isinstance(item, str):
             total += len(item)
+        elif isinstance(item, bool) or item is None:
+            total += 5 if item is False else 4
+        elif isinstance(item, (int, float)):
+            # An int's digits from its bits: str() of a huge int is slow, and refused past 4300 digits.
+            total += len(repr(item)) if isinstance(item, float) else item.bit_length() * 30103 // 100000 + 1
         elif isinstance(item, Mapping):
+            total += len(item)  # a separator per entry
             pending.extend(item.keys())
             pending.extend(item.values())
         elif isinstance(item, (list, tuple)):
+            total += len(item)
             pending.extend(item)
     return total
 

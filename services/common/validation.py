@@ -17,7 +17,6 @@ MAX_REQUEST_ID_LENGTH = 1024
 MAX_STOP_TOKEN_IDS = 1024  # eos_token_ids and stop_token_ids, each
 MAX_STOP_STRINGS = 1024
 MAX_CACHE_SALT_LENGTH = 1024
-MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary: only a duplicate-laden list reaches it
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, where: str | None = None) -> None:
@@ -78,7 +77,9 @@ def check_engine_request(request: EngineCoreRequest, max_model_len: int, vocab_s
     for name, count, limit in (("eos_token_ids", len(request.eos_token_ids), MAX_STOP_TOKEN_IDS),
                                ("stop_token_ids", len(params.stop_token_ids), MAX_STOP_TOKEN_IDS),
                                ("stop", len(params.stop), MAX_STOP_STRINGS),
-                               ("allowed_token_ids", len(params.allowed_token_ids or ()), MAX_ALLOWED_TOKEN_IDS)):
+                               # Each id once (SamplingParams), so the vocabulary bounds these:
+                               ("allowed_token_ids", len(params.allowed_token_ids or ()), vocab_size),
+                               ("logit_bias", len(params.logit_bias or ()), vocab_size)):
         if count > limit:
             raise ValueError(f"{name} has {count} entries; at most {limit}")
     if request.cache_salt is not None and len(request.cache_salt) > MAX_CACHE_SALT_LENGTH:

@@ -26,8 +26,10 @@ stream raises ValueError, the step goes on for the others. A failed step (the wo
 error) is fatal: every open stream raises EngineDeadError, the engine reports unhealthy and refuses
 new requests, and the engine service exits so that its supervisor (kvmesh serve, Kubernetes)
 restarts it with its worker (whose state is gone or suspect; recovering it is not a local
-decision). While idle, the loop checks its worker every `idle_check_interval` seconds, so a worker
-that died or hung between requests is noticed before the next request meets it.
+decision). While idle, the loop checks its worker every `idle_check_interval` seconds, however often
+calls wake it, so a worker that died or hung between requests is noticed before the next request meets
+it; the check also renews the engine's lease on its worker (services/worker/server.py), so an engine
+idle for longer than the lease keeps its worker.
 """
 
 from __future__ import annotations
@@ -41,12 +43,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from services.common.clients import EngineInfo, EngineStats, PrefixMatch, WorkerClient
-from services.common.config import SchedulerConfig
+from services.common.config import GrammarLimits, SchedulerConfig
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.errors import EngineDeadError
 from services.engine.engine_core import EngineCore
 from services.engine.kv_events import KVEventQueue
-from services.engine.metrics import EngineMetrics
+from services.engine.metrics import ABORT_REASONS, EngineMetrics
 
 if TYPE_CHECKING:  # it drives this engine; this engine only hands it requests
     from services.engine.disaggregation import Disaggregation
@@ -74,6 +76,7 @@ class AsyncEngine:
                  metrics: EngineMetrics | None = None, idle_check_interval: float | None = None) -> None:
         self.core = core
         self.idle_check_interval = idle_check_interval  # None: the idle loop never checks its worker
+        self._next_idle_check = 0.0  # time.monotonic() of the idle loop's next worker check
         self.metrics = metrics  # fed on the engine-loop thread only
         self.worker = worker
         self._info = info
@@ -97,11 +100,13 @@ class AsyncEngine:
     async def create(cls, worker: WorkerClient, scheduler_config: SchedulerConfig,
                      metrics: Callable[[EngineCore], EngineMetrics] | None = None,
                      idle_check_interval: float | None = None, *, kv_events: KVEventQueue | None = None,
-                     identity: EngineIdentity = EngineIdentity()) -> AsyncEngine:
+                     identity: EngineIdentity = EngineIdentity(),
+                     grammar_limits: GrammarLimits = GrammarLimits()) -> AsyncEngine:
         """Ask the worker for its model, block size and KV-cache size, build the core (and its
         metrics, which need the core's sizes), start the loop. `kv_events`: the prefix-index
         publisher's queue (services/engine/kv_publisher.py); None: the block pool records nothing."""
-        core = await asyncio.to_thread(EngineCore.create, worker, scheduler_config, kv_events=kv_events)
+        core = await asyncio.to_thread(EngineCore.create, worker, scheduler_config, kv_events=kv_events,
+                                       grammar_limits=grammar_limits)
         info = EngineInfo(model_id=core.model_id, model_path=core.worker_info.model_path,
                           max_model_len=core.max_model_len, block_size=core.block_size,
                           engine_id=identity.engine_id, epoch=identity.epoch)
@@ -195,6 +200,10 @@ class AsyncEngine:
     async def abort(self, request_ids: Sequence[str], reason: str = "abort") -> None:
         """Idempotent; each open stream of these ids ends with finish_reason "abort". `reason` is
         what the metrics count them as ("stop": the processor saw a stop string)."""
+        # Checked here, on the caller's side: an unknown reason reaching the engine-loop thread
+        # would fail there, in the metrics, and end the engine.
+        if reason not in ABORT_REASONS:
+            raise ValueError(f"reason: must be one of {', '.join(ABORT_REASONS)}, got {reason[:64]!r}")
         self._abort_soon(request_ids, reason)
 
     async def stats(self) -> EngineStats:
@@ -242,10 +251,13 @@ class AsyncEngine:
                 if not self._has_pending_work():
                     if items:
                         self._send(items)
-                    if not self._wake.wait(self._idle_wait()) and not self._stopping:
+                    self._wake.wait(self._idle_wait())
+                    if self._idle_check_due():
                         self.worker.check_alive()
                     continue
                 items += self._step()
+                if self.idle_check_interval is not None:  # a step is a check: the next one, an interval after it
+                    self._next_idle_check = time.monotonic() + self.idle_check_interval
                 self._send(items)
         except Exception as exc:  # the worker died or failed a step: fatal, see the module docstring
             logger.exception("engine step failed")
@@ -257,11 +269,24 @@ class AsyncEngine:
 
     def _idle_wait(self) -> float | None:
         """How long the idle loop sleeps: until its next liveness check or the next lease's expiry."""
+        now = time.monotonic()
+        until_check = None if self.idle_check_interval is None else max(0.0, self._next_idle_check - now)
         expiry = self.core.kv_cache_manager.next_lease_expiry()
         if expiry is None:
-            return self.idle_check_interval
-        until_expiry = max(0.0, expiry - time.monotonic())
-        return until_expiry if self.idle_check_interval is None else min(until_expiry, self.idle_check_interval)
+            return until_check
+        until_expiry = max(0.0, expiry - now)
+        return until_expiry if until_check is None else min(until_expiry, until_check)
+
+    def _idle_check_due(self) -> bool:
+        """Whether the idle loop checks its worker now: once an interval, counted from the last check
+        or step, so that frequent wake-ups (calls, aborts, snapshots) cannot starve the check."""
+        if self.idle_check_interval is None or self._stopping:
+            return False
+        now = time.monotonic()
+        if now < self._next_idle_check:
+            return False
+        self._next_idle_check = now + self.idle_check_interval
+        return True
 
     def _run_calls(self, calls: list[tuple[Callable[[], object], asyncio.Future | None]]) -> None:
         for fn, future in calls:

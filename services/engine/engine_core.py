@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from services.common.clients import EngineStats, PrefixMatch, WorkerClient, WorkerInfo
-from services.common.config import SchedulerConfig
+from services.common.config import GrammarLimits, SchedulerConfig
 from services.common.hashing import BlockHash
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput
@@ -33,10 +33,12 @@ class EngineCore:
     `schedule()` and `update_from_output()` itself, on its engine-loop thread."""
 
     def __init__(self, executor: Executor | None, worker_info: WorkerInfo, num_blocks: int,
-                 scheduler_config: SchedulerConfig, *, kv_events: KVEventQueue | None = None) -> None:
+                 scheduler_config: SchedulerConfig, *, kv_events: KVEventQueue | None = None,
+                 grammar_limits: GrammarLimits = GrammarLimits()) -> None:
         """`worker_info` and `num_blocks` are what the worker said of itself (its model, its block
         size, the KV cache it allocated). `kv_events`: the prefix-index publisher's queue of cache
-        changes (services/engine/kv_publisher.py); None: none recorded."""
+        changes (services/engine/kv_publisher.py); None: none recorded. `grammar_limits`: what a
+        request's constraint may hold and its compile may take."""
         self.executor = executor
         self.kv_events = kv_events
         self.worker_info = worker_info
@@ -59,7 +61,9 @@ class EngineCore:
             chunking=AdaptiveChunking(scheduler_config.max_num_batched_tokens, scheduler_config.target_step_seconds),
         )
         # Structured outputs: requests wait here, outside the scheduler, until their grammar compiled.
-        self.structured_output = StructuredOutputManager(worker_info.model_path, worker_info.vocab_size)
+        self.structured_output = StructuredOutputManager(
+            worker_info.model_path, worker_info.vocab_size, compile_timeout=grammar_limits.grammar_compile_timeout,
+            max_workers=grammar_limits.grammar_compile_threads, limits=grammar_limits)
         self._waiting_for_grammar: dict[str, Request] = {}
         # Outputs of requests their grammar ended outside a step's results: failed compiles, and
         # requests whose grammar is complete (they end at once, without sampling an EOS).
@@ -67,12 +71,14 @@ class EngineCore:
 
     @classmethod
     def create(cls, worker: WorkerClient, scheduler_config: SchedulerConfig,
-               executor: Executor | None = None, kv_events: KVEventQueue | None = None) -> EngineCore:
+               executor: Executor | None = None, kv_events: KVEventQueue | None = None,
+               grammar_limits: GrammarLimits = GrammarLimits()) -> EngineCore:
         """Ask the worker for its model and block size, have it allocate its KV cache for
         `max_num_seqs` requests, and build the core over what it has. Blocking."""
         worker_info = worker.get_info()
         num_blocks = worker.initialize_cache(scheduler_config.max_num_seqs)
-        return cls(executor, worker_info, num_blocks, scheduler_config, kv_events=kv_events)
+        return cls(executor, worker_info, num_blocks, scheduler_config, kv_events=kv_events,
+                   grammar_limits=grammar_limits)
 
     def check_request(self, request: EngineCoreRequest) -> None:
         """ValueError unless the request fits this engine (the processor checked it too; the engine
@@ -110,6 +116,7 @@ class EngineCore:
             cache_salt=request.cache_salt,
             priority=request.priority,
             group_id=request.group_id or request.request_id,
+            tenant_id=request.tenant_id,
             arrival_time=request.arrival_time if request.arrival_time is not None else time.monotonic(),
         )
 

@@ -34,6 +34,8 @@ from services.engine.engine_core import EngineCore
 from services.engine.structured_output import StructuredOutputManager
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# What a caller may name as its reason to end requests early: each is a request_success label.
+ABORT_REASONS = ("abort", "stop")
 # vLLM's bucket choices (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)

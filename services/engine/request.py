@@ -59,6 +59,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         group_id: str | None = None,
+        tenant_id: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -70,6 +71,9 @@ class Request:
         self.priority = priority
         # The client request this sequence is part of (None: its own); the waiting queue is fair between groups.
         self.group_id = request_id if group_id is None else group_id
+        # Whose request it is (a hash of the client's API key; "" for none): the waiting queue takes
+        # turns between tenants.
+        self.tenant_id = tenant_id or ""
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

@@ -6,7 +6,6 @@ A new policy is a new object here, never another flag inside `Scheduler.schedule
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import Protocol
@@ -25,56 +24,63 @@ class RequestQueue(Protocol):
     def __iter__(self) -> Iterator[Request]: ...
 
 
-class FCFSRequestQueue:
-    """First come, first served between client requests, and fair between them: the sequences of
-    one request (its choices and prompts share a `group_id`) take turns with those of the others,
-    round-robin, so that a request of many sequences cannot make a later small one wait for all of
-    them. With one sequence per request this is plain FCFS. A preempted request goes back to the
-    front (its group first in turn); the victim is the last running request (the latest admitted).
+Turns = OrderedDict[str, OrderedDict[str, deque[Request]]]  # tenant -> group -> its waiting requests
 
-        groups: {A: [a3, a4, a5], B: [b0], C: [c0, c1]}    turn order A, B, C
-        pop() -> a3, then b0, then c0, then a4, then c1, then a5
+
+class FCFSRequestQueue:
+    """First come, first served, in turns at two levels: between tenants (the API keys requests
+    come with), then within a tenant between its client requests (the sequences of one request,
+    its choices and prompts, share a `group_id`). A tenant sending many requests, or one request of
+    many sequences, cannot make another tenant's request wait for all of them. With one tenant and
+    one sequence per request this is plain FCFS. A preempted request goes back to the front (its
+    tenant and group first in turn); the victim is the last running request (the latest admitted).
+
+        tenants: {K: {A: [a3, a4], B: [b0]}, L: {C: [c0, c1]}}    turn order K, L; within K: A, B
+        pop() -> a3 (K's A), c0 (L's C), b0 (K's B), c1, a4
     """
 
     def __init__(self) -> None:
-        # group id -> its waiting requests, in turn order (the group to pop from next first).
-        self._groups: OrderedDict[str, deque[Request]] = OrderedDict()
+        # In turn order at both levels: the tenant to pop from next first, and its group next first.
+        self._tenants: Turns = OrderedDict()
         self._size = 0
 
-    def add(self, request: Request) -> None:
-        group = self._groups.get(request.group_id)
+    def _group(self, request: Request, front: bool) -> deque[Request]:
+        groups = self._tenants.get(request.tenant_id)
+        if groups is None:
+            groups = self._tenants[request.tenant_id] = OrderedDict()
+        group = groups.get(request.group_id)
         if group is None:
-            group = self._groups[request.group_id] = deque()
-        group.append(request)
+            group = groups[request.group_id] = deque()
+        if front:
+            self._tenants.move_to_end(request.tenant_id, last=False)
+            groups.move_to_end(request.group_id, last=False)
+        return group
+
+    def add(self, request: Request) -> None:
+        self._group(request, front=False).append(request)
         self._size += 1
 
     def add_preempted(self, request: Request) -> None:
-        group = self._groups.get(request.group_id)
-        if group is None:
-            group = self._groups[request.group_id] = deque()
-        group.appendleft(request)
-        self._groups.move_to_end(request.group_id, last=False)
+        self._group(request, front=True).appendleft(request)
         self._size += 1
 
     def peek(self) -> Request:
-        return next(iter(self._groups.values()))[0]
+        groups = next(iter(self._tenants.values()))
+        return next(iter(groups.values()))[0]
 
     def pop(self) -> Request:
-        group_id, group = next(iter(self._groups.items()))
-        request = group.popleft()
-        if group:
-            self._groups.move_to_end(group_id)  # its next sequence waits for the other groups' turns
-        else:
-            del self._groups[group_id]
         self._size -= 1
-        return request
+        return _take_turn(self._tenants)
 
     def remove(self, request: Request) -> None:
         # Only on abort, which is off the step's hot path.
-        group = self._groups[request.group_id]
+        groups = self._tenants[request.tenant_id]
+        group = groups[request.group_id]
         group.remove(request)
         if not group:
-            del self._groups[request.group_id]
+            del groups[request.group_id]
+            if not groups:
+                del self._tenants[request.tenant_id]
         self._size -= 1
 
     def choose_victim(self, running: list[Request]) -> Request:
@@ -85,56 +91,83 @@ class FCFSRequestQueue:
 
     def __iter__(self) -> Iterator[Request]:
         """In the order pop() would take them."""
-        queues = [list(g) for g in self._groups.values()]
-        for turn in range(max(map(len, queues), default=0)):
-            yield from (q[turn] for q in queues if turn < len(q))
+        turns: Turns = OrderedDict((tenant, OrderedDict((g, deque(q)) for g, q in groups.items()))
+                                   for tenant, groups in self._tenants.items())
+        while turns:
+            yield _take_turn(turns)
+
+
+def _take_turn(turns: Turns) -> Request:
+    """The first request of the first group of the first tenant, whose turns then pass: the group
+    to the back of its tenant's, the tenant to the back of all (each dropped once empty)."""
+    tenant, groups = next(iter(turns.items()))
+    group_id, group = next(iter(groups.items()))
+    request = group.popleft()
+    if group:
+        groups.move_to_end(group_id)
+    else:
+        del groups[group_id]
+    if groups:
+        turns.move_to_end(tenant)
+    else:
+        del turns[tenant]
+    return request
 
 
 class PriorityRequestQueue:
-    """Lowest `priority` value first, then arrival; the victim is the lowest-priority, latest request."""
+    """Lowest `priority` value first; at one priority, the tenants and their requests take turns as
+    in FCFSRequestQueue. The victim is the lowest-priority, latest request."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = itertools.count()
-        self._removed: set[int] = set()  # ids of heap entries removed lazily (aborts)
-        self._entry: dict[str, int] = {}
+        self._levels: dict[int, FCFSRequestQueue] = {}  # by priority, each non-empty
+        self._priorities: list[int] = []  # a heap of the levels' priorities
+        self._size = 0
 
-    def _push(self, request: Request) -> None:
-        seq = next(self._counter)
-        self._entry[request.request_id] = seq
-        heapq.heappush(self._heap, (request.priority, request.arrival_time, seq, request))
+    def _level(self, priority: int) -> FCFSRequestQueue:
+        level = self._levels.get(priority)
+        if level is None:
+            level = self._levels[priority] = FCFSRequestQueue()
+            heapq.heappush(self._priorities, priority)
+        return level
 
-    def _drop_removed(self) -> None:
-        while self._heap and self._heap[0][2] in self._removed:
-            self._removed.discard(heapq.heappop(self._heap)[2])
+    def _drop_if_empty(self, priority: int) -> None:
+        if not self._levels[priority]:
+            del self._levels[priority]
+            self._priorities.remove(priority)  # one entry per distinct priority: a short list
+            heapq.heapify(self._priorities)
 
     def add(self, request: Request) -> None:
-        self._push(request)
+        self._level(request.priority).add(request)
+        self._size += 1
 
     def add_preempted(self, request: Request) -> None:
-        self._push(request)  # its (priority, arrival) puts it back where it belongs
+        self._level(request.priority).add_preempted(request)
+        self._size += 1
 
     def peek(self) -> Request:
-        self._drop_removed()
-        return self._heap[0][3]
+        return self._levels[self._priorities[0]].peek()
 
     def pop(self) -> Request:
-        self._drop_removed()
-        request = heapq.heappop(self._heap)[3]
-        del self._entry[request.request_id]
+        priority = self._priorities[0]
+        request = self._levels[priority].pop()
+        self._drop_if_empty(priority)
+        self._size -= 1
         return request
 
     def remove(self, request: Request) -> None:
-        self._removed.add(self._entry.pop(request.request_id))
+        self._levels[request.priority].remove(request)
+        self._drop_if_empty(request.priority)
+        self._size -= 1
 
     def choose_victim(self, running: list[Request]) -> Request:
         return max(running, key=lambda r: (r.priority, r.arrival_time))
 
     def __len__(self) -> int:
-        return len(self._entry)
+        return self._size
 
     def __iter__(self) -> Iterator[Request]:
-        return (entry[3] for entry in sorted(self._heap) if entry[2] not in self._removed)
+        for priority in sorted(self._levels):
+            yield from self._levels[priority]
 
 
 def make_request_queue(policy: str) -> RequestQueue:

@@ -42,6 +42,7 @@ from services.common.clients import EngineClient
 from services.common.config import (
     DisaggregationConfig,
     EngineServiceConfig,
+    GrammarLimits,
     ModelConfig,
     ParallelConfig,
     PrefixIndexConfig,
@@ -55,7 +56,7 @@ from services.common.errors import answers_with_status
 from services.common.metrics import MetricsEndpoint, ServiceMetrics
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
-from services.common.rpc.security import RpcSecurity
+from services.common.rpc.security import ENGINE, RpcSecurity
 from services.common.rpc.server import RpcServer, service_name
 from services.engine.async_engine import AsyncEngine, EngineIdentity
 from services.engine.client import GrpcEngineClient
@@ -157,7 +158,8 @@ async def start_engine(worker: GroupWorkerClient, args: EngineServiceArgs, metri
 
     engine = await AsyncEngine.create(
         worker, args.scheduler, lambda core: EngineMetrics.for_core(metrics.registry, labels(core), core),
-        args.service.worker_liveness_interval, kv_events=kv_events, identity=identity)
+        args.service.worker_liveness_interval, kv_events=kv_events, identity=identity,
+        grammar_limits=args.grammar_limits)
     enable_disaggregation(engine, worker, args, lambda: DisaggregationMetrics(metrics.registry, labels(engine.core)))
     if kv_events is None:
         return engine, None
@@ -183,7 +185,7 @@ def enable_disaggregation(engine: AsyncEngine, worker: GroupWorkerClient, args: 
             raise ValueError(f"--engine-role {config.engine_role} needs workers started with --kv-transfer-address")
         return
     # Deadlines: the prefill stream gets its own (Disaggregation), unary calls the worker timeout's.
-    security = RpcSecurity.load(args.security)
+    security = RpcSecurity.load(args.security, ENGINE)
 
     def connect(address: str) -> GrpcEngineClient:
         return GrpcEngineClient(address, timeout=config.kv_transfer_timeout, security=security)
@@ -257,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, ModelConfig, ENV_PREFIX, only=["served_model_name"])
     add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})
     add_flags(parser, SecurityConfig, ENV_PREFIX)
+    add_flags(parser, GrammarLimits, ENV_PREFIX)
     add_flags(parser, DisaggregationConfig, ENV_PREFIX, only=["engine_role", "kv_lease", "kv_transfer_timeout",
                                                                       "remote_prefill_timeout"])
     return parser
@@ -271,6 +274,7 @@ class EngineServiceArgs(NamedTuple):
     prefix_index: PrefixIndexConfig = PrefixIndexConfig()
     parallel: ParallelConfig = ParallelConfig()  # only tensor_parallel_size: the group's size
     disaggregation: DisaggregationConfig = DisaggregationConfig()  # role, lease, transfer timeout
+    grammar_limits: GrammarLimits = GrammarLimits()
 
 
 def parse_args(argv: list[str] | None = None) -> EngineServiceArgs:
@@ -296,19 +300,21 @@ def parse_args(argv: list[str] | None = None) -> EngineServiceArgs:
                      f"give one per rank, in rank order")
     return EngineServiceArgs(service, build(parser, SchedulerConfig, args), build(parser, ModelConfig, args),
                              build(parser, ServingConfig, args), build(parser, SecurityConfig, args),
-                             build(parser, PrefixIndexConfig, args), parallel, build(parser, DisaggregationConfig, args))
+                             build(parser, PrefixIndexConfig, args), parallel,
+                             build(parser, DisaggregationConfig, args), build(parser, GrammarLimits, args))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     service, serving, security_config = args.service, args.serving, args.security
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
-    security = RpcSecurity.load(security_config)  # the engine's own port and its calls to the worker
+    security = RpcSecurity.load(security_config, ENGINE)  # the engine's own port and its calls to the worker
 
     async def run() -> None:
         addresses = service.worker_address or await discover_workers(
             service.worker_service, service.worker_hostname, service.namespace)
         metrics = ServiceMetrics.create("engine")
+        security.refusals.register(metrics.registry)
         endpoint = MetricsEndpoint.start(metrics.registry, serving.host, serving.metrics_port)
         # The steps go over each worker's step channel, not gRPC: the hottest call there is, timed by
         # kvmesh_engine_step_rpc_seconds; the workers count theirs by outcome (kvmesh_worker_step_seconds).

@@ -19,7 +19,7 @@ from pathlib import Path
 from services.cli import LOOPBACK, ChildSpec, Supervisor, free_ports, grpc_serving, write_token_file
 from services.common.config import CacheConfig, ModelConfig, ParallelConfig, ServingConfig, WorkerConfig
 from services.common.flags import to_argv
-from services.common.rpc.security import RpcSecurity
+from services.common.rpc.security import ENGINE, RpcSecurity
 from services.engine.executor import GroupWorkerClient
 from services.worker.client import GrpcWorkerClient
 
@@ -61,7 +61,7 @@ class WorkerProcesses:
             supervisor.stop()
             private.cleanup()
             raise
-        rpc_security = RpcSecurity.load(security)
+        rpc_security = RpcSecurity.load(security, ENGINE)
         client = GroupWorkerClient([GrpcWorkerClient(address, timeout=timeout, security=rpc_security)
                                     for address in addresses])
         return cls(supervisor, client, private)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import logging
 import re
 import secrets
 import uuid
@@ -27,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.common.clients import GenerateRequest, ProcessorClient
 from services.common.prompt_size import PromptSize, prompt_size
 from services.common.sampling_params import SamplingParams
-from services.gateway.auth import APIKeyMiddleware
+from services.gateway.auth import APIKeyMiddleware, tenant_of
 from services.gateway.batch_chat import BatchChatCompletionRequest, batch_chat_response
 from services.gateway.batch_chat import generate_requests as batch_generate_requests
 from services.gateway.chat import chat_chunks, chat_response, generate_request
@@ -35,8 +36,8 @@ from services.gateway.completion import completion_chunks, completion_response, 
 from services.gateway.errors import (ANSWERED_ERRORS, OPENAPI_ERRORS, APIError, api_error_of, bad_request,
                                      model_not_found)
 from services.gateway.generation import Generation
-from services.common.config import GatewayConfig, Limits
-from services.gateway.limits import BodyLimitMiddleware, check_limits, check_prompt_sizes
+from services.common.config import GatewayConfig, GrammarLimits, Limits
+from services.gateway.limits import BodyLimitMiddleware, check_limits, check_prompt_sizes, check_token_id_lists
 from services.gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -54,9 +55,12 @@ from services.gateway.protocol import (
     TokenizeResponse,
 )
 from services.gateway.sampling import to_sampling_params
+from services.gateway.structured import validate_structured_outputs
 from services.gateway.tokenization import to_tokenize_request
 from services.gateway.unsupported import unsupported_asks
 from services.gateway.sse import sse_stream
+
+logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # A generating route answers JSON, or with stream=true server-sent events (each a JSON chunk or
@@ -71,9 +75,9 @@ S = TypeVar("S", bound=SamplingRequest)
 
 
 def create_app(processor: ProcessorClient, served_model_name: str, health_timeout: float = 5.0,
-               limits: Limits = Limits(), api_keys: Sequence[str] = (),
+               limits: Limits = Limits(), api_keys: Sequence[str] = (), priority_api_keys: Sequence[str] = (),
                metrics: GatewayMetrics | None = None, *, session_header: str = DEFAULT_SESSION_HEADER,
-               options: ApiOptions | None = None) -> FastAPI:
+               options: ApiOptions | None = None, grammar_limits: GrammarLimits = GrammarLimits()) -> FastAPI:
     """The gateway app. `health_timeout` bounds /health's question to the processor (seconds);
     with `api_keys`, every path but the public ones needs one of them (services/gateway/auth.py).
     /metrics serves `metrics` (default: a registry of this app's own). The `session_header`'s value
@@ -85,8 +89,8 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
     # the body's size, then any error of ours answered, then routing.
     app.add_middleware(answer_errors)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes)
-    if api_keys:
-        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+    if api_keys or priority_api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys, priority_keys=priority_api_keys)
     app.add_middleware(RequestIdMiddleware, echo=options.request_id_headers)
     # Outermost of all: it counts what the ones inside refuse (401, the body-size 400) too.
     metrics = metrics or GatewayMetrics()
@@ -96,7 +100,7 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
     # goes to Starlette's last-resort handler too (a 500 in our shape, and a logged traceback).
     for kind in (*ANSWERED_ERRORS, Exception):
         app.add_exception_handler(kind, _error)
-    api = app.state.api = _API(processor, served_model_name, limits, session_header, options)
+    api = app.state.api = _API(processor, served_model_name, limits, session_header, options, grammar_limits)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics_page() -> Response:
@@ -109,13 +113,13 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
         try:
             healthy = await asyncio.wait_for(processor.is_healthy(), health_timeout)
         except (ConnectionError, TimeoutError) as e:
-            healthy, reason = False, str(e) or type(e).__name__
-        else:
-            reason = "the processor or its engine is not serving"
+            # The why stays in the log: a gRPC error's details name internal addresses, and this is public.
+            logger.warning("not healthy: %s", str(e) or type(e).__name__)
+            healthy = False
         if healthy:
             return Response(status_code=200)
-        return _error_response(503, ErrorInfo(message=f"not healthy: {reason}", type="service_unavailable",
-                                              code="service_unavailable"))
+        return _error_response(503, ErrorInfo(message="not healthy: the model is not serving",
+                                              type="service_unavailable", code="service_unavailable"))
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -124,7 +128,9 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
     @app.get("/v1/models")
     async def models() -> ModelList:
         info = await processor.model_info()
-        return ModelList(data=[ModelCard(id=served_model_name, root=info.model_path, max_model_len=info.max_model_len)])
+        # root names the model as served, not where its files lie on the engines' disks.
+        return ModelList(data=[ModelCard(id=served_model_name, root=served_model_name,
+                                         max_model_len=info.max_model_len)])
 
     @app.post("/v1/completions", responses=STREAMED)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -171,22 +177,42 @@ class ApiOptions:
     tokenizer_info: bool = False  # GET /tokenizer_info
     return_tokens_as_token_ids: bool = False  # the default of the request field of that name
     tool_call_parser: str | None = None  # with tool_choice "auto" (None: "auto" is refused)
+    cache_salt_per_api_key: bool = False  # every request's cache_salt starts with its key's hash
 
     @classmethod
     def of(cls, gateway: GatewayConfig) -> ApiOptions:
         return cls(gateway.enable_request_id_headers, gateway.enable_force_include_usage,
                    gateway.enable_tokenizer_info_endpoint, gateway.return_tokens_as_token_ids,
-                   gateway.tool_call_parser if gateway.enable_auto_tool_choice else None)
+                   gateway.tool_call_parser if gateway.enable_auto_tool_choice else None,
+                   gateway.cache_salt_per_api_key)
+
+
+def _set_tenant(requests: list[GenerateRequest], request: Request, body: SamplingRequest,
+                salt_per_key: bool = False) -> None:
+    """Every request's tenant, the hash its API key names (services/gateway/auth.py); 403 for a
+    `priority` its key may not set. With `salt_per_key`, the tenant's hash leads every request's
+    cache_salt (the client's own salt after it): only requests of one key share cached blocks."""
+    tenant = tenant_of(request.scope)
+    if body.priority and not tenant.may_set_priority:
+        raise APIError(403, f"priority {body.priority} is refused: only the keys of --priority-api-key-file may set "
+                            "priority", "invalid_request_error", "priority", "priority_not_allowed")
+    for r in requests:
+        r.tenant_id = tenant.id
+        if salt_per_key and tenant.id is not None:
+            # The hash, never the key: the salt reaches the engines and their block hashes.
+            r.cache_salt = f"key:{tenant.id}" if r.cache_salt is None else f"key:{tenant.id}:{r.cache_salt}"
 
 
 class _API:
     """The generating endpoints: request → processor requests → a response or an SSE stream."""
 
     def __init__(self, processor: ProcessorClient, served_model_name: str, limits: Limits,
-                 session_header: str = DEFAULT_SESSION_HEADER, options: ApiOptions | None = None) -> None:
+                 session_header: str = DEFAULT_SESSION_HEADER, options: ApiOptions | None = None,
+                 grammar_limits: GrammarLimits = GrammarLimits()) -> None:
         self.processor = processor
         self.served_model_name = served_model_name
         self.limits = limits
+        self.grammar_limits = grammar_limits
         self.session_header = session_header
         self.options = options or ApiOptions()
         self.max_model_len: int | None = None  # the model's context length, once asked
@@ -215,11 +241,12 @@ class _API:
         return await route(parsed, request)
 
     async def batch_chat_completions(self, body: BatchChatCompletionRequest, request: Request) -> Response:
-        params = self._params(body)
+        params = await self._params(body)
         await self._check_sizes(PromptSize(0, len(c)) for c in body.messages)  # before converting them
         response_id, engine_id = _ids("chatcmpl", request, body.request_id)
         requests = batch_generate_requests(body, engine_id, params)
         self._set_session(requests, request, body)
+        _set_tenant(requests, request, body, self.options.cache_salt_per_api_key)
         await self._check_sizes(prompt_size(None, r.messages, r.chat_template_kwargs.values()) for r in requests)
         return await self._respond(request, requests, False, _no_stream,
                                    lambda g: batch_chat_response(g, body, response_id, self.served_model_name,
@@ -235,23 +262,25 @@ class _API:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         body = self._with_usage(body)
-        params = self._params(body)
+        params = await self._params(body)
         await self._check_sizes(prompt_size(p, None) for p in body.prompts() if isinstance(p, str))
         response_id, engine_id = _ids("cmpl", request, body.request_id)
         requests = generate_requests(body, engine_id, params)
         self._set_session(requests, request, body)
+        _set_tenant(requests, request, body, self.options.cache_salt_per_api_key)
         return await self._respond(request, requests, body.stream,
                                    lambda g: completion_chunks(g, body, response_id, self.served_model_name),
                                    lambda g: completion_response(g, body, response_id, self.served_model_name))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         body = self._with_usage(body)
-        params = self._params(body)
+        params = await self._params(body)
         await self._check_sizes([PromptSize(0, len(body.messages))])  # before converting each of them
         response_id, engine_id = _ids("chatcmpl", request, body.request_id)
         requests = [generate_request(body, engine_id, params)]
         parser = self.options.tool_call_parser
         self._set_session(requests, request, body)
+        _set_tenant(requests, request, body, self.options.cache_salt_per_api_key)
         await self._check_sizes([prompt_size(None, requests[0].messages, requests[0].chat_template_kwargs.values())])
         return await self._respond(request, requests, body.stream,
                                    lambda g: chat_chunks(g, body, response_id, self.served_model_name, parser),
@@ -271,14 +300,17 @@ class _API:
         for r in requests:
             r.session_id = session_id or None
 
-    def _params(self, body: SamplingRequest) -> SamplingParams:
+    async def _params(self, body: SamplingRequest) -> SamplingParams:
         self._check_model(body.model)
         asked = unsupported_asks(body, auto_tools=self.options.tool_call_parser is not None)
         if asked:
             raise bad_request("; ".join(a.message for a in asked), asked[0].field)
         if body.return_tokens_as_token_ids is None:  # the request as this server reads it: its flag decides
             body.return_tokens_as_token_ids = self.options.return_tokens_as_token_ids
-        return check_limits(self.limits, body, to_sampling_params(body))
+        check_token_id_lists(self.limits, body)
+        params = check_limits(self.limits, body, to_sampling_params(body, self.grammar_limits))
+        await validate_structured_outputs(body, params.structured_outputs, self.grammar_limits)  # off the loop
+        return params
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -301,6 +333,12 @@ class _API:
 
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         self._check_model(body.model)
+        # Ids count like a prompt: no more than the context holds, as each may decode to many bytes.
+        if self.max_model_len is None:
+            self.max_model_len = (await self.processor.model_info()).max_model_len
+        if len(body.tokens) > self.max_model_len:
+            raise APIError(400, f"{len(body.tokens)} tokens is over the model's context length of "
+                                f"{self.max_model_len} tokens", "invalid_request_error", "tokens", "limit_exceeded")
         return DetokenizeResponse(prompt=await self.processor.detokenize(body.tokens))
 
     async def _respond(

@@ -72,10 +72,15 @@ def api_error_of(exc: BaseException) -> APIError:
                         headers=exc.headers)
     if isinstance(exc, ValueError):
         return APIError(400, str(exc), "invalid_request_error")
-    if isinstance(exc, (EngineDeadError, ConnectionError)):
+    if isinstance(exc, EngineDeadError):  # the engine's own words for why it stopped
         return APIError(503, f"the model is not available: {exc}", "service_unavailable", code="service_unavailable")
+    # Transport errors' details (a gRPC status's: internal addresses) go to the log, not the client.
+    if isinstance(exc, ConnectionError):
+        logger.warning("the model is not available: %s", exc)
+        return APIError(503, "the model is not available", "service_unavailable", code="service_unavailable")
     if isinstance(exc, TimeoutError):
-        return APIError(504, f"the model did not answer in time: {exc}", "timeout", code="timeout")
+        logger.warning("the model did not answer in time: %s", exc)
+        return APIError(504, "the model did not answer in time", "timeout", code="timeout")
     logger.error("request failed: %r", exc, exc_info=exc)
     return APIError(500, "internal error", "internal_error", code="internal_error")
 

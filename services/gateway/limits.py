@@ -1,11 +1,11 @@
 """What one request may ask of the server: body size, prompts, choices and sequences, logprobs,
-stop strings, tokens, a prompt's characters (services.common.config.Limits, built at the edge from
-flags); a request over a limit is a 400 that names the limit and its flag.
+stop strings, token-id lists, tokens, a prompt's characters (services.common.config.Limits, built
+at the edge from flags); a request over a limit is a 400 that names the limit and its flag.
 
 The body size is checked by an ASGI middleware as the body streams in (a client announcing or
 sending more than the limit is refused without the rest being read); the prompt's characters
-against the context length by `check_prompt_sizes`; everything else by `check_limits` on the
-parsed request, where the gateway turns it into SamplingParams.
+against the context length by `check_prompt_sizes`; the token-id lists by `check_token_id_lists`
+before the gateway turns the request into SamplingParams; everything else by `check_limits` after.
 """
 
 from __future__ import annotations
@@ -55,6 +55,15 @@ def check_limits(limits: Limits, body: SamplingRequest, params: SamplingParams) 
         return replace(params, max_tokens=min(params.max_tokens or limits.max_tokens, limits.max_tokens))
     _at_most(params.max_tokens, limits.max_tokens, given[0], given[0], "max_tokens")
     return params
+
+
+def check_token_id_lists(limits: Limits, body: SamplingRequest) -> None:
+    """APIError (400) for a token-id list longer than its limit. Counted as sent, duplicates too, and
+    before SamplingParams sorts and deduplicates them, so that an oversized list costs no more work."""
+    for name, ids, limit in (("allowed_token_ids", body.allowed_token_ids, "max_allowed_token_ids"),
+                             ("logit_bias", body.logit_bias, "max_logit_bias"),
+                             ("stop_token_ids", body.stop_token_ids, "max_stop_token_ids")):
+        _at_most(len(ids or ()), getattr(limits, limit), f"token ids in {name}", name, limit)
 
 
 def check_prompt_sizes(limits: Limits, sizes: Iterable[PromptSize], max_model_len: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from services.gateway.unsupported import UnsupportedChat, UnsupportedCompletion, UnsupportedSampling
 
@@ -102,6 +102,14 @@ class SamplingRequest(OpenAIRequest, UnsupportedSampling):
     logprob_token_ids: list[int] | None = None  # logprobs of these tokens in place of the top-N
     return_token_ids: bool | None = None  # prompt_token_ids and each choice's token_ids in the answer
     return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"; None: the server's flag
+
+    @field_validator("request_id")
+    @classmethod
+    def _printable_request_id(cls, value: str | None) -> str | None:
+        # It names the request in every log line: a newline there would forge lines of its own.
+        if value is not None and not value.isprintable():
+            raise ValueError("must be printable: no newlines or other control characters")
+        return value
 
     @model_validator(mode="after")
     def _check_sampling_request(self) -> SamplingRequest:

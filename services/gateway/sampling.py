@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from services.common.config import GrammarLimits
 from services.common.sampling_params import SamplingParams
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.structured import structured_outputs_of
 
 
-def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+def to_sampling_params(request: CompletionRequest | ChatCompletionRequest,
+                       grammar_limits: GrammarLimits = GrammarLimits()) -> SamplingParams:
     """Raises ValueError (answered with 400) for values SamplingParams refuses, APIError 400 for a
-    constraint that cannot compile."""
+    constraint over `grammar_limits` (whether it compiles: structured.validate_structured_outputs)."""
     prompt_logprobs = request.prompt_logprobs
     if isinstance(request, ChatCompletionRequest):
         # Chat defaults to the rest of the context (None), completions to 16 (the request's default).
@@ -47,7 +49,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         allowed_token_ids=request.allowed_token_ids,
         logprob_token_ids=request.logprob_token_ids,
-        structured_outputs=structured_outputs_of(request),
+        structured_outputs=structured_outputs_of(request, grammar_limits),
     )
 
 

@@ -22,12 +22,13 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from services.common.config import GatewayConfig, Limits, ModelConfig, SecurityConfig, ServingConfig
+from services.common.config import (GRAMMAR_COMPILE_FIELDS, GatewayConfig, GrammarLimits, Limits, ModelConfig,
+                                    SecurityConfig, ServingConfig)
 from services.common.flags import add_flags, build
 from services.common.metrics import GrpcMetrics
-from services.common.rpc.security import RpcSecurity
+from services.common.rpc.security import GATEWAY, RpcSecurity
 from services.gateway.app import ApiOptions, create_app, end_requests
-from services.gateway.auth import api_keys_from
+from services.gateway.auth import api_keys_from, api_keys_from_file
 from services.gateway.connection_guard import quiet_accept_errors, uvicorn_options
 from services.gateway.metrics import GatewayMetrics
 from services.processor.client import GrpcProcessorClient
@@ -68,13 +69,19 @@ class GatewayServer(uvicorn.Server):
 
 
 async def serve(gateway: GatewayConfig, served_model_name: str, serving: ServingConfig, limits: Limits = Limits(),
-                api_keys: Sequence[str] = (), security: RpcSecurity = RpcSecurity()) -> None:
+                api_keys: Sequence[str] = (), security: RpcSecurity = RpcSecurity(),
+                grammar_limits: GrammarLimits = GrammarLimits()) -> None:
     """`security`: the internal token (and mTLS) of the calls to the processor."""
+    priority_api_keys = api_keys_from_file(gateway.priority_api_key_file)
+    if priority_api_keys and not api_keys:
+        raise ValueError("--priority-api-key-file needs --api-key: without keys, every client may set priority")
     metrics = GatewayMetrics(gateway.aggregate_metrics)
     processor = GrpcProcessorClient(gateway.processor_address, timeout=gateway.timeout,
                                     metrics=GrpcMetrics(metrics.registry, "gateway"), security=security)
     app = create_app(processor, served_model_name, health_timeout=gateway.timeout, metrics=metrics, limits=limits,
-                     api_keys=api_keys, session_header=gateway.session_header, options=ApiOptions.of(gateway))
+                     api_keys=api_keys, priority_api_keys=priority_api_keys, session_header=gateway.session_header,
+                     options=ApiOptions.of(gateway),
+                     grammar_limits=grammar_limits)
     # root_path: a proxy serves the API under it and strips it (vLLM's --root-path, the same ASGI root_path).
     config = uvicorn.Config(app, host=serving.host, port=serving.port, timeout_graceful_shutdown=serving.grace,
                             root_path=gateway.root_path,
@@ -90,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, GatewayConfig, ENV_PREFIX)
     add_flags(parser, ModelConfig, ENV_PREFIX, only=["served_model_name"])
     add_flags(parser, Limits, ENV_PREFIX)
+    add_flags(parser, GrammarLimits, ENV_PREFIX, exclude=GRAMMAR_COMPILE_FIELDS)
     add_flags(parser, ServingConfig, ENV_PREFIX, only=["host", "port", "grace"], defaults={"port": DEFAULT_PORT})
     add_flags(parser, SecurityConfig, ENV_PREFIX)
     return parser
@@ -101,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     gateway = build(parser, GatewayConfig, args)
     asyncio.run(serve(gateway, build(parser, ModelConfig, args).name, build(parser, ServingConfig, args),
                       build(parser, Limits, args), api_keys_from(gateway.api_key),
-                      RpcSecurity.load(build(parser, SecurityConfig, args))))
+                      RpcSecurity.load(build(parser, SecurityConfig, args), GATEWAY), build(parser, GrammarLimits, args)))
     return 0
 
 

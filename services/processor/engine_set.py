@@ -14,7 +14,9 @@ same channel.
 A stream whose engine dies (EngineDeadError or ConnectionError) moves to another engine with the
 tokens streamed so far (services/processor/migration.py), at most `max_migrations` times: the
 caller sees one uninterrupted stream. The engine that failed it is marked unhealthy until its
-next health check says otherwise.
+next health check says otherwise. A request id under which `max_engine_deaths` engines died is
+failed instead (EngineDeaths), now and when it comes again: what kills engines is not replayed on
+every engine of the fleet in turn.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.prefix_index.engines_index import EnginesPrefixIndex, ask_engines
 from services.prefix_index.index import PrefixIndex
 from services.processor.metrics import RouterMetrics
-from services.processor.migration import MIGRATABLE_ERRORS, Migration
+from services.processor.migration import MIGRATABLE_ERRORS, EngineDeaths, Migration
 from services.processor.router import Route, Router
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,8 @@ class EngineSet:
         self.service = service
         self._connect = connect  # address -> client (carries the per-call deadlines)
         self.max_migrations = routing.max_migrations  # RoutingConfig checked it
+        self.max_engine_deaths = routing.max_engine_deaths
+        self.deaths = EngineDeaths()
         self.members: dict[str, EngineMember] = {}  # by address; ready ones and those still draining
         self._owners: dict[str, EngineMember] = {}  # request id -> the member streaming it
         self._closing: set[asyncio.Task[None]] = set()  # strong references until the channels close
@@ -113,6 +117,8 @@ class EngineSet:
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         """One stream for `request`, moved to another engine when its engine dies mid-stream."""
+        if self.deaths.count(request.request_id) >= self.max_engine_deaths:
+            raise EngineDeadError(self._poison_message(request.request_id))
         migration = Migration(request)
         failed: list[str] = []  # addresses of the engines that died under this request
         died: Exception | None = None  # the last of their errors
@@ -135,6 +141,10 @@ class EngineSet:
                     died = exc
                     member.healthy = False  # until the health loop hears SERVING again
                     failed.append(member.endpoint.address)
+                    if self.deaths.record(request.request_id) >= self.max_engine_deaths:
+                        logger.warning("engine %s failed request %s (%s): %s", member.endpoint.address,
+                                       request.request_id, exc, self._poison_message(request.request_id))
+                        raise EngineDeadError(self._poison_message(request.request_id)) from exc
                     if migration.num_migrations >= self.max_migrations:
                         raise
                     logger.warning("engine %s failed request %s after %d token(s) (%s); migrating it",
@@ -143,6 +153,10 @@ class EngineSet:
             yield migration.forward(next_request)  # max_tokens were all streamed: only the end was lost
         finally:
             self._owners.pop(request.request_id, None)
+
+    def _poison_message(self, request_id: str) -> str:
+        return (f"request {request_id} was in flight on {self.deaths.count(request_id)} engines that stopped; "
+                "it is not sent to another")
 
     async def _stream(self, member: EngineMember, request: EngineCoreRequest,
                       predicted: int | None) -> AsyncIterator[EngineCoreOutput]:
@@ -196,11 +210,17 @@ class EngineSet:
         await asyncio.gather(*(member.client.abort(ids, reason) for member, ids in by_member.values()))
 
     async def info(self) -> EngineInfo:
-        """Any ready engine's (they serve one model)."""
+        """The first ready engine's that answers, healthy ones first (they serve one model): one
+        engine that stays down (its supervisor gave up on it) must not stop a processor starting."""
         ready = sorted((m for m in self.members.values() if m.ready), key=lambda m: not m.healthy)
         if not ready:
             raise ConnectionError(f"no ready engine in service {self.service}")
-        return await ready[0].client.info()
+        for member in ready[:-1]:
+            try:
+                return await member.client.info()
+            except (ConnectionError, TimeoutError, EngineDeadError) as e:
+                logger.debug("engine %s: no info: %s", member.address, e)
+        return await ready[-1].client.info()
 
     async def stats(self) -> EngineStats:
         """The ready engines' stats, summed."""

@@ -12,6 +12,7 @@ so B draws what A would have drawn; greedy is the same by construction.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import replace
 
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
@@ -21,6 +22,31 @@ from services.common.errors import EngineDeadError
 # worker failed, it shuts down), or it cannot be reached (the process is gone). Not ValueError (the
 # request is wrong anywhere), not EngineOverloadedError (the engine lives; the caller may retry).
 MIGRATABLE_ERRORS: tuple[type[Exception], ...] = (EngineDeadError, ConnectionError)
+DEATHS_REMEMBERED = 10_000  # request ids whose engine deaths are kept, the latest first
+
+
+class EngineDeaths:
+    """How many engines died with each request id in flight, for the latest `capacity` ids: a request
+    that kills every engine it reaches (a poison request) is failed after a few, not replayed across
+    the fleet; a client that sends it again under the same id gets the same answer at once."""
+
+    def __init__(self, capacity: int = DEATHS_REMEMBERED) -> None:
+        self.capacity = capacity
+        self._counts: OrderedDict[str, int] = OrderedDict()
+
+    def count(self, request_id: str) -> int:
+        return self._counts.get(request_id, 0)
+
+    def record(self, request_id: str) -> int:
+        """One more engine died under `request_id`: its count now."""
+        count = self._counts.pop(request_id, 0) + 1
+        self._counts[request_id] = count
+        if len(self._counts) > self.capacity:
+            self._counts.popitem(last=False)
+        return count
+
+    def __len__(self) -> int:
+        return len(self._counts)
 
 
 class Migration:

@@ -12,6 +12,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from services.common.clients import GenerateRequest, TokenizeRequest
+from services.common.config import GrammarLimits
 from services.common.grammar import check_grammar
 from services.common.engine_output import EngineCoreRequest
 from services.common.prompt_size import PromptSize, check_prompt_size, prompt_size
@@ -51,13 +52,15 @@ class Processor:
 
     @classmethod
     def for_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, model_path: str | os.PathLike[str],
-                      max_model_len: int) -> Processor:
-        return cls(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, model_path), max_model_len)
+                      max_model_len: int, grammar_limits: GrammarLimits = GrammarLimits()) -> Processor:
+        return cls(tokenizer, TokenizerInfo.from_tokenizer(tokenizer, model_path), max_model_len, grammar_limits)
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, info: TokenizerInfo, max_model_len: int) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, info: TokenizerInfo, max_model_len: int,
+                 grammar_limits: GrammarLimits = GrammarLimits()) -> None:
         self.tokenizer = tokenizer
         self.info = info
         self.max_model_len = max_model_len
+        self.grammar_limits = grammar_limits  # what a request's constraint may hold (make_requests)
         # The chat_template_kwargs a request may set: the variables the template reads, and nothing
         # of ours (vLLM's rule too; it keeps a template from being fed arguments it never declared).
         variables = chat_template_variables(tokenizer) if info.has_chat_template else frozenset()
@@ -110,7 +113,11 @@ class Processor:
         return config
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
-        """The text of `token_ids`, special tokens included; ValueError for ids out of the vocabulary."""
+        """The text of `token_ids`, special tokens included; ValueError for ids out of the vocabulary
+        or more of them than the context holds (each id may decode to many bytes)."""
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"{len(token_ids)} tokens is over the model's context length of "
+                             f"{self.max_model_len} tokens")
         self.check_vocabulary(token_ids)
         return self.tokenizer.decode(list(token_ids))
 
@@ -155,6 +162,7 @@ class Processor:
         cache_salt: str | None = None,
         group_id: str | None = None,
         session_id: str | None = None,
+        tenant_id: str | None = None,
     ) -> list[EngineCoreRequest]:
         """One engine request per choice: `{request_id}` for n == 1, else `{request_id}-{i}` with
         seed + i, so that a seeded request is reproducible choice by choice; all of them in the group
@@ -162,17 +170,21 @@ class Processor:
         check_prompt(prompt_token_ids, self.max_model_len, self.info.vocab_size)
         check_params_token_ids(params, self.info.vocab_size)
         if params.structured_outputs is not None:
-            check_grammar(params.structured_outputs)  # a bad schema or regex fails here, not in the engine
+            # A bad or too large schema or regex fails here, not in the engine. On the caller's thread:
+            # AsyncProcessor builds requests on its tokenizer threads, never on the event loop.
+            check_grammar(params.structured_outputs, self.grammar_limits)
         params = resolved_logprobs(params, self.info.vocab_size)
         group_id = group_id or request_id
         if params.n == 1:
             return [EngineCoreRequest(request_id, prompt_token_ids, params, self.info.eos_token_ids,
-                                      priority, cache_salt, group_id=group_id, session_id=session_id)]
+                                      priority, cache_salt, group_id=group_id, session_id=session_id,
+                                      tenant_id=tenant_id)]
         return [
             EngineCoreRequest(
                 f"{request_id}-{i}", prompt_token_ids,
                 replace(params, n=1, seed=None if params.seed is None else params.seed + i),
                 self.info.eos_token_ids, priority, cache_salt, group_id=group_id, session_id=session_id,
+                tenant_id=tenant_id,
             )
             for i in range(params.n)
         ]

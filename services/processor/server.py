@@ -34,7 +34,9 @@ from typing import Any, NamedTuple
 
 from services.common.clients import EngineClient, EngineInfo, ProcessorClient
 from services.common.config import (
+    GRAMMAR_COMPILE_FIELDS,
     DisaggregationConfig,
+    GrammarLimits,
     PROCESSOR_MODEL_FIELDS,
     ModelConfig,
     PrefixIndexConfig,
@@ -50,7 +52,7 @@ from services.common.metrics import GrpcMetrics, MetricsEndpoint, ServiceMetrics
 from services.common.model_files import model_id_of, resolve_tokenizer
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
-from services.common.rpc.security import RpcSecurity
+from services.common.rpc.security import PROCESSOR, RpcSecurity
 from services.common.rpc.server import RpcServer, service_name
 from services.engine.client import GrpcEngineClient
 from services.processor.async_processor import DEFAULT_TOKENIZER_THREADS, AsyncProcessor
@@ -240,7 +242,8 @@ async def follow_engine_health(processor: AsyncProcessor, server: RpcServer, int
 async def serve(model: ModelConfig, engine: EngineClient, serving: ServingConfig, startup_timeout: float = 300.0,
                 metrics: Callable[[int], ProcessorMetrics] | None = None,
                 security: RpcSecurity = RpcSecurity(),
-                tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS) -> None:
+                tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
+                grammar_limits: GrammarLimits = GrammarLimits()) -> None:
     """Serve until SIGTERM/SIGINT. The model is resolved for its tokenizer only; no weights load.
     The caller owns `engine` (open_engines). `metrics` makes this processor's metrics once the
     engine's context length (their token buckets' top) is known."""
@@ -251,8 +254,9 @@ async def serve(model: ModelConfig, engine: EngineClient, serving: ServingConfig
         logger.warning("the engine serves %s, this processor tokenizes for %s", engine_info.model_id,
                        model_id_of(model_path))
     processor_metrics = metrics(engine_info.max_model_len) if metrics is not None else None
-    processor = AsyncProcessor(Processor.for_tokenizer(tokenizer, model_path, engine_info.max_model_len), engine,
-                               processor_metrics, tokenizer_threads)
+    processor = AsyncProcessor(Processor.for_tokenizer(tokenizer, model_path, engine_info.max_model_len,
+                                                       grammar_limits),
+                               engine, processor_metrics, tokenizer_threads)
     interceptors = [processor_metrics.service.grpc.server_interceptor()] if processor_metrics is not None else []
     server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors, security)
     processor_pb2_grpc.add_ProcessorServicer_to_server(ProcessorServicer(processor), server.server)
@@ -273,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})
     add_flags(parser, SecurityConfig, ENV_PREFIX)
     add_flags(parser, DisaggregationConfig, ENV_PREFIX, only=["prefill_engine_address", "prefill_threshold"])
+    add_flags(parser, GrammarLimits, ENV_PREFIX, exclude=GRAMMAR_COMPILE_FIELDS)
     return parser
 
 
@@ -284,6 +289,7 @@ class ProcessorArgs(NamedTuple):
     routing: RoutingConfig = RoutingConfig()
     prefix_index: PrefixIndexConfig = PrefixIndexConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
+    grammar_limits: GrammarLimits = GrammarLimits()
 
 
 def parse_args(argv: list[str] | None = None) -> ProcessorArgs:
@@ -297,14 +303,15 @@ def parse_args(argv: list[str] | None = None) -> ProcessorArgs:
         service = replace(service, engine_address=(DEFAULT_ENGINE_ADDRESS,))
     return ProcessorArgs(service, build(parser, ModelConfig, args), build(parser, ServingConfig, args),
                          build(parser, SecurityConfig, args), build(parser, RoutingConfig, args), prefix_index,
-                         build(parser, DisaggregationConfig, args))
+                         build(parser, DisaggregationConfig, args), build(parser, GrammarLimits, args))
 
 
 def main(argv: list[str] | None = None) -> int:
-    service, model, serving, security_config, routing, prefix_index, disaggregation = parse_args(argv)
+    service, model, serving, security_config, routing, prefix_index, disaggregation, grammar_limits = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s processor: %(message)s")
-    security = RpcSecurity.load(security_config)  # the processor's own port and its calls to engines
+    security = RpcSecurity.load(security_config, PROCESSOR)  # the processor's own port and its calls to engines
     service_metrics = ServiceMetrics.create("processor")
+    security.refusals.register(service_metrics.registry)
 
     def metrics(max_model_len: int) -> ProcessorMetrics:
         return ProcessorMetrics(service_metrics, model.name, max_model_len)
@@ -315,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         async with open_engines(service, service_metrics.grpc, security,
                                 Routing(routing, prefix_index, router_metrics, disaggregation,
                                         decider_metrics)) as engine:
-            await serve(model, engine, serving, service.startup_timeout, metrics, security, service.tokenizer_threads)
+            await serve(model, engine, serving, service.startup_timeout, metrics, security, service.tokenizer_threads,
+                        grammar_limits)
 
     endpoint = MetricsEndpoint.start(service_metrics.registry, serving.host, serving.metrics_port)
     try:

@@ -193,8 +193,14 @@ class GrpcWorkerClient:
         return reply.num_bytes
 
     def check_alive(self) -> None:
+        """Health, then, between steps, GetInfo as this session: the worker renews the lease of the
+        session that owns it on GetInfo only (a health check names no session), so an idle engine
+        that checks keeps its worker. During a step the step itself holds the lease."""
         try:
             reply = self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.liveness_timeout)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING and self._step_since is None:
+                self._stub.GetInfo(worker_pb2.GetWorkerInfoRequest(), timeout=self.liveness_timeout,
+                                   metadata=self._metadata)
         except grpc.RpcError as error:
             raise ConnectionError(f"the worker at {self.address} failed its liveness check "
                                   f"({error.code().name}, {self.liveness_timeout:g}s)") from None

@@ -42,7 +42,7 @@ from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.metrics import MetricsEndpoint, ServiceMetrics
 from services.common.model_runner_output import ModelRunnerOutput
-from services.common.rpc.security import RpcSecurity
+from services.common.rpc.security import ENGINE, RpcSecurity, read_role_tokens, read_token
 from services.common.rpc.server import RpcServer, service_name
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.client import SESSION_METADATA_KEY, InProcessWorkerClient
@@ -284,6 +284,8 @@ async def serve(worker: WorkerClient, serving: ServingConfig, metrics: WorkerMet
     the step in flight is done."""
     loop = asyncio.get_running_loop()
     interceptors = [metrics.service.grpc.server_interceptor()] if metrics is not None else []
+    if metrics is not None:
+        security.refusals.register(metrics.service.registry)
     server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors, security)
     servicer = WorkerServicer(worker, metrics, owner_lease,
                               on_group_failure=lambda: loop.call_soon_threadsafe(server.request_termination),
@@ -309,6 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def store_secret(config: SecurityConfig) -> str | None:
+    """What guards this worker's torch.distributed stores: the shared token, else the engine's (every
+    worker of a group, and every KV-transfer peer, is given one of them); None: the stores are open."""
+    return read_token(config) or read_role_tokens(config).get(ENGINE)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -319,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     security = RpcSecurity.load(security_config)  # before the model loads: a bad file fails at once
     step_thread = StepThread()  # the model loads where it will compute: one OpenMP team (step_thread.py)
     worker = step_thread.submit(Worker, model_config, cache_config, worker_config, parallel_config,
-                                build(parser, DisaggregationConfig, args)).result()
+                                build(parser, DisaggregationConfig, args), store_secret(security_config)).result()
     metrics = WorkerMetrics(ServiceMetrics.create("worker"), model_config.served_model_name or worker.info.model_id)
     metrics.watch_forward(worker.model, worker.device)
     endpoint = MetricsEndpoint.start(metrics.service.registry, serving.host, serving.metrics_port)

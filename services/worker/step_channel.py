@@ -41,7 +41,12 @@ from google.protobuf.message import DecodeError, Message
 
 from services.common.errors import exception_of_status, status_of
 from services.common.rpc.kvmesh.v1 import worker_pb2
-from services.common.rpc.security import UNAUTHENTICATED_MESSAGE, RpcSecurity
+from services.common.rpc.security import (
+    PERMISSION_DENIED_MESSAGE,
+    STEP_CHANNEL_METHOD,
+    UNAUTHENTICATED_MESSAGE,
+    RpcSecurity,
+)
 from services.common.rpc.server import MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
@@ -180,7 +185,7 @@ class StepChannel:
 
 class StepChannelServer:
     """Listens on host:port (port 0: any free one; `port` says which) and hands each connection,
-    once its hello has the token and `admit(session)` did not raise, to `adopt(sock, session)`.
+    once its hello has an engine's token and `admit(session)` did not raise, to `adopt(sock, session)`.
     Each handshake runs on a thread of its own within HANDSHAKE_TIMEOUT, so a slow or silent client
     holds up no other; over MAX_HANDSHAKES at once, a new connection is closed at once."""
 
@@ -227,9 +232,12 @@ class StepChannelServer:
             hello = parse(worker_pb2.StepChannelHello, payload)
             if hello.version != VERSION:
                 raise ValueError(f"step channel version {hello.version}; this worker speaks {VERSION}")
-            if not self._security.token_matches(hello.token):
-                code = grpc.StatusCode.UNAUTHENTICATED
-                refusal = worker_pb2.StepChannelError(code=code.value[0], details=UNAUTHENTICATED_MESSAGE)
+            # An engine's token only (or the shared one): no other role drives a worker.
+            code = self._security.authorize(hello.token, STEP_CHANNEL_METHOD)
+            if code is not None:
+                details = UNAUTHENTICATED_MESSAGE if code == grpc.StatusCode.UNAUTHENTICATED else \
+                    PERMISSION_DENIED_MESSAGE.format(method=STEP_CHANNEL_METHOD)
+                refusal = worker_pb2.StepChannelError(code=code.value[0], details=details)
                 send_frame(sock, Frame.ERROR, refusal.SerializeToString())
                 sock.close()
                 return

@@ -101,7 +101,8 @@ def test_the_processor_refuses_unfit_prompts_itself_without_growing(serve: Serve
     processor_pid = serve.services["processor"]["pid"]
 
     async def burst() -> list[str]:
-        client = GrpcProcessorClient(serve.services["processor"]["address"], timeout=30, security=serve.security)
+        client = GrpcProcessorClient(serve.services["processor"]["address"], timeout=30,
+                                     security=serve.credential("gateway"))
         errors = []
         try:
             for i in range(12):

@@ -27,8 +27,11 @@ SLOWLORIS = 300
 
 @pytest.fixture(scope="module")
 def serve(model_path: Path) -> Iterator[Serve]:
+    # Every socket here comes from 127.0.0.1: the cap per client address (tests/faults/test_fairness.py)
+    # is lifted to the global one, so that these deadlines and that cap are what meet them.
     yield from serving(model_path, ["--header-timeout", str(HEADER_TIMEOUT), "--body-timeout",
-                                    str(BODY_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS)])
+                                    str(BODY_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS),
+                                    "--max-connections-per-client", str(MAX_CONNECTIONS)])
 
 
 def _fds(serve: Serve) -> int:

@@ -1,9 +1,12 @@
 """The stack heals itself: a worker that dies (SIGKILL) or hangs (SIGSTOP) under `kvmesh serve` is
 noticed within seconds, the streams in flight end with an error saying the engine stopped, /health
 turns 503, the engine+worker pair is restarted with a back-off and /health is 200 again, and new
-requests succeed; after --max-restarts within the window `kvmesh serve` gives up and stops
-everything. A request whose own data the worker refuses fails alone. An engine run on its own exits
-non-zero once its worker is gone (Kubernetes restarts it), and never fails a step for being slow."""
+requests succeed; after --max-restarts within the window `kvmesh serve` gives up on that pair: the
+other pairs serve on, and with none left it stops everything. Pairs that die together come back
+together; a dead processor or gateway is restarted. A request whose own data the worker refuses
+fails alone, and one in flight on two engines that died is failed rather than sent to a third. An
+engine run on its own exits non-zero once its worker is gone (Kubernetes restarts it), and never
+fails a step for being slow."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -21,12 +24,15 @@ import httpx2 as httpx
 import pytest
 from grpc_health.v1 import health_pb2
 
-from services.cli import RestartBudget
+from services.cli import RestartBudget, service_of
 from services.common.engine_output import EngineCoreRequest
+from services.common.errors import EngineDeadError
+from services.common.metrics import fetch_page
 from services.common.sampling_params import SamplingParams
 from services.engine.client import GrpcEngineClient
 from tests.services.procs import PYTHON, free_port, grpc_health_status, start_service
-from tests.services.procs import Serve, gone, start_serve
+from tests.services.procs import Serve, gone, serving, start_serve
+from tests.services.test_metrics import samples
 
 pytestmark = pytest.mark.slow
 
@@ -237,3 +243,118 @@ def test_engine_alone_survives_a_slow_step_and_exits_nonzero_when_its_worker_die
         time.sleep(0.1)
     assert engine.proc.poll() == 1, engine.log()
     assert "exiting" in engine.log()
+
+
+# ----------------------------------------------------------------------------- several pairs, one budget each
+
+FLEET = ("engine-0", "engine-1", "engine-2")
+
+
+@pytest.fixture(scope="module")
+def fleet(model_path: Path) -> Iterator[Serve]:
+    """Three pairs, each allowed one restart; least-load routing (an idle engine takes a migrated stream)."""
+    yield from serving(model_path, ["--num-engines", str(len(FLEET)), "--max-model-len", "256", *LIVENESS,
+                                    "--restart-backoff", "0.5", "--max-restarts", "1", "--routing", "least-load"])
+
+
+def fleet_child_pid(fleet: Serve, name: str) -> int:
+    """The pid of the `kvmesh <service>` under `fleet` listening on child `name`'s port."""
+    service, port = service_of(name), fleet.services[name]["address"].rsplit(":", 1)[1]
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = [a.decode() for a in (entry / "cmdline").read_bytes().split(b"\0")]
+        except (OSError, ValueError):
+            continue
+        if ppid == fleet.proc.pid and argv[2:4] == ["services.cli", service] and port in argv:
+            return int(entry.name)
+    raise LookupError(f"no {name} under kvmesh serve:\n{fleet.log()}")
+
+
+def busy_engines(fleet: Serve, names: Sequence[str]) -> list[str]:
+    """Those of `names` running a request now (an engine that cannot be asked is not)."""
+    async def running(name: str) -> int:
+        client = GrpcEngineClient(fleet.services[name]["address"], timeout=3, security=fleet.security)
+        try:
+            return (await client.stats()).num_running
+        except (ConnectionError, TimeoutError, EngineDeadError):
+            return 0
+        finally:
+            await client.close()
+
+    async def ask() -> list[int]:
+        return list(await asyncio.gather(*(running(n) for n in names)))
+
+    return [name for name, count in zip(names, asyncio.run(ask())) if count]
+
+
+def prompt_tokens(fleet: Serve, name: str) -> float:
+    page = samples(fetch_page(fleet.services[name]["metrics"], 10))
+    return sum(value for (metric, _), value in page.items() if metric == "vllm:prompt_tokens_total")
+
+
+def wait_for_log(serve: Serve, text: str, timeout: float = RECOVERY_SECONDS) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in serve.log(tail=100_000):
+        assert serve.proc.poll() is None, serve.log()
+        assert time.monotonic() < deadline, f"no {text!r} after {timeout}s:\n{serve.log()}"
+        time.sleep(0.3)
+
+
+def test_a_request_two_engines_died_under_is_failed_not_sent_to_a_third(fleet: Serve):
+    """Poison-request guard: the stream's engine is killed, it moves to another, that one is killed
+    too: the client gets an error saying so, and the third engine never sees the request. The two
+    dead pairs are restarted at the same time, not one after the other."""
+    prompt_tokens_before = {name: prompt_tokens(fleet, name) for name in FLEET}
+    killed: list[str] = []
+    with httpx.Client(base_url=fleet.api.removesuffix("/v1"), timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json={**ENDLESS, "stream": True}) as response:
+            assert response.status_code == 200
+            events: list[str] = []
+            for line in response.iter_lines():
+                if not line:
+                    continue
+                events.append(line)
+                if len(killed) < 2 and len(events) >= 3 * (len(killed) + 1):
+                    [engine] = busy_engines(fleet, [n for n in FLEET if n not in killed])
+                    os.kill(fleet_child_pid(fleet, engine.replace("engine", "worker")), signal.SIGKILL)
+                    killed.append(engine)
+                assert len(events) < 3 * len(FLEET) + 20, "the stream went on after its second engine died"
+    error = assert_error_event_then_done(events)
+    assert "not sent to another" in error["message"], error
+    [third] = [name for name in FLEET if name not in killed]
+    assert prompt_tokens(fleet, third) == prompt_tokens_before[third]
+
+    first, second = (name.removeprefix("engine-") for name in killed)
+    wait_for_log(fleet, f"worker-{first} and engine-{first} are serving again")
+    wait_for_log(fleet, f"worker-{second} and engine-{second} are serving again")
+    log = fleet.log(tail=100_000)
+    # Both restarts began before the first pair was back: neither waited for the other.
+    assert log.index(f"restarting worker-{second} and engine-{second}") < log.index(
+        f"worker-{first} and engine-{first} are serving again"), log
+
+
+def test_a_pair_out_of_restarts_stays_down_and_the_others_serve_on(fleet: Serve):
+    """--max-restarts 1: a pair that died twice within the window is given up, not the whole stack."""
+    dead = next(name for name in FLEET if f"restarting worker-{name[-1]}" in fleet.log(tail=100_000))
+    os.kill(fleet_child_pid(fleet, dead.replace("engine", "worker")), signal.SIGKILL)
+    wait_for_log(fleet, f"giving up on worker-{dead[-1]} and engine-{dead[-1]}, serving with 2 other engine(s)")
+    with httpx.Client(base_url=fleet.api.removesuffix("/v1"), timeout=60) as client:
+        wait_for_health(client, 200, timeout=30)
+        for _ in range(3):  # whichever engine least-load picks, it is one that serves
+            assert_serves_a_chat(client)
+    assert fleet.proc.poll() is None
+
+
+@pytest.mark.parametrize("service", ["processor", "gateway"])
+def test_a_dead_processor_or_gateway_is_restarted(fleet: Serve, service: str):
+    pid = fleet_child_pid(fleet, service)
+    os.kill(pid, signal.SIGKILL)
+    wait_for_log(fleet, f"the {service} is serving again")
+    with httpx.Client(base_url=fleet.api.removesuffix("/v1"), timeout=60) as client:
+        wait_for_health(client, 200, timeout=30)
+        assert_serves_a_chat(client)
+    assert fleet_child_pid(fleet, service) != pid and gone(pid)
+    assert fleet.proc.poll() is None

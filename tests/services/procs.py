@@ -166,14 +166,21 @@ class Serve:
 
     @property
     def token_file(self) -> Path:
-        """The internal token serve gave its children: the file its gateway's argv names (only the
-        same user may read it; the gateway, which is never restarted on its own)."""
+        """The gateway's token serve gave it: the file its argv names (only the same user may read
+        it; the gateway, which is never restarted on its own). It opens the processor only."""
         argv = Path(f"/proc/{self.services['gateway']['pid']}/cmdline").read_bytes().split(b"\0")
-        return Path(argv[argv.index(b"--internal-token-file") + 1].decode())
+        return Path(argv[argv.index(b"--gateway-token-file") + 1].decode())
+
+    def credential(self, role: str) -> RpcSecurity:
+        """What a process of `role` (gateway, processor, engine) sends: serve keeps every role's
+        token in one private directory, beside the gateway's."""
+        return RpcSecurity.load(SecurityConfig(**{f"{role}_token_file": self.token_file.parent / f"{role}-token"}),
+                                role)
 
     @property
     def security(self) -> RpcSecurity:
-        return RpcSecurity.load(SecurityConfig(internal_token_file=self.token_file))
+        """The processor's credential: the engines' client methods (Generate, GetStats, ...)."""
+        return self.credential("processor")
 
     def engine_stats(self) -> EngineStats:
         async def stats() -> EngineStats:

@@ -1,4 +1,4 @@
-"""AsyncEngine over a scripted worker: streams, cancellation, aborts between steps, worker failure."""
+"""AsyncEngine over a scripted worker: streams, cancellation, aborts between steps, worker failure, idle checks."""
 
 from __future__ import annotations
 
@@ -243,6 +243,35 @@ def test_a_priority_under_the_fcfs_policy_is_refused():
         prioritized = EngineCoreRequest("p", [1, 2, 3], SamplingParams(max_tokens=2), eos_token_ids=(2,), priority=3)
         with pytest.raises(ValueError, match="scheduling policy"):
             await anext(engine.generate(prioritized))
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+class CheckedWorker(ScriptedWorker):
+    """Counts its liveness checks (which, on a real worker, also renew the engine's lease on it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+    def check_alive(self) -> None:
+        self.checks += 1
+
+
+def test_the_idle_loop_checks_its_worker_however_often_it_is_woken():
+    """Aborts of unknown requests wake the idle loop every 25 ms, four times an interval: the checks
+    still come about once an interval (a worker whose lease lapsed would serve another engine)."""
+    async def main():
+        worker = CheckedWorker()
+        engine = await AsyncEngine.create(worker, SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8),
+                                          idle_check_interval=0.1)
+        await until(lambda: worker.checks > 0)
+        start = worker.checks
+        for _ in range(40):
+            await engine.abort(["nobody"])
+            await asyncio.sleep(0.025)
+        assert worker.checks - start >= 3
         await engine.shutdown()
 
     asyncio.run(main())

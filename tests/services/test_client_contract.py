@@ -327,6 +327,8 @@ async def test_processor_refuses_invalid_input_with_value_error(kind: str, token
             await processor.tokenize(TokenizeRequest())
         with pytest.raises(ValueError, match="vocabulary"):
             await processor.detokenize([10**6])
+        with pytest.raises(ValueError, match="context length"):
+            await processor.detokenize([TOKEN] * (INFO.max_model_len + 1))
 
 
 @pytest.mark.parametrize("kind", KINDS)

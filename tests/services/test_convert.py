@@ -87,7 +87,8 @@ def test_model_runner_output_round_trip():
 
 
 def test_engine_request_round_trip_and_validation():
-    request = EngineCoreRequest("r1", [1, 2, 3], PARAMS[1], eos_token_ids=(2, 0), priority=-3, cache_salt="s")
+    request = EngineCoreRequest("r1", [1, 2, 3], PARAMS[1], eos_token_ids=(2, 0), priority=-3, cache_salt="s",
+                                tenant_id="0123456789abcdef")
     assert convert.engine_request_from_proto(convert.engine_request_to_proto(request)) == request
     plain = EngineCoreRequest("r2", [9], SamplingParams())
     assert convert.engine_request_from_proto(convert.engine_request_to_proto(plain)) == plain
@@ -98,6 +99,8 @@ def test_engine_request_round_trip_and_validation():
         convert.engine_request_from_proto(engine_pb2.EngineRequest(request_id="r", prompt_token_ids=[1]))
     with pytest.raises(ValueError, match="request_id"):
         convert.engine_request_from_proto(engine_pb2.EngineRequest())
+    with pytest.raises(ValueError, match="tenant_id"):  # an engine keys its queue on it: short ones only
+        convert.engine_request_from_proto(convert.engine_request_to_proto(dataclasses.replace(plain, tenant_id="t" * 65)))
 
 
 @pytest.mark.parametrize("output", [

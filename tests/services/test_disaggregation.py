@@ -251,7 +251,7 @@ def test_a_decode_side_that_vanishes_after_the_transfer_leaves_the_lease_to_expi
     expired = counters(pd)["expired"]
 
     async def prefill() -> int:
-        client = GrpcEngineClient(pd.address(pd.prefill), timeout=10, security=pd.serve.security)
+        client = GrpcEngineClient(pd.address(pd.prefill), timeout=10, security=pd.serve.credential("engine"))
         try:
             async with aclosing(client.prefill(task, timeout=30)) as stream:
                 first = await anext(stream)

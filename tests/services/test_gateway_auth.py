@@ -7,6 +7,8 @@ path is public; with the key: never 401. Then path and header tricks around each
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import socket
 import threading
@@ -20,7 +22,7 @@ import uvicorn
 from starlette.routing import Route
 
 from services.gateway.app import create_app
-from services.gateway.auth import PUBLIC_PATHS, APIKeyMiddleware, api_keys_from
+from services.gateway.auth import ANONYMOUS, PUBLIC_PATHS, APIKeyMiddleware, Tenant, api_keys_from, tenant_of
 from services.processor.async_processor import AsyncProcessor
 from services.processor.processor import Processor
 from services.processor.tokenizer import load_tokenizer
@@ -167,3 +169,25 @@ def test_keys_come_from_flags_else_the_environment():
     assert api_keys_from(None, {}) == [] and api_keys_from([], {"KVMESH_API_KEY": ""}) == []
     with pytest.raises(ValueError):
         APIKeyMiddleware(app=None, api_keys=[])
+
+
+def test_a_key_names_its_tenant_by_a_hash_and_only_priority_keys_may_set_priority():
+    seen: list[Tenant] = []
+
+    async def app(scope, receive, send) -> None:
+        seen.append(tenant_of(scope))
+
+    middleware = APIKeyMiddleware(app, KEYS, priority_keys=["sk-operator"])
+
+    async def call(key: str | None, path: bytes = b"/v1/completions") -> None:
+        headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+        await middleware({"type": "http", "path": path.decode(), "raw_path": path, "headers": headers}, None, None)
+
+    for key in (*KEYS, "sk-operator", KEYS[0]):
+        asyncio.run(call(key))
+    asyncio.run(call(None, b"/health"))
+    first, second, operator, again, public = seen
+    assert first == again and len({first.id, second.id, operator.id}) == 3
+    assert first.id == hashlib.sha256(KEYS[0].encode()).hexdigest()[:16]  # a hash, never the key
+    assert (first.may_set_priority, second.may_set_priority, operator.may_set_priority) == (False, False, True)
+    assert public is ANONYMOUS

@@ -24,7 +24,8 @@ from tests.services.test_gateway import MAX_MODEL_LEN, MODEL, ScriptedEngine, as
 pytestmark = pytest.mark.anyio
 
 LIMITS = Limits(max_body_bytes=4096, max_prompts=3, max_n=2, max_logprobs=3, max_stop_strings=2,
-                max_stop_string_length=5, max_tokens=8)
+                max_stop_string_length=5, max_tokens=8, max_allowed_token_ids=4, max_logit_bias=2,
+                max_stop_token_ids=2)
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 
 
@@ -71,6 +72,13 @@ async def client(tokenizer, model_path: Path, engine) -> AsyncIterator[httpx.Asy
      "--max-tokens-limit"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 9}, {**CHAT, "max_completion_tokens": 8},
      "max_completion_tokens", "--max-tokens-limit"),
+    # Token-id lists count as sent, duplicates too.
+    ("/v1/completions", {"prompt": "a", "allowed_token_ids": [5, 5, 5, 5, 5]},
+     {"prompt": "a", "allowed_token_ids": [5, 5, 6, 7]}, "allowed_token_ids", "--max-allowed-token-ids"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 1, "6": 1, "7": 1}}, {**CHAT, "logit_bias": {"5": 1, "6": 1}},
+     "logit_bias", "--max-logit-bias"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [9, 9, 9]}, {"prompt": "a", "stop_token_ids": [9, 9]},
+     "stop_token_ids", "--max-stop-token-ids"),
 ])
 async def test_over_a_limit_is_a_400_naming_it(client, engine, path, over, at, param, flag):
     error = assert_openai_error(await client.post(path, json=over), 400)
@@ -149,7 +157,7 @@ def test_limits_refuse_nonsense():
         Limits(max_n=0)
     with pytest.raises(ValueError, match="max_logprobs"):
         Limits(max_logprobs=-2)  # -1 is "no limit", above 20 is allowed (vLLM)
-    assert to_argv(Limits(max_n=3, max_tokens=5))[-4:] == ["--max-stop-string-length", "256",
+    assert to_argv(Limits(max_n=3, max_tokens=5))[-4:] == ["--max-stop-token-ids", "1024",
                                                           "--max-tokens-limit", "5"]
 
 

@@ -10,7 +10,8 @@ import logging
 import h11
 import pytest
 
-from services.gateway.connection_guard import AcceptErrorReporter, HeaderLimitingConnection
+from services.gateway.connection_guard import (AcceptErrorReporter, ClientLedger, HeaderLimitingConnection,
+                                               TrustedProxies, forwarded_client)
 
 
 def test_running_out_of_descriptors_is_one_line_per_interval(caplog: pytest.LogCaptureFixture):
@@ -39,3 +40,27 @@ def test_headers_over_the_count_or_size_are_a_431(headers: bytes, refused: bool)
     with pytest.raises(h11.RemoteProtocolError):
         conn.next_event()
     assert conn.error_status == 431
+
+
+@pytest.mark.parametrize("peer, forwarded, client", [
+    ("10.0.0.9", [b"1.2.3.4"], "10.0.0.9"),  # not a trusted proxy: its header names nobody
+    ("10.0.0.1", [b"1.2.3.4"], "1.2.3.4"),
+    ("10.0.0.1", [b"6.6.6.6, 1.2.3.4"], "1.2.3.4"),  # the client may write the first entries, not the last
+    ("10.0.0.1", [b"6.6.6.6", b"1.2.3.4, 10.0.0.2"], "1.2.3.4"),  # a chain of trusted proxies
+    ("10.0.0.1", [], "10.0.0.1"),  # a proxy's own request
+])
+def test_x_forwarded_for_names_the_client_only_behind_a_trusted_proxy(peer: str, forwarded: list[bytes], client: str):
+    assert forwarded_client(peer, forwarded, TrustedProxies.of(["10.0.0.1", "10.0.0.2/31"])) == client
+
+
+def test_the_ledger_caps_each_client_and_the_bodies_held_together():
+    ledger = ClientLedger(max_per_client=2, max_body_bytes=100)
+    assert [ledger.admit("a"), ledger.admit("a"), ledger.admit("a"), ledger.admit("b")] == [True, True, False, True]
+    ledger.release("a")
+    assert ledger.admit("a") and dict(ledger.connections) == {"a": 2, "b": 1}
+    assert [ledger.reserve_body(60), ledger.reserve_body(41), ledger.reserve_body(40)] == [True, False, True]
+    ledger.release_body(100)
+    for client in ("a", "a", "b"):
+        ledger.release(client)
+    assert ledger.body_bytes == 0 and not ledger.connections
+    ledger.check_integrity()

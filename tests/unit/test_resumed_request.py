@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.sampling_params import SamplingParams
-from services.processor.migration import Migration
+from services.processor.migration import EngineDeaths, Migration
 
 PARAMS = SamplingParams(temperature=0.7, seed=5, max_tokens=10, min_tokens=4, prompt_logprobs=2, logprobs=1)
-REQUEST = EngineCoreRequest("r", [1, 2, 3], PARAMS, eos_token_ids=(0,), cache_salt="s", group_id="g")
+REQUEST = EngineCoreRequest("r", [1, 2, 3], PARAMS, eos_token_ids=(0,), cache_salt="s", group_id="g",
+                            tenant_id="t")
 
 
 def test_nothing_streamed_starts_over_prompt_logprobs_and_all() -> None:
@@ -24,7 +25,7 @@ def test_the_resumed_request_carries_the_streamed_tokens_as_outputs() -> None:
     assert resumed.prompt_token_ids == [1, 2, 3, 7, 8, 9] and resumed.request_id == "r"
     assert resumed.sampling_params == SamplingParams(temperature=0.7, seed=5, max_tokens=7, min_tokens=1,
                                                      logprobs=1, num_resumed_outputs=3)
-    assert (resumed.eos_token_ids, resumed.cache_salt, resumed.group_id) == ((0,), "s", "g")
+    assert (resumed.eos_token_ids, resumed.cache_salt, resumed.group_id, resumed.tenant_id) == ((0,), "s", "g", "t")
     # The next engine's outputs read as the first engine's: its prefix-cache hit is not the client's.
     assert migration.forward(EngineCoreOutput("r", [10], num_cached_tokens=48)).num_cached_tokens == 16
     again = migration.resumed()  # a second move counts every token so far, from the original request
@@ -44,3 +45,10 @@ def test_no_max_tokens_stays_none() -> None:
     migration = Migration(EngineCoreRequest("r", [1], SamplingParams(max_tokens=None)))
     migration.forward(EngineCoreOutput("r", [4], num_cached_tokens=0))
     assert migration.resumed().sampling_params.max_tokens is None
+
+
+def test_engine_deaths_are_counted_per_request_id_for_the_latest_ids() -> None:
+    deaths = EngineDeaths(capacity=2)
+    assert [deaths.record("a"), deaths.record("b"), deaths.record("a")] == [1, 1, 2]
+    deaths.record("c")  # the third id: the one least recently seen ("b") is forgotten
+    assert (deaths.count("a"), deaths.count("b"), deaths.count("c"), len(deaths)) == (2, 0, 1, 2)

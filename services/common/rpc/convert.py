@@ -36,6 +36,7 @@ from services.common.structured_outputs import StructuredOutputs
 
 T = TypeVar("T")
 M = TypeVar("M", bound=Message)
+MAX_TENANT_ID_CHARS = 64  # a tenant id is a short hash (services/gateway/auth.py)
 
 # ----------------------------------------------------------------------------- common
 
@@ -75,15 +76,16 @@ def sampling_params_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
         n=m.n, temperature=m.temperature, top_p=m.top_p, top_k=m.top_k, min_p=m.min_p,
         seed=m.seed if m.HasField("seed") else None,
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
-        repetition_penalty=m.repetition_penalty, logit_bias=dict(m.logit_bias) or None,
+        repetition_penalty=m.repetition_penalty, logit_bias=m.logit_bias or None,
         max_tokens=m.max_tokens if m.HasField("max_tokens") else None, min_tokens=m.min_tokens,
-        stop=tuple(m.stop), stop_token_ids=tuple(m.stop_token_ids),
+        stop=tuple(m.stop), stop_token_ids=m.stop_token_ids,
         include_stop_str_in_output=m.include_stop_str_in_output, ignore_eos=m.ignore_eos,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         skip_special_tokens=m.skip_special_tokens, spaces_between_special_tokens=m.spaces_between_special_tokens,
         num_resumed_outputs=m.num_resumed_outputs,
-        allowed_token_ids=tuple(m.allowed_token_ids) or None, logprob_token_ids=tuple(m.logprob_token_ids) or None,
+        # The id lists as protobuf containers: SamplingParams bounds their length before copying them.
+        allowed_token_ids=m.allowed_token_ids or None, logprob_token_ids=m.logprob_token_ids or None,
         structured_outputs=StructuredOutputs(m.structured_outputs.kind, m.structured_outputs.spec)
         if m.HasField("structured_outputs") else None,
     )
@@ -205,7 +207,7 @@ def engine_request_to_proto(r: EngineCoreRequest) -> engine_pb2.EngineRequest:
         request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
         sampling_params=sampling_params_to_proto(r.sampling_params), eos_token_ids=r.eos_token_ids,
         priority=r.priority, cache_salt=r.cache_salt, group_id=r.group_id,
-        prefill_engine_address=r.prefill_engine_address,
+        prefill_engine_address=r.prefill_engine_address, tenant_id=r.tenant_id,
     )
 
 
@@ -220,6 +222,7 @@ def engine_request_from_proto(m: engine_pb2.EngineRequest) -> EngineCoreRequest:
         priority=m.priority, cache_salt=m.cache_salt if m.HasField("cache_salt") else None,
         group_id=m.group_id if m.HasField("group_id") else None,
         prefill_engine_address=m.prefill_engine_address if m.HasField("prefill_engine_address") else None,
+        tenant_id=_tenant_id(m),
     )
 
 
@@ -351,7 +354,7 @@ def generate_request_to_proto(r: GenerateRequest) -> processor_pb2.GenerateReque
         add_generation_prompt=r.add_generation_prompt, continue_final_message=r.continue_final_message,
         add_special_tokens=r.add_special_tokens, priority=r.priority, cache_salt=r.cache_salt,
         truncate_prompt_tokens=r.truncate_prompt_tokens, echo=r.echo, group_id=r.group_id,
-        session_id=r.session_id,
+        session_id=r.session_id, tenant_id=r.tenant_id,
     )
     if r.prompt is not None:
         msg.text = r.prompt
@@ -389,7 +392,18 @@ def generate_request_from_proto(m: processor_pb2.GenerateRequest) -> GenerateReq
         echo=m.echo,
         group_id=m.group_id if m.HasField("group_id") else None,
         session_id=m.session_id if m.HasField("session_id") else None,
+        tenant_id=_tenant_id(m),
     )
+
+
+def _tenant_id(m: processor_pb2.GenerateRequest | engine_pb2.EngineRequest) -> str | None:
+    """A tenant id as the gateway makes them (services/gateway/auth.py): short, so that an engine
+    never keys its queue on whatever a caller sends."""
+    if not m.HasField("tenant_id"):
+        return None
+    if len(m.tenant_id) > MAX_TENANT_ID_CHARS:
+        raise ValueError(f"tenant_id is {len(m.tenant_id)} characters long; at most {MAX_TENANT_ID_CHARS}")
+    return m.tenant_id
 
 
 def choice_delta_to_proto(c: ChoiceDelta) -> processor_pb2.ChoiceDelta:

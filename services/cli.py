@@ -4,19 +4,20 @@
     kvmesh worker|engine|processor|gateway --...                           one service (a pod's entry point)
 
 `kvmesh serve` starts worker, engine, processor and gateway as separate processes, the internal
-ones on free loopback ports, each after the one before it is healthy; prints where the API is;
-then supervises them. With --num-engines N it starts N engine+worker pairs ("worker-0",
-"engine-0", ...; "worker" and "engine" when N is 1), each on ports of its own, behind the one
-processor and gateway. With --tensor-parallel-size R each engine drives a group of R worker
-processes ("worker-r0".."worker-r<R-1>", or "worker-<i>-r0".. with several engines), ranks 0..R-1
-of one torch.distributed group whose rendezvous is a free loopback port of the group's own; a
+ones on Unix sockets in a private directory (see serve()), each after the one before it is
+healthy; prints where the API is; then supervises them. With --num-engines N it starts N
+engine+worker pairs ("worker-0", "engine-0", ...; "worker" and "engine" when N is 1), each on
+sockets of its own, behind the one processor and gateway. With --tensor-parallel-size R each
+engine drives a group of R worker processes ("worker-r0".."worker-r<R-1>", or "worker-<i>-r0"..
+with several engines), ranks 0..R-1 of one torch.distributed group whose rendezvous is a free
+loopback port of the group's own (TCP: torch's store speaks nothing else; see Layout); a
 group's workers start together (they wait for each other), then its engine. An engine exits
 non-zero when one of its workers fails (gone, stuck, a failed step); when the engine or any of its
-workers exits, all of them are restarted, on the same ports (the processor reconnects to the same
+workers exits, all of them are restarted, on the same sockets (the processor reconnects to the same
 address), the other groups untouched, after a back-off (--restart-backoff, doubled per restart within
 --restart-window, at most --restart-backoff-max; each pair counts its own); after --max-restarts of
 one pair within the window that pair stays down and the other pairs serve on. A processor or gateway
-that exits is restarted alone, on the same port, on a budget of its own. Several of them recover at
+that exits is restarted alone, at the same address, on a budget of its own. Several of them recover at
 once, none waiting for another's model to load. Serving ends (exit 1) when the processor, the gateway
 or the last engine taking requests gives up. On Ctrl-C or SIGTERM, or on giving up, it stops them all, the
 gateway first so that requests in flight can finish (--grace), then the rest (--internal-grace);
@@ -37,6 +38,7 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -75,6 +77,8 @@ from services.common.config import (
 )
 from services.common.flags import add_flags, build, to_argv
 from services.common.rpc.security import ROLES
+from services.common.unix_socket import check_path_length, unix_address
+from services.worker.step_channel import step_channel_path
 
 SERVICES = {
     "worker": "services.worker.server",
@@ -205,7 +209,7 @@ class Supervisor:
         return all(self._wait_ready(child, timeout) for child in children)
 
     def respawn(self, name: str) -> Child:
-        """Start the child `name` again with the same flags (same ports), in place of the old one."""
+        """Start the child `name` again with the same flags (same addresses), in place of the old one."""
         index = next(i for i, c in enumerate(self.children) if c.name == name)
         old = self.children[index]
         self.children[index] = Child(name, self._spawn(name, old.argv), old.address, old.argv, old.ready)
@@ -303,15 +307,32 @@ class RestartBudget:
 def serve(spec: ServeSpec) -> int:
     supervisor = Supervisor(spec.serve.grace, spec.serve.internal_grace)
     previous = {sig: signal.signal(sig, supervisor.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    # The children's role tokens, new each run: in files only this user can read (never in an
-    # argv, which `ps` shows to everyone), in a directory that lives as long as they may restart.
-    with tempfile.TemporaryDirectory(prefix="kvmesh-serve-") as private:
+    # The children's role tokens, new each run, and their gRPC sockets: in a directory only this
+    # user may enter (mkdtemp's 0700), that lives as long as they may restart. A token is never in
+    # an argv, which `ps` shows to everyone. A loopback port would be free for any local user to
+    # bind while its service restarts, and its callers would then hand that user their token.
+    with tempfile.TemporaryDirectory(prefix="kvmesh-serve-", dir=runtime_dir()) as private:
         try:
-            return _serve(spec, supervisor, write_role_tokens(Path(private)))
+            return _serve(spec, supervisor, Path(private))
         finally:
             supervisor.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def runtime_dir() -> str | None:
+    """$XDG_RUNTIME_DIR when it is this user's own directory (private and cleared at logout), else
+    None: the temp dir."""
+    path = os.environ.get("XDG_RUNTIME_DIR")
+    if not path:
+        return None
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or not os.access(path, os.W_OK | os.X_OK):
+        return None
+    return path
 
 
 def write_token_file(directory: Path) -> SecurityConfig:
@@ -398,30 +419,38 @@ def groups_for(serve: ServeConfig, tensor_parallel_size: int = 1) -> tuple[Group
 
 
 class Layout(NamedTuple):
-    """Where `kvmesh serve` puts each service: gRPC addresses on loopback and /metrics URLs, and
-    each tensor-parallel group's rendezvous port."""
+    """Where `kvmesh serve` puts each service: gRPC on a Unix socket in `socket_dir` (private),
+    /metrics on loopback ports (no token travels there), and each tensor-parallel group's rendezvous
+    on a loopback port: torch's TCPStore speaks TCP only, and its keys are signed with the internal
+    token (parallel_group.namespaced), so whoever binds a freed port learns no secret."""
 
     groups: tuple[Group, ...]
-    ports: dict[str, int]  # by child name: every worker and engine, and the processor
-    metrics_ports: dict[str, int]  # the same names
+    socket_dir: Path
+    metrics_ports: dict[str, int]  # by child name: every worker and engine, and the processor
     distributed_ports: dict[str, int] = {}  # by engine name, for groups of several workers (read only)
 
     @classmethod
-    def on_free_ports(cls, num_engines: int = 1, tensor_parallel_size: int = 1,
-                      groups: tuple[Group, ...] | None = None) -> Layout:
+    def allocate(cls, socket_dir: Path, num_engines: int = 1, tensor_parallel_size: int = 1,
+                 groups: tuple[Group, ...] | None = None) -> Layout:
+        """Free ports for what stays TCP; ValueError when `socket_dir` is too deep for a socket's name."""
         groups = groups if groups is not None else groups_of(num_engines, tensor_parallel_size)
         names = internal_names(groups)
         parallel = [g.engine for g in groups] if tensor_parallel_size > 1 else []
-        ports = free_ports(2 * len(names) + len(parallel))
-        return cls(groups, dict(zip(names, ports[:len(names)])), dict(zip(names, ports[len(names):2 * len(names)])),
-                   dict(zip(parallel, ports[2 * len(names):])))
+        ports = free_ports(len(names) + len(parallel))
+        layout = cls(groups, socket_dir, dict(zip(names, ports)), dict(zip(parallel, ports[len(names):])))
+        for name in names:  # a worker's step channel has the longest path
+            check_path_length(step_channel_path(layout.socket(name)))
+        return layout
 
     @property
     def internal(self) -> tuple[str, ...]:
         return internal_names(self.groups)
 
+    def socket(self, name: str) -> Path:
+        return self.socket_dir / f"{name}.sock"
+
     def address(self, name: str) -> str:
-        return f"{LOOPBACK}:{self.ports[name]}"
+        return unix_address(self.socket(name))
 
     def metrics_url(self, name: str) -> str:
         return f"http://{LOOPBACK}:{self.metrics_ports[name]}/metrics"
@@ -438,8 +467,8 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
     model = replace(spec.model, served_model_name=spec.model.name)  # one name for every service's metrics
 
     def serving(name: str) -> list[str]:
-        return to_argv(ServingConfig(LOOPBACK, layout.ports[name], spec.serve.internal_grace,
-                                     metrics_port=layout.metrics_ports[name]))
+        return to_argv(ServingConfig(LOOPBACK, 0, spec.serve.internal_grace,
+                                     metrics_port=layout.metrics_ports[name], unix_socket=layout.socket(name)))
 
     argvs: dict[str, list[str]] = {}
     for group in layout.groups:
@@ -497,10 +526,14 @@ def parallel_argv(parallel: ParallelConfig, layout: Layout, group: Group, rank: 
     return to_argv(replace(parallel, tensor_parallel_size=len(group.workers), rank=rank, distributed_address=address))
 
 
-def _serve(spec: ServeSpec, supervisor: Supervisor, security: SecurityConfig) -> int:
+def _serve(spec: ServeSpec, supervisor: Supervisor, private: Path) -> int:
     tp = spec.parallel.tensor_parallel_size
-    layout = Layout.on_free_ports(tensor_parallel_size=tp, groups=groups_for(spec.serve, tp))
-    argvs = service_argvs(spec, layout, security)
+    try:
+        layout = Layout.allocate(private, tensor_parallel_size=tp, groups=groups_for(spec.serve, tp))
+    except ValueError as exc:  # a socket path too long for its directory
+        print(f"kvmesh: {exc}", file=sys.stderr)
+        return 2
+    argvs = service_argvs(spec, layout, write_role_tokens(private))
     host, port = spec.serve.host, spec.serve.port
     api = f"http://{_url_host(host)}:{port}"
     metrics = {name: layout.metrics_url(name) for name in layout.internal} | {"gateway": f"{api}/metrics"}

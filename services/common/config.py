@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.sampling_params import MAX_LOGPROBS, MAX_TOKEN_IDS
+from services.common.unix_socket import SCHEME as UNIX_SCHEME, check_path_length, socket_path
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 QUANTIZATIONS = ("auto", "gguf", "int8", "f16", "none")
@@ -175,7 +176,8 @@ class WorkerConfig:
               "over only after that (see services/worker/server.py WorkerServicer)", minimum=0.0)
     step_port: int = option(
         0, "port of the step channel the engine drives this worker over, on --host (0: any free port; the "
-           "engine learns it from GetInfo)", minimum=0, maximum=65535)
+           "engine learns it from GetInfo); with --unix-socket PATH the channel is the socket PATH.step instead",
+        minimum=0, maximum=65535)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -252,9 +254,14 @@ class ServingConfig:
     grace: float = option(5.0, "seconds in-flight calls get at shutdown", minimum=0.0)
     drain: float = option(0.0, "seconds between NOT_SERVING and refusing new calls at shutdown", minimum=0.0)
     metrics_port: int = option(0, "port of /metrics on --host (0: none)", minimum=0, maximum=65535)
+    unix_socket: Path | None = option(
+        None, "Unix socket to serve gRPC on instead of --host:--port (kvmesh serve's children: a socket in a "
+              "private directory cannot be taken over by another local user the way a free port can)")
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.unix_socket is not None:
+            check_path_length(self.unix_socket)
 
 
 @dataclass(frozen=True)
@@ -327,8 +334,8 @@ class EngineServiceConfig:
         1.0, "seconds a dead engine (its worker failed) stays up NOT_SERVING, for open streams to get their "
              "error, before it exits non-zero", minimum=0.0)
     advertise_address: str | None = option(
-        None, "host:port processors reach this engine at: its id in the prefix index (default: --host:--port; "
-              "in Kubernetes the pod's IP and port)")
+        None, "host:port (or unix:/path) processors reach this engine at: its id in the prefix index (default: "
+              "--host:--port, or unix:--unix-socket; in Kubernetes the pod's IP and port)")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -336,6 +343,23 @@ class EngineServiceConfig:
             raise ValueError("--worker-hostname needs --worker-service")
         if self.worker_service is not None and self.worker_address:
             raise ValueError("--worker-address and --worker-service exclude each other")
+
+
+def allowed_address(text: str) -> str:
+    """host:port, unix:/path, an IP address or a CIDR network, as written (ValueError for anything else)."""
+    text = text.strip()
+    if text.startswith(UNIX_SCHEME):
+        socket_path(text)  # an absolute path, or ValueError
+        return text
+    try:
+        ipaddress.ip_network(text, strict=False)
+        return text
+    except ValueError:
+        pass
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"not host:port, an IP or a CIDR network: {text!r} (examples: 10.0.0.7:50052, 10.0.0.0/16)")
+    return text
 
 
 def redis_url(text: str) -> str:
@@ -359,9 +383,23 @@ class PrefixIndexConfig:
     heartbeat_ttl: float = option(
         10.0, "seconds an engine stays in the index without a heartbeat (it sends one every third of this)",
         minimum=0.1)
+    prefix_index_username: str | None = option(
+        None, "Redis ACL user of the index (default: the URL's, else Redis's default user)")
+    prefix_index_password_file: Path | None = option(
+        None, "file holding the Redis password (a mounted Secret), read at start: never on the command line")
+    prefix_index_ca_file: Path | None = option(
+        None, "PEM CA bundle the Redis server's certificate must chain to (needs a rediss:// URL)")
+    prefix_index_cert_file: Path | None = option(
+        None, "PEM client certificate presented to Redis over TLS (with --prefix-index-key-file)")
+    prefix_index_key_file: Path | None = option(None, "PEM private key of --prefix-index-cert-file")
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if (self.prefix_index_cert_file is None) != (self.prefix_index_key_file is None):
+            raise ValueError("--prefix-index-cert-file and --prefix-index-key-file go together")
+        tls_files = (self.prefix_index_ca_file, self.prefix_index_cert_file)
+        if any(f is not None for f in tls_files) and not (self.prefix_index or "").startswith("rediss://"):
+            raise ValueError("--prefix-index-ca-file and --prefix-index-cert-file need a rediss:// --prefix-index")
 
 
 ENGINE_ROLES = ("both", "prefill", "decode")
@@ -441,7 +479,15 @@ class ProcessorServiceConfig:
               "excludes --engine-address")
     engines_from_index: bool = option(
         False, "route to the engines alive in --prefix-index (their heartbeats; engine ids are addresses), "
-               "followed every few seconds; excludes --engine-address and --engine-service")
+               "followed every few seconds; excludes --engine-address and --engine-service; needs "
+               "--engine-allowed-address or --trust-index-engines")
+    engine_allowed_address: tuple[str, ...] = option(
+        (), "with --engines-from-index, an engine the processor may dial: host:port, unix:/path, an IP (any "
+            "port) or a network in CIDR (repeatable); index entries outside these are never dialled",
+        parse=allowed_address)
+    trust_index_engines: bool = option(
+        False, "with --engines-from-index, dial whatever engine the index names (no allow-list): only for an "
+               "index that no one else can write")
     namespace: str | None = option(
         None, "the Service's namespace (default: this pod's, else $KVMESH_NAMESPACE, else default)")
     engine_timeout: float = option(10.0, "deadline (s) of each unary engine call", minimum=0.0)
@@ -456,6 +502,13 @@ class ProcessorServiceConfig:
             raise ValueError("--engine-address, --engine-service and --engines-from-index exclude each other")
         if len(set(self.engine_address)) != len(self.engine_address):
             raise ValueError(f"--engine-address names an engine twice: {self.engine_address}")
+        for allowed in self.engine_allowed_address:
+            allowed_address(allowed)
+        if self.engines_from_index and not self.engine_allowed_address and not self.trust_index_engines:
+            raise ValueError("--engines-from-index needs --engine-allowed-address (the engines it may dial) or "
+                             "--trust-index-engines: anyone who can write the index could name an engine")
+        if (self.engine_allowed_address or self.trust_index_engines) and not self.engines_from_index:
+            raise ValueError("--engine-allowed-address and --trust-index-engines go with --engines-from-index")
 
 
 @dataclass(frozen=True)
@@ -468,6 +521,9 @@ class GatewayConfig:
     api_key: tuple[str, ...] = option(
         (), "a key clients must send as `Authorization: Bearer <key>` (repeatable; default: the "
             "comma-separated keys in KVMESH_API_KEY; none: no authentication)")
+    api_key_file: Path | None = option(
+        None, "a file of API keys clients may send, one a line (a mounted Secret: keys stay off the command line "
+              "and out of the environment); read once at start, added to --api-key's; an empty file is an error")
     priority_api_key_file: Path | None = option(
         None, "a file of API keys, one a line, that may set a request's `priority` (and are keys like --api-key's); "
               "with --api-key, any other key's request that sets it is a 403")
@@ -480,6 +536,10 @@ class GatewayConfig:
     body_timeout: float = option(60.0, "seconds a client has to send a request's whole body once its headers are "
                                        "in; then it is closed", minimum=0.1)
     keep_alive_timeout: float = option(5.0, "seconds an idle keep-alive connection stays open", minimum=0.1)
+    send_timeout: float = option(
+        60.0, "seconds a client may leave the gateway's answer unread (its socket's buffers full) before the "
+              "connection is closed and its requests aborted: a client that stops reading is paused, never "
+              "buffered without end", minimum=0.1)
     max_connections: int = option(1000, "client connections open at once; more are answered 503 and closed at once "
                                         "(lowered to fit the process's file-descriptor limit)", minimum=1)
     max_connections_per_client: int = option(
@@ -530,13 +590,12 @@ class GatewayConfig:
 
 
 # What `kvmesh serve` takes of GatewayConfig (the rest it sets itself, or leaves to a pod).
-GATEWAY_SERVE_FIELDS = ("api_key", "priority_api_key_file", "access_log", "log_level", "header_timeout",
-                        "body_timeout", "keep_alive_timeout", "max_connections", "max_connections_per_client",
-                        "trusted_proxy", "max_buffered_body_bytes", "max_header_bytes", "max_headers", "session_header",
-                        "return_tokens_as_token_ids", "root_path", "cache_salt_per_api_key",
-                        "enable_request_id_headers",
-                        "enable_force_include_usage", "enable_tokenizer_info_endpoint", "enable_auto_tool_choice",
-                        "tool_call_parser")
+GATEWAY_SERVE_FIELDS = ("api_key", "api_key_file", "priority_api_key_file", "access_log", "log_level",
+                        "header_timeout", "body_timeout", "keep_alive_timeout", "send_timeout", "max_connections",
+                        "max_connections_per_client", "trusted_proxy", "max_buffered_body_bytes", "max_header_bytes",
+                        "max_headers", "session_header", "return_tokens_as_token_ids", "root_path",
+                        "cache_salt_per_api_key", "enable_request_id_headers", "enable_force_include_usage",
+                        "enable_tokenizer_info_endpoint", "enable_auto_tool_choice", "tool_call_parser")
 
 
 @dataclass(frozen=True)
@@ -567,6 +626,10 @@ class Limits:
     max_logit_bias: int = option(1024, "token ids in one request's logit_bias", minimum=1, maximum=MAX_TOKEN_IDS)
     max_stop_token_ids: int = option(1024, "token ids in one request's stop_token_ids, duplicates counted",
                                      minimum=1, maximum=MAX_TOKEN_IDS)
+    max_answer_tokens: int = option(
+        131072, "tokens one request's answer may hold over all its choices, each top logprob counted as a token: "
+                "prompts x n x max_tokens x (1 + top logprobs). A request that leaves max_tokens open gets at most "
+                "what fits; one that sets more is a 400", minimum=1)
     # None: only the model's context bounds it. --max-tokens would read as a default, hence the name.
     max_tokens: int | None = option(
         None, "tokens one choice may generate; a request that leaves max_tokens open gets this many at most "

@@ -16,8 +16,11 @@ index applies it as "clear, then exactly these" atomically. While the index is u
 publisher drops the queued events (the snapshot will supersede them) and tries a heartbeat every
 heartbeat interval; the first that succeeds asks for the snapshot.
 
-A newer incarnation of this engine id (StaleEpochError) ends publishing for good, and leaves the
-index alone at close: its entries are the newer engine's.
+A live newer incarnation of this engine id (StaleEpochError) stands this one down: it drops its
+events and tries a heartbeat every heartbeat interval, and leaves the index alone at close while
+standing down (the entries are the newer engine's). Redis refuses only while that epoch's heartbeat
+lives, so a forged epoch silences an engine for one heartbeat TTL at most: the first heartbeat that
+gets through republishes the whole cache.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ class KVPublisher:
         self.poll_interval = poll_interval
         self.close_timeout = close_timeout
         self.metrics = metrics
-        self.stale = False  # a newer incarnation owns this id: publishing has ended
+        self.stale = False  # a live newer incarnation owns this id: standing down until it is gone
         self.num_failures = 0  # failed index calls since start (also in the metrics, when given)
         self.num_resyncs = 0
         self._reachable = True  # the last index call succeeded
@@ -108,24 +111,18 @@ class KVPublisher:
 
     async def _run(self) -> None:
         while True:
-            try:
-                await self.publish_once()
-            except StaleEpochError as exc:
-                self.stale = True
-                self.queue.close()
-                logger.error("prefix index: a newer incarnation of engine %s publishes now (%s); this one stops "
-                             "publishing", self.engine_id, exc)
-                return
+            await self.publish_once()
             await asyncio.sleep(self.poll_interval)
 
     async def publish_once(self) -> None:
-        """Send what the queue holds, and a heartbeat when one is due. Raises StaleEpochError only."""
+        """Send what the queue holds, and a heartbeat when one is due. Never raises: an index that
+        fails or refuses is retried every heartbeat interval."""
         batch = self.queue.take()
         if self.queue.num_overflows != self._num_overflows:
             if self.metrics is not None:
                 self.metrics.queue_overflows.inc(self.queue.num_overflows - self._num_overflows)
             self._num_overflows = self.queue.num_overflows
-        if not self._reachable:
+        if not self._reachable or self.stale:
             # The events are lost anyway: the snapshot asked for once the index answers replaces them.
             await self._heartbeat_when_due()
             return
@@ -139,8 +136,9 @@ class KVPublisher:
                     self.metrics.events_published.inc(len(events))
                 if not known and not has_snapshot:  # a snapshot is the whole state: nothing is missing
                     self._resync("the index did not know this engine")
-        except StaleEpochError:
-            raise
+        except StaleEpochError as exc:
+            self._stand_down(exc)
+            return
         except Exception as exc:  # unreachable, slow, or refusing (a full Redis): never fatal here
             self._failed(exc)
             return
@@ -153,17 +151,30 @@ class KVPublisher:
         self._next_heartbeat = now + self.heartbeat_interval
         try:
             known = await self.index.heartbeat(self.engine_id, self.epoch, engine_load(await self.engine.stats()))
-        except StaleEpochError:
-            raise
+        except StaleEpochError as exc:
+            self._stand_down(exc)
+            return
         except Exception as exc:
             self._failed(exc)
             return
-        if not self._reachable:
+        if self.stale:
+            self.stale = False
+            self._reachable = True
+            logger.warning("prefix index: engine %s's newer epoch is gone; this one publishes again", self.engine_id)
+            self._resync("the newer epoch is gone")
+        elif not self._reachable:
             self._reachable = True
             logger.info("prefix index: reachable again; republishing engine %s", self.engine_id)
             self._resync("the index was unreachable")
         elif not known:
             self._resync("the index did not know this engine")
+
+    def _stand_down(self, exc: StaleEpochError) -> None:
+        if not self.stale:  # once per stand-down, not once per try
+            logger.error("prefix index: a live newer incarnation of engine %s publishes now (%s); this one stands "
+                         "down, retrying every %.1fs", self.engine_id, exc, self.heartbeat_interval)
+        self.stale = True
+        self._next_heartbeat = time.monotonic() + self.heartbeat_interval
 
     def _failed(self, exc: Exception) -> None:
         self.num_failures += 1

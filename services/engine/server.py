@@ -19,9 +19,10 @@ The block size is the worker's (WorkerInfo). Flags come from services/common/con
 KVMESH_ENGINE_<FIELD> (KVMESH_ENGINE_PORT, KVMESH_ENGINE_WORKER_ADDRESS, ...).
 
 In a fleet the engine is named by its --advertise-address (default: --host:<bound port>, a wildcard
-host replaced by this machine's IP) and an epoch (its start time in ns), both in GetInfo. With
---prefix-index it publishes its prefix cache there (services/engine/kv_publisher.py) and clears
-itself from it at SIGTERM, before draining; without, its block pool records no events at all.
+host replaced by this machine's IP; unix:<path> with --unix-socket) and an epoch (its start time
+in ns), both in GetInfo. With --prefix-index it publishes its prefix cache there
+(services/engine/kv_publisher.py) and clears itself from it at SIGTERM, before draining; without,
+its block pool records no events at all.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
+from pathlib import Path
 from typing import NamedTuple
+
+import grpc
 
 
 from services.common.clients import EngineClient
@@ -58,6 +62,7 @@ from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.common.rpc.security import ENGINE, RpcSecurity
 from services.common.rpc.server import RpcServer, service_name
+from services.common.unix_socket import unix_address
 from services.engine.async_engine import AsyncEngine, EngineIdentity
 from services.engine.client import GrpcEngineClient
 from services.engine.disaggregation import Disaggregation, Timeouts
@@ -66,6 +71,7 @@ from services.engine.kv_publisher import KVPublisher
 from services.engine.executor import GroupWorkerClient
 from services.engine.metrics import DisaggregationMetrics, EngineLabels, EngineMetrics, PublisherMetrics
 from services.prefix_index import RedisPrefixIndex
+from services.prefix_index.redis_index import RedisAccess
 from services.worker.client import GrpcWorkerClient
 
 logger = logging.getLogger(__name__)
@@ -81,8 +87,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     """Converts proto <-> core and calls the engine; its errors end the call with their status
     (services/common/errors.py)."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, security: RpcSecurity = RpcSecurity(), engine_id: str = "") -> None:
         self.engine = engine
+        self.security = security  # the tokens it proves it holds (ProveIdentity)
+        self.engine_id = engine_id
 
     @answers_with_status
     async def Generate(self, request: engine_pb2.EngineRequest, context):
@@ -122,6 +130,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return engine_pb2.ReleaseTransferResponse()
 
     @answers_with_status
+    async def ProveIdentity(self, request: engine_pb2.IdentityChallenge, context) -> engine_pb2.IdentityProof:
+        try:
+            proof = self.security.prove(request.nonce, request.role, self.engine_id)
+        except LookupError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return engine_pb2.IdentityProof(engine_id=self.engine_id, proof=proof)
+
+    @answers_with_status
     async def MatchPrefix(self, request: engine_pb2.MatchPrefixRequest, context) -> engine_pb2.MatchPrefixResponse:
         return convert.prefix_match_to_proto(await self.engine.match_prefix(convert.block_hashes_from_proto(request)))
 
@@ -137,8 +153,11 @@ async def follow_engine_health(engine: AsyncEngine, server: RpcServer, exit_grac
     server.request_termination()
 
 
-def engine_identity(advertise_address: str | None, host: str, port: int) -> EngineIdentity:
+def engine_identity(advertise_address: str | None, host: str, port: int,
+                    unix_socket: Path | None = None) -> EngineIdentity:
     """The engine's id in the prefix index (the address processors reach it at) and a new epoch."""
+    if advertise_address is None and unix_socket is not None:
+        advertise_address = unix_address(unix_socket)
     if advertise_address is None:
         if host in ("0.0.0.0", "::", "[::]"):  # listening everywhere: name this machine, not a wildcard
             host = socket.gethostbyname(socket.gethostname())
@@ -152,26 +171,43 @@ async def start_engine(worker: GroupWorkerClient, args: EngineServiceArgs, metri
     all. vLLM's metrics are labelled `model_name` (default: the worker's model id)."""
     index_config = args.prefix_index
     kv_events = KVEventQueue() if index_config.prefix_index is not None else None
+    index = await open_index(index_config) if kv_events is not None else None
 
     def labels(core) -> EngineLabels:
         return EngineLabels(args.model.served_model_name or core.model_id)
 
-    engine = await AsyncEngine.create(
-        worker, args.scheduler, lambda core: EngineMetrics.for_core(metrics.registry, labels(core), core),
-        args.service.worker_liveness_interval, kv_events=kv_events, identity=identity,
-        grammar_limits=args.grammar_limits)
+    try:
+        engine = await AsyncEngine.create(
+            worker, args.scheduler, lambda core: EngineMetrics.for_core(metrics.registry, labels(core), core),
+            args.service.worker_liveness_interval, kv_events=kv_events, identity=identity,
+            grammar_limits=args.grammar_limits)
+    except BaseException:
+        if index is not None:
+            await index.close()
+        raise
     enable_disaggregation(engine, worker, args, lambda: DisaggregationMetrics(metrics.registry, labels(engine.core)))
-    if kv_events is None:
+    if index is None:
         return engine, None
-    index = RedisPrefixIndex.connect(index_config.prefix_index, timeout_s=index_config.prefix_index_timeout,
-                                     namespace=index_config.prefix_index_namespace,
-                                     heartbeat_ttl_s=index_config.heartbeat_ttl)
     publisher = KVPublisher(index, engine, index_config.heartbeat_ttl,
                             PublisherMetrics(metrics.registry, labels(engine.core)),
                             close_timeout=2 * index_config.prefix_index_timeout)
     publisher.start()
     logger.info("publishing the prefix cache as engine %s (epoch %d)", identity.engine_id, identity.epoch)
     return engine, publisher
+
+
+async def open_index(config: PrefixIndexConfig) -> RedisPrefixIndex:
+    """The index of --prefix-index, its credentials checked before the engine starts: a wrong password
+    or certificate fails the start (PermissionError), an unreachable Redis does not."""
+    access = RedisAccess.load(config)
+    index = RedisPrefixIndex.connect(access, timeout_s=config.prefix_index_timeout,
+                                     namespace=config.prefix_index_namespace, heartbeat_ttl_s=config.heartbeat_ttl)
+    try:
+        await index.check_access(access.redacted_url)
+    except PermissionError:
+        await index.close()
+        raise
+    return index
 
 
 def enable_disaggregation(engine: AsyncEngine, worker: GroupWorkerClient, args: EngineServiceArgs,
@@ -202,10 +238,12 @@ async def serve(worker: GroupWorkerClient, args: EngineServiceArgs, metrics: Ser
     deadlines bound the wait for them to come up."""
     serving = args.serving
     # Bound first: the engine's id names the port it got.
-    server = RpcServer(serving.host, serving.port, [SERVICE_NAME], [metrics.grpc.server_interceptor()], security)
-    identity = engine_identity(args.service.advertise_address, serving.host, server.port)
+    server = RpcServer(serving.host, serving.port, [SERVICE_NAME], [metrics.grpc.server_interceptor()], security,
+                       serving.unix_socket)
+    identity = engine_identity(args.service.advertise_address, serving.host, server.port, serving.unix_socket)
     engine, publisher = await start_engine(worker, args, metrics, identity)
-    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server.server)
+    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine, security, identity.engine_id),
+                                                 server.server)
     await server.start()
     health = asyncio.create_task(follow_engine_health(engine, server, args.service.exit_grace))
     await server.wait_for_termination_signal()

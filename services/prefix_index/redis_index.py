@@ -13,24 +13,50 @@ Schema (docs/prefix_index.md has the costs): with `ns` the namespace and `id` an
 Every update is one Lua script (atomic); a lookup is one script too (one round trip) that walks the
 chain and stops at the first block no live engine still matching holds. The scripts name keys they
 build themselves, so this needs a single Redis (or a replica set), not Redis Cluster.
+
+Redis is not trusted to hold honest epochs: a stored epoch refuses an older incarnation only while a
+heartbeat keeps it alive (its live key names it, with a TTL no longer than the caller's heartbeat
+TTL). Garbage, or an epoch no one heartbeats, is overwritten by the next engine that writes. So a
+forged epoch silences an engine for one heartbeat TTL at most, and the publisher retries meanwhile.
+
+Access (RedisAccess): a password read from a file, an ACL user, TLS files; the commands the client
+and the scripts send are REDIS_ACL_COMMANDS, all on keys under the namespace (redis_acl_rule).
 """
 
 from __future__ import annotations
 
+import logging
+import ssl
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, NoPermissionError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from services.common.config import PrefixIndexConfig
 from services.common.hashing import BLOCK_HASH_BYTES as HASH_BYTES
 from services.common.hashing import BlockHash
 from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot, KVCacheEvent
 from services.prefix_index.index import EngineLoad, EngineState, StaleEpochError, validate_engine
+
+logger = logging.getLogger(__name__)
+
+# Every command kvmesh sends to Redis: the client's own (ping at start, the scripts by sha and their
+# load, the replica's reads and engines()), then those the Lua scripts below call. An ACL user
+# allowed these on keys under the namespace, and nothing else, is all kvmesh needs.
+REDIS_CLIENT_COMMANDS = ("ping", "evalsha", "script|load", "smembers", "hgetall", "xread", "xrevrange")
+REDIS_SCRIPT_COMMANDS = ("get", "set", "del", "exists", "sadd", "srem", "smembers", "scard", "hset", "hget",
+                         "pexpire", "pttl", "xadd", "xrevrange")
+REDIS_ACL_COMMANDS = tuple(dict.fromkeys(REDIS_CLIENT_COMMANDS + REDIS_SCRIPT_COMMANDS))
+MAX_EPOCH_DIGITS = 20  # an epoch is a non-negative int64 (a start time in ns): longer ones are forged
 
 # The events stream keeps about this many entries (XADD MAXLEN ~): a replica that falls further
 # behind than that reloads a snapshot.
@@ -43,13 +69,23 @@ local function newer(a, b)
   if #a ~= #b then return #a > #b end
   return a > b
 end
-local function purge(ns, id, epoch)
+local function purge(ns, id, ...)
   local rkey = ns .. ':e:' .. id .. ':blocks'
-  local member = id .. ':' .. epoch
+  local members = {}
+  for i, epoch in ipairs({...}) do members[i] = id .. ':' .. epoch end
   for _, h in ipairs(redis.call('SMEMBERS', rkey)) do
-    redis.call('SREM', ns .. ':b:' .. h, member)
+    redis.call('SREM', ns .. ':b:' .. h, unpack(members))
   end
   redis.call('DEL', rkey)
+end
+-- Whether `current`, the epoch stored for engine `id`, is a live incarnation's: decimal, and named
+-- by the live key, whose TTL a heartbeat of at most `ttl` ms set. Anything else was forged or is dead.
+local function credible(ns, id, current, ttl)
+  if #current > MAX_EPOCH_DIGITS or not string.match(current, '^%d+$') then return false end
+  local lkey = ns .. ':e:' .. id .. ':live'
+  if redis.call('HGET', lkey, 'epoch') ~= current then return false end
+  local left = redis.call('PTTL', lkey)
+  return left > 0 and left <= tonumber(ttl)
 end
 -- One stream entry: `prev` (the id of the entry before it: a replica that did not read that one
 -- missed some and reloads), the engine and epoch, then its ops as fields '<i><op>' = concatenated
@@ -75,23 +111,24 @@ local function forget(ns, id)
   redis.call('SREM', ns .. ':engines', id)
   if redis.call('SCARD', ns .. ':engines') == 0 then redis.call('DEL', ns .. ':events') end
 end
-""".replace("ARGV_MAXLEN", str(EVENTS_MAXLEN))
+""".replace("ARGV_MAXLEN", str(EVENTS_MAXLEN)).replace("MAX_EPOCH_DIGITS", str(MAX_EPOCH_DIGITS))
 
 # ARGV: ns, id, epoch, ttl_ms, then ops: 'S' n h1..hn (stored), 'R' n h1..hn (removed), 'C' (all
 # cleared), 'L' running waiting free_blocks kv_usage (load). Returns 1 if this epoch of the engine was
-# in the index before the call, 0 if the call (re)created it.
+# in the index before the call, 0 if the call (re)created it. A stored epoch other than the caller's
+# is dropped, with the blocks of both, unless it is a newer live one (STALE_EPOCH).
 _APPLY = _LUA_COMMON + """
 local ns, id, epoch, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local ekey = ns .. ':e:' .. id .. ':epoch'
 local lkey = ns .. ':e:' .. id .. ':live'
 local rkey = ns .. ':e:' .. id .. ':blocks'
 local current = redis.call('GET', ekey)
-if current and newer(current, epoch) then
-  return redis.error_reply('STALE_EPOCH ' .. id .. ': epoch ' .. epoch .. ' is older than the current ' .. current)
-end
 local known = current == epoch
-if current and current ~= epoch then
-  purge(ns, id, current)
+if current and not known then
+  if credible(ns, id, current, ttl) and newer(current, epoch) then
+    return redis.error_reply('STALE_EPOCH ' .. id .. ': epoch ' .. epoch .. ' is older than the live ' .. current)
+  end
+  purge(ns, id, current, epoch)
   redis.call('DEL', lkey)
 end
 redis.call('SET', ekey, epoch)
@@ -160,11 +197,11 @@ for i = 2, #ARGV do
   local any = false
   for _, m in ipairs(redis.call('SMEMBERS', ns .. ':b:' .. ARGV[i])) do
     if active == nil or active[m] then
-      local id, epoch = string.match(m, '^(.*):(%d+)$')
-      if live[id] == nil then
+      local id, epoch = string.match(m, '^(.*):(%d+)$')  -- nil for a member no engine wrote
+      if id ~= nil and live[id] == nil then
         live[id] = redis.call('HGET', ns .. ':e:' .. id .. ':live', 'epoch')
       end
-      if live[id] == epoch then
+      if id ~= nil and live[id] == epoch then
         next_active[m] = true
         matched[m] = i - 1
         any = true
@@ -202,6 +239,79 @@ return gone
 """
 
 
+@dataclass(frozen=True)
+class RedisAccess:
+    """How to reach and log in to the index's Redis: the URL, an ACL user, a password (read from a
+    file at start, so it is never on a command line) and TLS files for a rediss:// URL."""
+
+    url: str
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+    @classmethod
+    def load(cls, config: PrefixIndexConfig) -> RedisAccess:
+        """From --prefix-index and its credential flags; ValueError naming the file (never its content)
+        when the password file cannot be read or is empty."""
+        if config.prefix_index is None:
+            raise ValueError("no --prefix-index")
+        password = None
+        if config.prefix_index_password_file is not None:
+            password = read_password_file(config.prefix_index_password_file)
+        return cls(config.prefix_index, config.prefix_index_username, password, config.prefix_index_ca_file,
+                   config.prefix_index_cert_file, config.prefix_index_key_file)
+
+    def __repr__(self) -> str:  # never the password, neither the file's nor one inside the URL
+        return f"RedisAccess({self.redacted_url!r}, username={self.username!r}, tls={self.url.startswith('rediss://')})"
+
+    @property
+    def redacted_url(self) -> str:
+        """The URL with any password in it replaced by ***, for messages."""
+        parts = urlsplit(self.url)
+        if parts.password is None:
+            return self.url
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+        return urlunsplit(parts._replace(netloc=netloc))
+
+    def client(self, timeout_s: float) -> aioredis.Redis:
+        """A client whose every call fails within about `timeout_s` (no retries). It sends no CLIENT
+        SETINFO on connect: an ACL user limited to REDIS_ACL_COMMANDS may not."""
+        credentials = {key: value for key, value in (("username", self.username), ("password", self.password))
+                       if value is not None}
+        tls = {"ssl_ca_certs": str(self.ca_file) if self.ca_file else None,
+               "ssl_certfile": str(self.cert_file) if self.cert_file else None,
+               "ssl_keyfile": str(self.key_file) if self.key_file else None} if self.url.startswith("rediss://") else {}
+        return aioredis.Redis.from_url(
+            self.url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=False,
+            driver_info=None,
+            **credentials,
+            **tls,
+        )
+
+
+def read_password_file(path: Path) -> str:
+    try:
+        password = Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read --prefix-index-password-file {path}: {e.strerror or e}") from None
+    if not password:
+        raise ValueError(f"--prefix-index-password-file {path} is empty")
+    return password
+
+
+def redis_acl_rule(namespace: str = "kvmesh:pi", user: str = "kvmesh", password: str = "PASSWORD") -> str:
+    """The ACL line (redis.conf `user ...`, or after `ACL SETUSER`) that allows kvmesh exactly what it
+    sends, on keys under `namespace`, and no pub/sub channels."""
+    return " ".join([f"user {user} on >{password} ~{namespace}:* resetchannels -@all",
+                     *(f"+{command}" for command in REDIS_ACL_COMMANDS)])
+
+
 class RedisPrefixIndex:
     """Raises ConnectionError (the builtin) when Redis cannot be reached or answer within the client's
     socket timeout; `connect` builds a client with short, bounded timeouts and no retries."""
@@ -224,10 +334,28 @@ class RedisPrefixIndex:
 
     @classmethod
     def connect(
-        cls, url: str, timeout_s: float = 0.5, namespace: str = "kvmesh:pi", heartbeat_ttl_s: float = 10.0
+        cls, url: str | RedisAccess, timeout_s: float = 0.5, namespace: str = "kvmesh:pi",
+        heartbeat_ttl_s: float = 10.0
     ) -> RedisPrefixIndex:
-        """An index over `url` (redis://host:port/db) whose every call fails within about `timeout_s`."""
+        """An index over `url` (redis://host:port/db, or a RedisAccess with credentials) whose every
+        call fails within about `timeout_s`."""
         return cls(redis_client(url, timeout_s), namespace, heartbeat_ttl_s)
+
+    async def check_access(self, where: str) -> None:
+        """At start: PermissionError when Redis refuses our credentials (NOAUTH, WRONGPASS, NOPERM) or
+        its TLS certificate, so a misconfigured pod fails at once with the reason. An unreachable
+        Redis is only logged: the index is optional, and it may come up later."""
+        try:
+            await self._client.ping()
+        except (AuthenticationError, NoPermissionError) as e:
+            raise PermissionError(f"prefix index: Redis at {where} refused kvmesh's credentials "
+                                  f"(--prefix-index-username, --prefix-index-password-file): {e}") from None
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            if isinstance(e.__cause__ or e.__context__, ssl.SSLError):
+                raise PermissionError(f"prefix index: TLS with Redis at {where} failed "
+                                      f"(--prefix-index-ca-file, --prefix-index-cert-file): {e}") from None
+            logger.warning("prefix index: Redis at %s is unreachable for now (%s); routing by load until it answers",
+                           where, e)
 
     async def _run(self, script: AsyncScript, args: list[bytes | str | int]) -> list:
         try:
@@ -269,7 +397,8 @@ class RedisPrefixIndex:
         """Every engine's epoch and blocks, and the id of the last entry of the events stream they
         include (b"" when the stream is empty), read atomically."""
         flat = await self._run(self._snapshot, [self.namespace])
-        engines = {flat[i].decode(): (int(flat[i + 1]), split_hashes(flat[i + 2])) for i in range(1, len(flat), 3)}
+        engines = {flat[i].decode(): (int(flat[i + 1]), split_hashes(flat[i + 2])) for i in range(1, len(flat), 3)
+                   if valid_epoch(flat[i + 1])}  # a forged epoch's engine is left out until it writes again
         return flat[0], engines
 
     async def longest_prefix(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
@@ -288,7 +417,8 @@ class RedisPrefixIndex:
                 states = await pipe.execute()
         except (RedisConnectionError, RedisTimeoutError, OSError) as e:
             raise ConnectionError(f"prefix index: Redis unreachable: {e}") from e
-        return {engine_id: _engine_state(state) for engine_id, state in zip(ids, states) if state}
+        live = {engine_id: _engine_state(state) for engine_id, state in zip(ids, states) if state}
+        return {engine_id: state for engine_id, state in live.items() if state is not None}
 
     async def clear(self, engine_id: str) -> None:
         await self._run(self._clear, [self.namespace, engine_id])
@@ -300,15 +430,14 @@ class RedisPrefixIndex:
         await self._client.aclose()
 
 
-def redis_client(url: str, timeout_s: float) -> aioredis.Redis:
+def redis_client(url: str | RedisAccess, timeout_s: float) -> aioredis.Redis:
     """A client for `url` whose every call fails within about `timeout_s` (no retries)."""
-    return aioredis.Redis.from_url(
-        url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
-        decode_responses=False,
-    )
+    return (url if isinstance(url, RedisAccess) else RedisAccess(url)).client(timeout_s)
+
+
+def valid_epoch(text: bytes) -> bool:
+    """Whether `text` is an epoch an engine could have written (Redis may hold anything)."""
+    return text.isdigit() and len(text) <= MAX_EPOCH_DIGITS
 
 
 def split_hashes(packed: bytes) -> list[BlockHash]:
@@ -318,11 +447,17 @@ def split_hashes(packed: bytes) -> list[BlockHash]:
     return [packed[i:i + HASH_BYTES] for i in range(0, len(packed), HASH_BYTES)]
 
 
-def _engine_state(state: dict[bytes, bytes]) -> EngineState:
+def _engine_state(state: dict[bytes, bytes]) -> EngineState | None:
+    """A live hash as the engine wrote it; None for one it could not have written (forged)."""
+    if not valid_epoch(state.get(b"epoch", b"")):
+        return None
     epoch = int(state[b"epoch"])
     if b"running" not in state:
         return EngineState(epoch, None)
-    load = EngineLoad(
-        int(state[b"running"]), int(state[b"waiting"]), int(state[b"free_blocks"]), float(state[b"kv_usage"])
-    )
+    try:
+        load = EngineLoad(
+            int(state[b"running"]), int(state[b"waiting"]), int(state[b"free_blocks"]), float(state[b"kv_usage"])
+        )
+    except (KeyError, ValueError):
+        return None
     return EngineState(epoch, load)

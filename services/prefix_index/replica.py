@@ -33,7 +33,7 @@ from services.common.hashing import BlockHash
 from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from services.prefix_index.index import EngineLoad, EngineState, StaleEpochError
 from services.prefix_index.memory import MemoryPrefixIndex
-from services.prefix_index.redis_index import RedisPrefixIndex, redis_client, split_hashes
+from services.prefix_index.redis_index import RedisAccess, RedisPrefixIndex, redis_client, split_hashes, valid_epoch
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +69,15 @@ class PrefixIndexReplica:
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    def connect(cls, url: str, timeout_s: float = 0.5, namespace: str = "kvmesh:pi",
+    def connect(cls, url: str | RedisAccess, timeout_s: float = 0.5, namespace: str = "kvmesh:pi",
                 heartbeat_ttl_s: float = 10.0) -> PrefixIndexReplica:
         """A replica of the index at `url` (see RedisPrefixIndex.connect); not started."""
         return cls(RedisPrefixIndex.connect(url, timeout_s, namespace, heartbeat_ttl_s),
                    redis_client(url, timeout_s + BLOCK_S), timeout_s)
+
+    async def check_access(self, where: str) -> None:
+        """RedisPrefixIndex.check_access: PermissionError when Redis refuses our credentials."""
+        await self._index.check_access(where)
 
     def start(self) -> None:
         if self._task is None or self._task.done():
@@ -205,6 +209,8 @@ class PrefixIndexReplica:
     async def _apply_entry(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         if fields.get(b"prev") != self._last_id:
             raise _Gap(f"entry {entry_id!r} follows {fields.get(b'prev')!r}, the last applied was {self._last_id!r}")
+        if not valid_epoch(fields.get(b"epoch", b"")):
+            raise _Gap(f"entry {entry_id!r} carries no valid epoch")  # written by no engine: reload
         engine_id, epoch = fields[b"id"].decode(), int(fields[b"epoch"])
         ops = sorted((key for key in fields if key not in _ENTRY_HEAD), key=lambda key: int(key[:-1]))
         if any(key.endswith(b"F") for key in ops):

@@ -57,7 +57,9 @@ from services.common.rpc.server import RpcServer, service_name
 from services.engine.client import GrpcEngineClient
 from services.processor.async_processor import DEFAULT_TOKENIZER_THREADS, AsyncProcessor
 from services.processor.engine_set import EngineSet
+from services.processor.index_engines import IndexEngines
 from services.prefix_index.index import PrefixIndex
+from services.prefix_index.redis_index import RedisAccess
 from services.prefix_index.replica import PrefixIndexReplica
 from services.processor.metrics import DeciderMetrics, ProcessorMetrics, RouterMetrics
 from services.processor.prefill_decider import OUTCOMES, PrefillDecider
@@ -149,8 +151,9 @@ async def open_engines(config: ProcessorServiceConfig, metrics: GrpcMetrics | No
         raise ValueError("--engines-from-index needs --prefix-index")
     async with AsyncExitStack() as stack:
         if index is not None:
-            index.start()
             stack.push_async_callback(index.close)
+            await index.check_access(RedisAccess(routing.index.prefix_index).redacted_url)
+            index.start()
             await stack.enter_async_context(background(sweep_index(index, routing.index.heartbeat_ttl)))
         if len(addresses) == 1:
             engine = connect(addresses[0])
@@ -166,7 +169,9 @@ async def open_engines(config: ProcessorServiceConfig, metrics: GrpcMetrics | No
             watcher.start()
             stack.push_async_callback(watcher.close)
         elif config.engines_from_index:
-            await stack.enter_async_context(background(follow_index_engines(index, engines)))
+            vouch = IndexEngines(config.engine_allowed_address, config.trust_index_engines, security,
+                                 config.engine_timeout)
+            await stack.enter_async_context(background(follow_index_engines(index, engines, vouch=vouch)))
         else:
             engines.update(frozenset(Endpoint(address) for address in addresses))
         yield decide_prefill(engines, routing)
@@ -197,7 +202,7 @@ def open_index(config: PrefixIndexConfig) -> PrefixIndexReplica | None:
     the index's events stream), or None. Start it inside the event loop."""
     if config.prefix_index is None:
         return None
-    return PrefixIndexReplica.connect(config.prefix_index, config.prefix_index_timeout,
+    return PrefixIndexReplica.connect(RedisAccess.load(config), config.prefix_index_timeout,
                                       config.prefix_index_namespace, config.heartbeat_ttl)
 
 
@@ -214,16 +219,19 @@ async def sweep_index(index: PrefixIndex, interval: float) -> None:
 
 
 async def follow_index_engines(index: PrefixIndex, engines: EngineSet,
-                               interval: float = ENGINES_FROM_INDEX_INTERVAL) -> None:
+                               interval: float = ENGINES_FROM_INDEX_INTERVAL, *,
+                               vouch: IndexEngines | None = None) -> None:
     """The index's live engines (their ids are their addresses) become the EngineSet's members, every
-    `interval` s; while the index is unreachable the engines known stay."""
+    `interval` s, those `vouch` vouches for only (None: all, for an index in this process); while
+    the index is unreachable the engines known stay."""
     while True:
         try:
             live = await index.engines()
         except ConnectionError as e:
             logger.debug("prefix index unreachable, keeping the engines known: %s", e)
         else:
-            engines.update(frozenset(Endpoint(engine_id) for engine_id in live))
+            ids = frozenset(live) if vouch is None else await vouch.vouched(live)
+            engines.update(frozenset(Endpoint(engine_id) for engine_id in ids))
         await asyncio.sleep(interval)
 
 
@@ -258,7 +266,7 @@ async def serve(model: ModelConfig, engine: EngineClient, serving: ServingConfig
                                                        grammar_limits),
                                engine, processor_metrics, tokenizer_threads)
     interceptors = [processor_metrics.service.grpc.server_interceptor()] if processor_metrics is not None else []
-    server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors, security)
+    server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors, security, serving.unix_socket)
     processor_pb2_grpc.add_ProcessorServicer_to_server(ProcessorServicer(processor), server.server)
     await server.start()
     health = asyncio.create_task(follow_engine_health(processor, server, HEALTH_INTERVAL))

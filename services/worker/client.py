@@ -27,7 +27,8 @@ from services.common.rpc.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.rpc.security import RpcSecurity
 from services.common.rpc.server import GRPC_OPTIONS
 from services.common.scheduler_output import SchedulerOutput
-from services.worker.step_channel import StepChannel, parse
+from services.common.unix_socket import socket_path
+from services.worker.step_channel import StepChannel, parse, step_channel_path
 
 if TYPE_CHECKING:  # the gRPC client (the engine's side) must not pull in torch
     from services.worker.worker import Worker
@@ -83,11 +84,11 @@ class InProcessWorkerClient:
 class GrpcWorkerClient:
     """A worker server: its set-up calls over gRPC, on a blocking channel, and its steps over its
     step channel (services/worker/step_channel.py), opened at the first step on the host of
-    `address` and the port GetInfo names. The set-up calls have a deadline, `timeout` (they also
-    wait for the worker to come up). A step has none: a long prefill on a CPU may take minutes, and
-    slow is not dead. Instead a watchdog thread asks the worker's health service (gRPC), every
-    `liveness_interval` seconds while a step has been in flight that long, for an answer within
-    `liveness_timeout`:
+    `address` and the port GetInfo names (beside the socket of a `unix:` address). The set-up
+    calls have a deadline, `timeout` (they also wait for the worker to come up). A step has none:
+    a long prefill on a CPU may take minutes, and slow is not dead. Instead a watchdog thread asks
+    the worker's health service (gRPC), every `liveness_interval` seconds while a step has been in
+    flight that long, for an answer within `liveness_timeout`:
 
         engine-loop thread:  step on the step channel (blocking, no deadline) ─────► reply
         watchdog thread:        │ step in flight >= interval: Health.Check (timeout) ─► SERVING? go on
@@ -173,11 +174,19 @@ class GrpcWorkerClient:
                 self.get_info()
             except TimeoutError as exc:  # not up within `timeout`: for a step, unreachable
                 raise ConnectionError(f"the worker at {self.address} is unreachable: {exc}") from None
-        host = self.address.rpartition(":")[0].strip("[]")
-        self._step_channel = StepChannel.connect(host, self._step_port, self._security, self.session, self.timeout)
+        self._step_channel = self._dial_step_channel()
         if self._closed.is_set():  # closed meanwhile by another thread
             self._step_channel.close()
         return self._step_channel
+
+    def _dial_step_channel(self) -> StepChannel:
+        """Beside the worker's Unix socket, or on its host at the port GetInfo named."""
+        grpc_socket = socket_path(self.address)
+        if grpc_socket is not None:
+            return StepChannel.connect_unix(step_channel_path(grpc_socket), self._security, self.session,
+                                            self.timeout)
+        host = self.address.rpartition(":")[0].strip("[]")
+        return StepChannel.connect(host, self._step_port, self._security, self.session, self.timeout)
 
     def send_kv(self, peer: str, block_ids: Sequence[int], tag: int) -> int:
         """Deadline `timeout`: the worker's own transfer timeout (seconds) ends it well before."""

@@ -3,10 +3,10 @@
     python -m services.worker.server --model smollm2 --port 50053 --kv-cache-memory 268435456
 
 config -> Worker core -> WorkerServicer -> grpc.aio server (+ health, reflection) and the step
-channel (services/worker/step_channel.py, on --step-port) -> SIGTERM -> NOT_SERVING -> stop(grace)
--> the step channels closed after the step in flight. Flags come from services/common/config.py
-(ModelConfig, CacheConfig, WorkerConfig, ParallelConfig, ServingConfig); each falls back to
-KVMESH_WORKER_<FIELD> (KVMESH_WORKER_PORT, ...).
+channel (services/worker/step_channel.py, on --step-port, or beside --unix-socket) -> SIGTERM ->
+NOT_SERVING -> stop(grace) -> the step channels closed after the step in flight. Flags come from
+services/common/config.py (ModelConfig, CacheConfig, WorkerConfig, ParallelConfig, ServingConfig);
+each falls back to KVMESH_WORKER_<FIELD> (KVMESH_WORKER_PORT, ...).
 
 A rank of a tensor-parallel group (`--tensor-parallel-size N --rank R --distributed-address
 host:port`) serves the same way, on its own port; the engine calls every rank. When a collective
@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -48,7 +49,8 @@ from services.common.scheduler_output import SchedulerOutput
 from services.worker.client import SESSION_METADATA_KEY, InProcessWorkerClient
 from services.worker.metrics import WorkerMetrics
 from services.worker.parallel_group import GroupError
-from services.worker.step_channel import Frame, StepChannelServer, error_payload, parse, recv_frame, send_frame
+from services.worker.step_channel import (Frame, StepChannelServer, error_payload, parse, recv_frame, send_frame,
+                                           step_channel_path)
 from services.worker.step_thread import StepThread
 from services.worker.worker import Worker
 
@@ -101,7 +103,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                  owner_lease: float = WorkerConfig.owner_lease,
                  on_group_failure: Callable[[], None] | None = None,
                  step_thread: StepThread | None = None, security: RpcSecurity = RpcSecurity(),
-                 step_host: str = "127.0.0.1", step_port: int = 0) -> None:
+                 step_host: str = "127.0.0.1", step_port: int = 0, step_socket: Path | None = None) -> None:
         self.worker = worker
         self.on_group_failure = on_group_failure  # called once a collective has failed (GroupError), any thread
         self.group_failed = False
@@ -117,7 +119,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._steps_in_flight = 0  # the owner's: a step longer than the lease is not silence
         self._channels: OrderedDict[socket.socket, str] = OrderedDict()  # step thread only: sock -> session
         # A channel's hello (on its handshake thread) opens it for the owner's session only.
-        self._channel_server = StepChannelServer(step_host, step_port, security, self._check_owner, self._adopt)
+        self._channel_server = StepChannelServer(step_host, step_port, security, self._check_owner, self._adopt,
+                                                 step_socket)
         self.step_port = self._channel_server.port
 
     async def _call(self, fn: Callable[..., T], *args: object) -> T:
@@ -279,22 +282,23 @@ async def serve(worker: WorkerClient, serving: ServingConfig, metrics: WorkerMet
                 security: RpcSecurity = RpcSecurity(), owner_lease: float = WorkerConfig.owner_lease,
                 step_thread: StepThread | None = None, step_port: int = WorkerConfig.step_port) -> int:
     """Serve `worker` (computing on `step_thread`, a new one by default; its step channel on
-    serving.host:step_port) until SIGTERM/SIGINT (exit status 0) or a failed tensor-parallel group
-    (GROUP_FAILED_EXIT_STATUS), then NOT_SERVING, stop(grace), and the step channels closed once
-    the step in flight is done."""
+    serving.host:step_port, or beside serving.unix_socket) until SIGTERM/SIGINT (exit status 0) or
+    a failed tensor-parallel group (GROUP_FAILED_EXIT_STATUS), then NOT_SERVING, stop(grace), and
+    the step channels closed once the step in flight is done."""
     loop = asyncio.get_running_loop()
     interceptors = [metrics.service.grpc.server_interceptor()] if metrics is not None else []
     if metrics is not None:
         security.refusals.register(metrics.service.registry)
-    server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors, security)
+    server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors, security, serving.unix_socket)
+    step_socket = step_channel_path(serving.unix_socket) if serving.unix_socket is not None else None
     servicer = WorkerServicer(worker, metrics, owner_lease,
                               on_group_failure=lambda: loop.call_soon_threadsafe(server.request_termination),
                               step_thread=step_thread, security=security, step_host=serving.host,
-                              step_port=step_port)
+                              step_port=step_port, step_socket=step_socket)
     try:
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server.server)
         await server.start()
-        logger.info("step channel on %s:%d", serving.host, servicer.step_port)
+        logger.info("step channel on %s", step_socket or f"{serving.host}:{servicer.step_port}")
         await server.wait_for_termination_signal()
         await server.shutdown(serving.grace, serving.drain)
     finally:

@@ -1,5 +1,6 @@
 """The engine's step channel to its worker: one SchedulerOutput in, one ModelRunnerOutput out per
-engine step, as length-prefixed protobuf frames on a TCP socket of their own.
+engine step, as length-prefixed protobuf frames on a socket of their own: TCP, or, for a worker
+whose gRPC listens on a Unix socket (`kvmesh serve`), the Unix socket beside it (step_channel_path).
 
     engine-loop thread                                  worker's step thread (step_thread.py)
     StepChannel.step(): STEP frame ──── socket ────► select() wakes it: decode, execute_model,
@@ -35,6 +36,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -48,6 +50,7 @@ from services.common.rpc.security import (
     RpcSecurity,
 )
 from services.common.rpc.server import MAX_MESSAGE_BYTES
+from services.common.unix_socket import remove_stale_socket
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +119,15 @@ def exception_of_payload(payload: bytes | bytearray) -> Exception:
 
 
 def _no_delay(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a frame goes out whole, at once
+    if sock.family != socket.AF_UNIX:  # a Unix socket has no Nagle to turn off
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a frame goes out whole, at once
+
+
+def step_channel_path(grpc_socket: Path) -> Path:
+    """Where a worker whose gRPC listens on the Unix socket `grpc_socket` listens for its step
+    channel: beside it, so that the engine needs no port from GetInfo and the socket shares the
+    directory's protection."""
+    return grpc_socket.with_name(grpc_socket.name + ".step")
 
 
 # ----------------------------------------------------------------------------- the engine's side
@@ -131,25 +142,42 @@ class StepChannel:
 
     @classmethod
     def connect(cls, host: str, port: int, security: RpcSecurity, session: str, timeout: float) -> StepChannel:
-        """Dial, hello, wait for READY (within `timeout`). The worker's refusal raises its exception
-        (a session that does not own the worker: EngineDeadError); no answer: ConnectionError."""
+        """Dial host:port, hello, wait for READY (within `timeout`). The worker's refusal raises its
+        exception (a session that does not own the worker: EngineDeadError); no answer: ConnectionError."""
         sock = socket.create_connection((host, port), timeout=timeout)
+        return cls._open(sock, f"{host}:{port}", security, security.server_name or host, session)
+
+    @classmethod
+    def connect_unix(cls, path: Path, security: RpcSecurity, session: str, timeout: float) -> StepChannel:
+        """The same on the Unix socket at `path`; one that is not there: ConnectionError."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(str(path))
+        except OSError as exc:
+            sock.close()
+            raise ConnectionError(f"the step channel at {path} failed to open: {exc}") from None
+        # gRPC's name for a unix: target, which certificates for a local worker name too.
+        return cls._open(sock, str(path), security, security.server_name or "localhost", session)
+
+    @classmethod
+    def _open(cls, sock: socket.socket, where: str, security: RpcSecurity, server_name: str,
+              session: str) -> StepChannel:
         try:
             _no_delay(sock)
             if security.tls:
-                sock = security.ssl_context(server=False).wrap_socket(
-                    sock, server_hostname=security.server_name or host)
+                sock = security.ssl_context(server=False).wrap_socket(sock, server_hostname=server_name)
             hello = worker_pb2.StepChannelHello(version=VERSION, token=security.token or "", session=session)
             send_frame(sock, Frame.HELLO, hello.SerializeToString())
             kind, payload = recv_frame(sock)
         except (OSError, ValueError) as exc:
             sock.close()
-            raise ConnectionError(f"the step channel to {host}:{port} failed to open: {exc}") from None
+            raise ConnectionError(f"the step channel to {where} failed to open: {exc}") from None
         if kind is not Frame.READY:
             sock.close()
             if kind is Frame.ERROR:
                 raise exception_of_payload(payload)
-            raise ConnectionError(f"the step channel to {host}:{port} answered its hello with {kind.name}")
+            raise ConnectionError(f"the step channel to {where} answered its hello with {kind.name}")
         sock.settimeout(None)  # a step has no deadline (the watchdog judges liveness)
         return cls(sock)
 
@@ -183,22 +211,40 @@ class StepChannel:
 # ----------------------------------------------------------------------------- the worker's side
 
 
+def _listen_tcp(host: str, port: int) -> socket.socket:
+    host = host.strip("[]")
+    family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    return socket.create_server((host, port), family=family, backlog=16,
+                                dualstack_ipv6=family == socket.AF_INET6 and host in ("", "::"))
+
+
+def _listen_unix(path: Path) -> socket.socket:
+    remove_stale_socket(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(path))
+        listener.listen(16)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
 class StepChannelServer:
-    """Listens on host:port (port 0: any free one; `port` says which) and hands each connection,
+    """Listens on host:port (port 0: any free one; `port` says which), or on the Unix socket `path`
+    (`port` 0; a socket a previous worker left there is replaced), and hands each connection,
     once its hello has an engine's token and `admit(session)` did not raise, to `adopt(sock, session)`.
     Each handshake runs on a thread of its own within HANDSHAKE_TIMEOUT, so a slow or silent client
     holds up no other; over MAX_HANDSHAKES at once, a new connection is closed at once."""
 
     def __init__(self, host: str, port: int, security: RpcSecurity, admit: Callable[[str], None],
-                 adopt: Callable[[socket.socket, str], None]) -> None:
+                 adopt: Callable[[socket.socket, str], None], path: Path | None = None) -> None:
         self._security = security
         self._admit, self._adopt = admit, adopt
         self._ssl = security.ssl_context(server=True) if security.tls else None
-        host = host.strip("[]")
-        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        self._listener = socket.create_server((host, port), family=family, backlog=16,
-                                              dualstack_ipv6=family == socket.AF_INET6 and host in ("", "::"))
-        self.port: int = self._listener.getsockname()[1]
+        self._listener = _listen_tcp(host, port) if path is None else _listen_unix(path)
+        self.port: int = self._listener.getsockname()[1] if path is None else 0
+        self._path = path
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="step-channel-accept", daemon=True)
@@ -265,3 +311,5 @@ class StepChannelServer:
             pass
         self._listener.close()
         self._thread.join(timeout=5)
+        if self._path is not None:
+            self._path.unlink(missing_ok=True)

@@ -24,14 +24,14 @@ import httpx2 as httpx
 import pytest
 from grpc_health.v1 import health_pb2
 
-from services.cli import RestartBudget, service_of
+from services.cli import RestartBudget
 from services.common.engine_output import EngineCoreRequest
 from services.common.errors import EngineDeadError
 from services.common.metrics import fetch_page
 from services.common.sampling_params import SamplingParams
 from services.engine.client import GrpcEngineClient
 from tests.services.procs import PYTHON, free_port, grpc_health_status, start_service
-from tests.services.procs import Serve, gone, serving, start_serve
+from tests.services.procs import Serve, gone, serve_child_pid, serving, start_serve
 from tests.services.test_metrics import samples
 
 pytestmark = pytest.mark.slow
@@ -42,21 +42,6 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "tempe
 LIVENESS = ["--worker-liveness-interval", "0.5", "--worker-liveness-timeout", "3", "--exit-grace", "0.5"]
 RECOVERY_SECONDS = 120  # a fresh worker loads the model again; generous for a shared CPU
 
-
-def serve_child_pid(serve: Serve, name: str) -> int:
-    """The pid of `kvmesh serve`'s current `kvmesh <name>` (it changes with each restart)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == serve.proc.pid and cmdline[2:4] == [b"services.cli", name.encode()]:
-            return int(entry.name)
-    raise LookupError(f"no {name} under kvmesh serve:\n{serve.log()}")
 
 
 def stream_events_until(client: httpx.Client, fault: Callable[[], None], after: int = 3) -> tuple[list[str], float]:
@@ -257,20 +242,7 @@ def fleet(model_path: Path) -> Iterator[Serve]:
                                     "--restart-backoff", "0.5", "--max-restarts", "1", "--routing", "least-load"])
 
 
-def fleet_child_pid(fleet: Serve, name: str) -> int:
-    """The pid of the `kvmesh <service>` under `fleet` listening on child `name`'s port."""
-    service, port = service_of(name), fleet.services[name]["address"].rsplit(":", 1)[1]
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = [a.decode() for a in (entry / "cmdline").read_bytes().split(b"\0")]
-        except (OSError, ValueError):
-            continue
-        if ppid == fleet.proc.pid and argv[2:4] == ["services.cli", service] and port in argv:
-            return int(entry.name)
-    raise LookupError(f"no {name} under kvmesh serve:\n{fleet.log()}")
+
 
 
 def busy_engines(fleet: Serve, names: Sequence[str]) -> list[str]:
@@ -319,7 +291,7 @@ def test_a_request_two_engines_died_under_is_failed_not_sent_to_a_third(fleet: S
                 events.append(line)
                 if len(killed) < 2 and len(events) >= 3 * (len(killed) + 1):
                     [engine] = busy_engines(fleet, [n for n in FLEET if n not in killed])
-                    os.kill(fleet_child_pid(fleet, engine.replace("engine", "worker")), signal.SIGKILL)
+                    os.kill(serve_child_pid(fleet, engine.replace("engine", "worker")), signal.SIGKILL)
                     killed.append(engine)
                 assert len(events) < 3 * len(FLEET) + 20, "the stream went on after its second engine died"
     error = assert_error_event_then_done(events)
@@ -339,7 +311,7 @@ def test_a_request_two_engines_died_under_is_failed_not_sent_to_a_third(fleet: S
 def test_a_pair_out_of_restarts_stays_down_and_the_others_serve_on(fleet: Serve):
     """--max-restarts 1: a pair that died twice within the window is given up, not the whole stack."""
     dead = next(name for name in FLEET if f"restarting worker-{name[-1]}" in fleet.log(tail=100_000))
-    os.kill(fleet_child_pid(fleet, dead.replace("engine", "worker")), signal.SIGKILL)
+    os.kill(serve_child_pid(fleet, dead.replace("engine", "worker")), signal.SIGKILL)
     wait_for_log(fleet, f"giving up on worker-{dead[-1]} and engine-{dead[-1]}, serving with 2 other engine(s)")
     with httpx.Client(base_url=fleet.api.removesuffix("/v1"), timeout=60) as client:
         wait_for_health(client, 200, timeout=30)
@@ -350,11 +322,11 @@ def test_a_pair_out_of_restarts_stays_down_and_the_others_serve_on(fleet: Serve)
 
 @pytest.mark.parametrize("service", ["processor", "gateway"])
 def test_a_dead_processor_or_gateway_is_restarted(fleet: Serve, service: str):
-    pid = fleet_child_pid(fleet, service)
+    pid = serve_child_pid(fleet, service)
     os.kill(pid, signal.SIGKILL)
     wait_for_log(fleet, f"the {service} is serving again")
     with httpx.Client(base_url=fleet.api.removesuffix("/v1"), timeout=60) as client:
         wait_for_health(client, 200, timeout=30)
         assert_serves_a_chat(client)
-    assert fleet_child_pid(fleet, service) != pid and gone(pid)
+    assert serve_child_pid(fleet, service) != pid and gone(pid)
     assert fleet.proc.poll() is None

@@ -38,6 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.clients import EngineStats
 from services.common.config import SecurityConfig
 from services.common.rpc.security import RpcSecurity
+from services.common.unix_socket import socket_path
 from services.engine.client import GrpcEngineClient
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -248,6 +249,33 @@ def serving(model_path: Path, extra_args: Sequence[str] = ()) -> Iterator[Serve]
     """`kvmesh serve` for a module-scoped fixture (`yield from serving(...)`), killed at its end."""
     with running_serve(model_path, extra_args=extra_args) as serve:
         yield serve
+
+
+def child_processes(parent: int) -> list[tuple[int, list[str]]]:
+    """(pid, argv) of each process whose parent is `parent`; one that ends meanwhile is left out."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = [a.decode() for a in (entry / "cmdline").read_bytes().split(b"\0")]
+        except (OSError, ValueError):
+            continue
+        if ppid == parent:
+            found.append((int(entry.name), argv))
+    return found
+
+
+def serve_child_pid(serve: Serve, name: str) -> int:
+    """The pid of `kvmesh serve`'s current child `name` ("engine", "worker-1", "gateway", ...; it
+    changes with each restart): the `kvmesh <service>` under it whose argv names that child's socket."""
+    address = serve.services[name].get("address", "")
+    path = socket_path(address) if address.startswith("unix:") else None
+    for pid, argv in child_processes(serve.proc.pid):
+        if argv[2:4] == ["services.cli", name.split("-")[0]] and (path is None or str(path) in argv):
+            return pid
+    raise LookupError(f"no {name} under kvmesh serve:\n{serve.log()}")
 
 
 def gone(pid: int) -> bool:

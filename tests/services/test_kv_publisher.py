@@ -254,12 +254,17 @@ async def test_an_engine_swept_while_silent_republishes_when_it_speaks_again(red
     assert set(hash_token_blocks(first, BLOCK_SIZE, "scripted")) <= held  # swept, and republished
 
 
-async def test_a_newer_incarnation_ends_publishing_and_keeps_its_entries(redis_server, start_fleet):
+async def test_a_live_newer_incarnation_stands_publishing_down_and_keeps_its_entries(redis_server, start_fleet):
     fleet = await start_fleet(redis_server.url)
     await run(fleet.engine, make_request("old", prompt(1, 21)))
     await fleet.wait_until_agreed()
     newer = [hash_token_blocks(prompt(2, 8), BLOCK_SIZE, "scripted")[0]]
-    assert await fleet.reader.apply(ENGINE_ID, 6, [CacheSnapshot(newer)]) is False  # restarted elsewhere
+    # Restarted elsewhere, heartbeating by the same TTL (a longer one would look forged).
+    incarnation = RedisPrefixIndex.connect(redis_server.url, 1.0, fleet.reader.namespace, 3.0)
+    try:
+        assert await incarnation.apply(ENGINE_ID, 6, [CacheSnapshot(newer)]) is False
+    finally:
+        await incarnation.close()
     await run(fleet.engine, make_request("late", prompt(3, 21)))  # its events meet the newer epoch
     await until(lambda: fleet.publisher.stale, timeout=5)
     await fleet.publisher.close()
@@ -270,8 +275,7 @@ async def test_a_newer_incarnation_ends_publishing_and_keeps_its_entries(redis_s
 
 async def test_without_a_prefix_index_no_queue_is_attached_and_nothing_recorded():
     worker = ScriptedWorker()
-    # A scripted worker has no liveness to check: no idle check within the test.
-    args = EngineServiceArgs(EngineServiceConfig(worker_address=("127.0.0.1:1",), worker_liveness_interval=3600), SchedulerConfig(), ModelConfig(),
+    args = EngineServiceArgs(EngineServiceConfig(worker_address=("127.0.0.1:1",)), SchedulerConfig(), ModelConfig(),
                              ServingConfig())
     engine, publisher = await start_engine(worker, args, ServiceMetrics.create("engine"),
                                            EngineIdentity(ENGINE_ID, 9))

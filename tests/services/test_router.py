@@ -432,8 +432,13 @@ def test_engine_sources_are_flags() -> None:
         processor_server.parse_args(["--engine-address", A, "--engine-address", A])
     with pytest.raises(SystemExit):
         processor_server.parse_args(["--engines-from-index"])  # without --prefix-index
-    assert processor_server.parse_args(["--engines-from-index", "--prefix-index",
-                                        "redis://127.0.0.1:1/0"]).service.engine_address == ()
+    with pytest.raises(SystemExit):  # an index anyone may write names no engine unchecked
+        processor_server.parse_args(["--engines-from-index", "--prefix-index", "redis://127.0.0.1:1/0"])
+    assert processor_server.parse_args(["--engines-from-index", "--prefix-index", "redis://127.0.0.1:1/0",
+                                        "--trust-index-engines"]).service.engine_address == ()
+    assert processor_server.parse_args(["--engines-from-index", "--prefix-index", "redis://127.0.0.1:1/0",
+                                        "--engine-allowed-address", "10.0.0.0/8"]).service.engine_allowed_address \
+        == ("10.0.0.0/8",)
 
 
 def test_engine_addresses_from_the_environment(monkeypatch) -> None:

@@ -1,4 +1,4 @@
-"""`kvmesh serve --num-engines 2` as a user runs it: two worker+engine pairs, each on ports of its
+"""`kvmesh serve --num-engines 2` as a user runs it: two worker+engine pairs, each on sockets of its
 own, behind one processor and one gateway; a completion goes through; the gateway's /metrics
 merges both engines; a dead worker restarts its own pair only, while the other pair serves on.
 
@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from services.common.metrics import fetch_page
-from tests.services.procs import Serve, client_for, gone, grpc_health_status, serving
+from tests.services.procs import Serve, client_for, gone, grpc_health_status, serve_child_pid, serving
 from tests.services.test_metrics import samples
 
 pytestmark = pytest.mark.services
@@ -44,21 +44,7 @@ def flag_values(argv: list[str], flag: str) -> list[str]:
     return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
 
 
-def child_pid(serve: Serve, name: str) -> int:
-    """The pid of `kvmesh serve`'s current child `name` (it changes when its pair restarts): the
-    `kvmesh <service>` under it listening on that child's port."""
-    service, port = name.split("-")[0], serve.services[name]["address"].rsplit(":", 1)[1]
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = argv_of(int(entry.name))
-        except (OSError, ValueError):
-            continue
-        if ppid == serve.proc.pid and argv[2:4] == ["services.cli", service] and flag_values(argv, "--port") == [port]:
-            return int(entry.name)
-    raise LookupError(f"no {name} under kvmesh serve:\n{serve.log()}")
+
 
 
 def complete(serve: Serve) -> str:
@@ -69,7 +55,7 @@ def complete(serve: Serve) -> str:
     return choice.text
 
 
-def test_two_pairs_on_their_own_ports_behind_one_processor(fleet: Serve):
+def test_two_pairs_on_their_own_sockets_behind_one_processor(fleet: Serve):
     names = {name for pair in PAIRS for name in pair}
     assert set(fleet.services) == names | {"processor", "gateway"}
     addresses = [s["address"] for s in fleet.services.values()]
@@ -94,7 +80,7 @@ def test_two_pairs_on_their_own_ports_behind_one_processor(fleet: Serve):
 
 
 def test_a_dead_worker_restarts_only_its_pair(fleet: Serve):
-    before = {name: child_pid(fleet, name) for pair in PAIRS for name in pair}
+    before = {name: serve_child_pid(fleet, name) for pair in PAIRS for name in pair}
     os.kill(before["worker-1"], signal.SIGKILL)
     # The other pair serves on meanwhile (the processor sends everything to engine-0).
     assert complete(fleet)
@@ -104,7 +90,7 @@ def test_a_dead_worker_restarts_only_its_pair(fleet: Serve):
         assert time.monotonic() < deadline, f"pair 1 did not come back:\n{fleet.log()}"
         assert grpc_health_status(fleet.services["engine-0"]["address"]) == SERVING
         time.sleep(0.5)
-    after = {name: child_pid(fleet, name) for name in before}
+    after = {name: serve_child_pid(fleet, name) for name in before}
     assert gone(before["worker-1"]) and gone(before["engine-1"])
     assert after["worker-1"] != before["worker-1"] and after["engine-1"] != before["engine-1"]
     assert {n: after[n] for n in PAIRS[0]} == {n: before[n] for n in PAIRS[0]}  # pair 0 untouched

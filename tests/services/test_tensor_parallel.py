@@ -32,14 +32,16 @@ from tests.services.procs import (
     SHARED_MAX_MODEL_LEN,
     Serve,
     ServiceProcess,
+    child_processes,
     client_for,
     free_port,
     gone,
     http_ok,
     running_service,
+    serve_child_pid,
     serving,
 )
-from tests.services.test_serve_fleet import LIVENESS, RECOVERY_SECONDS, argv_of, child_pid, flag_values
+from tests.services.test_serve_fleet import LIVENESS, RECOVERY_SECONDS, argv_of, flag_values
 
 pytestmark = pytest.mark.services
 
@@ -165,18 +167,7 @@ def test_the_supervisor_restarts_an_engine_with_all_its_workers(model_path: Path
 
 def worker_children() -> set[int]:
     """This process's `kvmesh worker` children."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if ppid == os.getpid() and argv[2:4] == [b"services.cli", b"worker"]:
-            pids.add(int(entry.name))
-    return pids
+    return {pid for pid, argv in child_processes(os.getpid()) if argv[2:4] == ["services.cli", "worker"]}
 
 
 def test_an_llm_whose_workers_fail_to_start_raises_and_leaves_none_behind(tmp_path: Path):
@@ -223,7 +214,7 @@ def test_serve_with_tensor_parallel_size_2_matches_one(tp2: Serve, offline: LLM)
     """`kvmesh serve --tensor-parallel-size 2` with the openai client: the greedy tokens of the
     in-process TP=1 stack. Fails until the worker side of #13 lands."""
     assert set(tp2.services) == {*GROUP, "processor", "gateway"}
-    engine_argv = argv_of(child_pid(tp2, "engine"))
+    engine_argv = argv_of(serve_child_pid(tp2, "engine"))
     assert flag_values(engine_argv, "--worker-address") == [tp2.services[w]["address"] for w in GROUP[:2]]
     assert_matches(tp2, [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY)])
 
@@ -233,7 +224,7 @@ def test_a_dead_rank_fails_its_stream_and_restarts_the_whole_group(tp2: Serve, o
     """Rank 1 killed mid-stream: the stream ends with an error (there is no other engine to migrate
     to) rather than hanging, the engine and both ranks are restarted on the same ports, the old
     processes are gone, and the group serves the same tokens again."""
-    before = {name: child_pid(tp2, name) for name in GROUP}
+    before = {name: serve_child_pid(tp2, name) for name in GROUP}
     client, model = client_for(tp2, timeout=60)  # far longer than the group's timeout (10 s)
     stream = iter(client.completions.create(model=model, prompt="Once upon a time", max_tokens=200,
                                             temperature=0, stream=True, extra_body={"ignore_eos": True}))
@@ -252,6 +243,6 @@ def test_a_dead_rank_fails_its_stream_and_restarts_the_whole_group(tp2: Serve, o
     while not http_ok(tp2.api.removesuffix("/v1") + "/health"):
         assert time.monotonic() < deadline, f"/health did not come back:\n{tp2.log()}"
         time.sleep(0.5)
-    after = {name: child_pid(tp2, name) for name in GROUP}
+    after = {name: serve_child_pid(tp2, name) for name in GROUP}
     assert all(after[name] != before[name] and gone(before[name]) for name in GROUP), (before, after)
     assert_matches(tp2, [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY)])

@@ -5,6 +5,8 @@ processor's decision, and `kvmesh serve`'s P/D layout."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from services import cli
@@ -135,14 +137,16 @@ def test_serve_lays_out_prefill_and_decode_groups_and_their_flags():
         (("worker-prefill-0",), "engine-prefill-0", "prefill"), (("worker-decode-0",), "engine-decode-0", "decode"),
         (("worker-decode-1",), "engine-decode-1", "decode")]
     names = cli.internal_names(groups)
-    layout = cli.Layout(groups, dict(zip(names, range(1, 8))), dict(zip(names, range(11, 18))))
+    sockets = Path("/run/user/1000/kvmesh-serve-test")
+    layout = cli.Layout(groups, sockets, dict(zip(names, range(11, 18))))
     argvs = cli.service_argvs(spec, layout)
     assert "--kv-transfer-address" in argvs["worker-decode-1"]
     assert argvs["engine-prefill-0"][argvs["engine-prefill-0"].index("--engine-role") + 1] == "prefill"
     processor = argvs["processor"]
     assert [processor[i + 1] for i, a in enumerate(processor) if a == "--engine-address"] == \
-        ["127.0.0.1:4", "127.0.0.1:6"]  # the decode engines only
-    assert [processor[i + 1] for i, a in enumerate(processor) if a == "--prefill-engine-address"] == ["127.0.0.1:2"]
+        [f"unix:{sockets}/engine-decode-{i}.sock" for i in (0, 1)]  # the decode engines only
+    assert [processor[i + 1] for i, a in enumerate(processor) if a == "--prefill-engine-address"] == \
+        [f"unix:{sockets}/engine-prefill-0.sock"]
     assert processor[processor.index("--prefill-threshold") + 1] == "64"
     with pytest.raises(ValueError, match="go together"):
         ServeConfig(prefill_engines=1)

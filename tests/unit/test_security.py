@@ -90,6 +90,7 @@ def test_every_method_has_exactly_the_callers_it_needs():
         "/kvmesh.v1.Engine/GetStats": processor, "/kvmesh.v1.Engine/MatchPrefix": processor,
         "/kvmesh.v1.Engine/GetInfo": {PROCESSOR, ENGINE},
         "/kvmesh.v1.Engine/Prefill": engine, "/kvmesh.v1.Engine/ReleaseTransfer": engine,
+        "/kvmesh.v1.Engine/ProveIdentity": processor,
         "/kvmesh.v1.Worker/GetInfo": engine, "/kvmesh.v1.Worker/InitializeCache": engine,
         "/kvmesh.v1.Worker/SendKV": engine, "/kvmesh.v1.Worker/ReceiveKV": engine}
     assert set(METHOD_CALLERS) - set(callers) == {STEP_CHANNEL_METHOD}  # no entry for a method that is gone

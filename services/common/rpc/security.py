@@ -33,6 +33,7 @@ minute per service and reason, so that a flood of them costs a dict look-up each
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
@@ -58,8 +59,13 @@ TOKEN_METADATA_KEY = "authorization"
 # The role a caller's token is of, sent beside it: a role that may not call a method is refused at
 # once (PERMISSION_DENIED), by a server that need not hold that role's token to say so.
 ROLE_METADATA_KEY = "kvmesh-role"
-# Methods callable without the token: the health service only (kubelet probes it).
-OPEN_METHOD_PREFIXES = (f"/{health.SERVICE_NAME}/",)
+# An engine proves to a processor that found it in the prefix index that it holds the processor
+# token, before the processor sends it that token (identity_proof): necessarily without a token.
+PROVE_IDENTITY_METHOD = "/kvmesh.v1.Engine/ProveIdentity"
+# Methods callable without the token: the health service (kubelet probes it) and the proof.
+OPEN_METHOD_PREFIXES = (f"/{health.SERVICE_NAME}/", PROVE_IDENTITY_METHOD)
+IDENTITY_NONCE_BYTES = (16, 64)  # the bounds of a challenge's nonce
+_IDENTITY_LABEL = b"kvmesh engine identity\0"  # a proof is good for nothing but this
 UNAUTHENTICATED_MESSAGE = "this service needs the internal token (missing or wrong)"
 
 # Caller roles: each has its own token. ANY is the role of the shared token, which may call everything.
@@ -84,6 +90,7 @@ METHOD_CALLERS: dict[str, frozenset[str]] = {
     "/kvmesh.v1.Engine/GetInfo": frozenset({PROCESSOR, ENGINE}),
     "/kvmesh.v1.Engine/Prefill": frozenset({ENGINE}),
     "/kvmesh.v1.Engine/ReleaseTransfer": frozenset({ENGINE}),
+    PROVE_IDENTITY_METHOD: frozenset({PROCESSOR}),  # open (OPEN_METHOD_PREFIXES); processors are who ask
     STEP_CHANNEL_METHOD: frozenset({ENGINE}),
 }
 PERMISSION_DENIED_MESSAGE = "this caller's credential may not call {method}"
@@ -95,6 +102,12 @@ def callers_of(method: str) -> frozenset[str]:
     if allowed is None:
         allowed = SERVICE_CALLERS.get(method.lstrip("/").rpartition("/")[0], frozenset())
     return allowed | {ANY}
+
+
+def identity_proof(token: str, nonce: bytes, engine_id: str) -> bytes:
+    """HMAC-SHA256 under `token` of the nonce and the engine's id: what only a holder of the token
+    computes, for that id only (a relay of another engine's proof names the wrong id)."""
+    return hmac.new(token.encode(), _IDENTITY_LABEL + nonce + engine_id.encode(), hashlib.sha256).digest()
 
 
 def read_token(config: SecurityConfig, environ: Mapping[str, str] = os.environ) -> str | None:
@@ -215,6 +228,24 @@ class RpcSecurity:
         if self.role is None:
             return ((TOKEN_METADATA_KEY, f"Bearer {self.token}"),)
         return (TOKEN_METADATA_KEY, f"Bearer {self.token}"), (ROLE_METADATA_KEY, self.role)
+
+    # ------------------------------------------------------------------ proving an engine's identity
+
+    def prove(self, nonce: bytes, role: str, engine_id: str) -> bytes:
+        """An engine's answer to a challenge from a caller whose token is of `role` ("" for the shared
+        token): ValueError for a nonce out of bounds, LookupError when this process holds no such token."""
+        low, high = IDENTITY_NONCE_BYTES
+        if not low <= len(nonce) <= high:
+            raise ValueError(f"nonce must be {low} to {high} bytes, got {len(nonce)}")
+        wanted = role or ANY
+        token = next((token for token, r in self.accepted if r == wanted), None)
+        if token is None:
+            raise LookupError(f"this engine holds no {role or 'shared'} token to prove itself with")
+        return identity_proof(token, nonce, engine_id)
+
+    def verifies(self, nonce: bytes, engine_id: str, proof: bytes) -> bool:
+        """Whether `proof` is the answer to `nonce` of an engine that holds this process's token."""
+        return self.token is not None and hmac.compare_digest(identity_proof(self.token, nonce, engine_id), proof)
 
     # ------------------------------------------------------------------ server side
 

@@ -5,7 +5,7 @@
 
 A service's `server.py` builds its core and servicer, then:
 
-    server = RpcServer(host, port, [service_name(engine_pb2.DESCRIPTOR, "Engine")])
+    server = RpcServer(host, port, [service_name(engine_pb2.DESCRIPTOR, "Engine")])   # or unix_socket=path
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
     await server.start()
     await server.wait_for_termination_signal()
@@ -18,12 +18,14 @@ import asyncio
 import logging
 import signal
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.rpc.security import RpcSecurity
+from services.common.unix_socket import remove_stale_socket, unix_address
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +55,13 @@ def service_name(file_descriptor, name: str) -> str:
 class RpcServer:
     """Construct inside the running event loop (grpc.aio binds to it). `security` decides who may
     call (services/common/rpc/security.py): its token interceptor runs before `interceptors`, so a
-    refused call reaches no handler; without a token the server warns that it is open."""
+    refused call reaches no handler; without a token the server warns that it is open. With
+    `unix_socket` it listens there instead of host:port (a socket a previous process left is
+    replaced: a restarted service binds its old path again)."""
 
     def __init__(self, host: str, port: int, service_names: Sequence[str],
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                 security: RpcSecurity = RpcSecurity()) -> None:
+                 security: RpcSecurity = RpcSecurity(), unix_socket: Path | None = None) -> None:
         self.service_names = tuple(service_names)
         # Interceptors see every call, health and reflection included (kvmesh_grpc_server_*).
         self.server = grpc.aio.server(options=GRPC_OPTIONS,
@@ -66,17 +70,20 @@ class RpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        self.address = f"{host}:{port}"
-        self.port = security.add_port(self.server, self.address)
-        if self.port == 0:
+        if unix_socket is not None:
+            remove_stale_socket(unix_socket)
+        self.address = f"{host}:{port}" if unix_socket is None else unix_address(unix_socket)
+        bound = security.add_port(self.server, self.address)
+        if bound == 0:
             raise OSError(f"cannot listen on {self.address}")
+        self.port = bound if unix_socket is None else 0  # grpc answers 1 for a socket: no port
         security.warn_if_open(", ".join(self.service_names))
         self._terminate = asyncio.Event()
 
     async def start(self) -> None:
         await self.server.start()
         await self.set_serving(True)
-        logger.info("serving %s on port %d", ", ".join(self.service_names), self.port)
+        logger.info("serving %s on %s", ", ".join(self.service_names), self.address)
 
     async def set_serving(self, serving: bool) -> None:
         """The overall status ("") and each service's follow the core's health."""

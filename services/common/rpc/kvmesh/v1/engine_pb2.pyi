@@ -145,6 +145,22 @@ class EngineInfo(_message.Message):
     kv_transfer_endpoints: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., kv_transfer_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class IdentityChallenge(_message.Message):
+    __slots__ = ("nonce", "role")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    role: str
+    def __init__(self, nonce: _Optional[bytes] = ..., role: _Optional[str] = ...) -> None: ...
+
+class IdentityProof(_message.Message):
+    __slots__ = ("engine_id", "proof")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    proof: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
+
 class MatchPrefixRequest(_message.Message):
     __slots__ = ("block_hashes",)
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]

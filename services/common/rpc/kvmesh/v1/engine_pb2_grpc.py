@@ -69,6 +69,11 @@ class EngineStub:
                 request_serializer=kvmesh_dot_v1_dot_engine__pb2.ReleaseTransferRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_engine__pb2.ReleaseTransferResponse.FromString,
                 _registered_method=True)
+        self.ProveIdentity = channel.unary_unary(
+                '/kvmesh.v1.Engine/ProveIdentity',
+                request_serializer=kvmesh_dot_v1_dot_engine__pb2.IdentityChallenge.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_engine__pb2.IdentityProof.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -122,6 +127,16 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProveIdentity(self, request, context):
+        """Open (no token): a processor that found this engine in the prefix index asks it to prove that
+        it holds the processor token before sending it one. The proof is
+        HMAC-SHA256(processor token, nonce || engine id), so only an engine that verifies that token
+        can answer, and only for its own id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +174,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.ReleaseTransfer,
                     request_deserializer=kvmesh_dot_v1_dot_engine__pb2.ReleaseTransferRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_engine__pb2.ReleaseTransferResponse.SerializeToString,
+            ),
+            'ProveIdentity': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProveIdentity,
+                    request_deserializer=kvmesh_dot_v1_dot_engine__pb2.IdentityChallenge.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_engine__pb2.IdentityProof.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +370,33 @@ class Engine:
             '/kvmesh.v1.Engine/ReleaseTransfer',
             kvmesh_dot_v1_dot_engine__pb2.ReleaseTransferRequest.SerializeToString,
             kvmesh_dot_v1_dot_engine__pb2.ReleaseTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProveIdentity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Engine/ProveIdentity',
+            kvmesh_dot_v1_dot_engine__pb2.IdentityChallenge.SerializeToString,
+            kvmesh_dot_v1_dot_engine__pb2.IdentityProof.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,12 +56,20 @@ def api_keys_from_file(path: Path | None) -> list[str]:
     return [line for line in lines if line and not line.startswith("#")]
 
 
-def api_keys_from(flags: Iterable[str] | None, environ: dict[str, str] | None = None) -> list[str]:
-    """The keys given with --api-key, else those in KVMESH_API_KEY; [] means no authentication."""
+def api_keys_from(flags: Iterable[str] | None, environ: dict[str, str] | None = None,
+                  path: Path | None = None) -> list[str]:
+    """The keys given with --api-key (else those in KVMESH_API_KEY), then those in `path`
+    (--api-key-file); [] means no authentication. A key file without a key is a ValueError: a
+    Secret mounted empty must not turn authentication off."""
     keys = list(flags or [])
     if not keys:
         keys = (os.environ if environ is None else environ).get(API_KEY_ENV, "").split(",")
     keys = [k.strip() for k in keys if k.strip()]
+    if path is not None:
+        from_file = api_keys_from_file(path)
+        if not from_file:
+            raise ValueError(f"{path} holds no key (one a line): refusing to serve without one")
+        keys += from_file
     return keys
 
 

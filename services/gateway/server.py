@@ -107,8 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     gateway = build(parser, GatewayConfig, args)
+    try:
+        api_keys = api_keys_from(gateway.api_key, path=gateway.api_key_file)  # read once: rotate by restarting
+    except (OSError, ValueError) as exc:
+        parser.error(f"--api-key-file: {exc}")
     asyncio.run(serve(gateway, build(parser, ModelConfig, args).name, build(parser, ServingConfig, args),
-                      build(parser, Limits, args), api_keys_from(gateway.api_key),
+                      build(parser, Limits, args), api_keys,
                       RpcSecurity.load(build(parser, SecurityConfig, args), GATEWAY), build(parser, GrammarLimits, args)))
     return 0
 

@@ -9,7 +9,9 @@ import importlib
 import os
 import re
 import subprocess
+import time
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import helm_python as helm
@@ -21,9 +23,12 @@ from kubernetes_validate.utils import schema_contents
 
 from services.cli import SERVICES
 from services.engine import server as engine_server
-from services.common.config import DisaggregationConfig, EngineServiceConfig, PrefixIndexConfig, RoutingConfig
+from services.common.config import (DisaggregationConfig, EngineServiceConfig, GatewayConfig, PrefixIndexConfig,
+                                   RoutingConfig)
 from services.common.flags import build
+from services.prefix_index.redis_index import REDIS_ACL_COMMANDS
 from tests.deploy.chart import CHART_DIR, EXAMPLES, GOLDEN_DIR, NAMESPACE, example_values, find, golden_manifest, manifest, objects, render
+from tests.services.procs import free_port
 
 UPDATE_GOLDEN = os.environ.get("KVMESH_UPDATE_GOLDEN") == "1"
 # The chart's oldest supported Kubernetes (Chart.yaml kubeVersion) and the newest schemas at hand.
@@ -215,11 +220,32 @@ def test_gpu_and_cpu_workers() -> None:
     assert all(pod_spec(gpu, c)["containers"][0]["image"].endswith("-cpu") for c in ("gateway", "processor", "engine"))
 
 
-def test_api_key_comes_from_the_secret() -> None:
-    env = pod_spec(objects(render(example_values("gpu"))), "gateway")["containers"][0]["env"]
-    assert {"name": "KVMESH_API_KEY",
-            "valueFrom": {"secretKeyRef": {"name": "kvmesh-api-key", "key": "api-key"}}} in env
-    assert "env" not in pod_spec(objects(render()), "gateway")["containers"][0]
+def test_api_keys_arrive_as_a_file_from_the_secret() -> None:
+    """The gateway reads its keys from the mounted Secret (--api-key-file), never from an
+    environment variable, which `kubectl describe` and /proc show."""
+    objs = objects(render(example_values("gpu")))
+    pod = pod_spec(objs, "gateway")
+    container = pod["containers"][0]
+    assert "secretKeyRef" not in str(container.get("env")) and "KVMESH_API_KEY" not in str(container.get("env"))
+    path = args_of(objs, "gateway")["api-key-file"]
+    volume = volume_of(pod, container, path)
+    assert volume["secret"] == {"secretName": "kvmesh-api-key", "defaultMode": 0o440,
+                                "items": [{"key": "api-key", "path": path.rsplit("/", 1)[1]}]}
+    parser = importlib.import_module(SERVICES["gateway"]).build_parser()
+    assert build(parser, GatewayConfig, parser.parse_args(container["args"][1:])).api_key_file == Path(path)
+    default = objects(render())
+    assert "api-key-file" not in args_of(default, "gateway")
+    assert not [v for v in pod_spec(default, "gateway")["volumes"] if v["name"] == "api-key"]
+
+
+def test_trusted_proxies_reach_the_gateway() -> None:
+    objs = objects(render({"gateway": {"trustedProxies": ["10.0.0.0/8", "192.168.1.7"]}}))
+    args = pod_spec(objs, "gateway")["containers"][0]["args"]
+    parser = importlib.import_module(SERVICES["gateway"]).build_parser()
+    assert build(parser, GatewayConfig, parser.parse_args(args[1:])).trusted_proxy == ("10.0.0.0/8", "192.168.1.7")
+    assert not [a for a in pod_spec(objects(render()), "gateway")["containers"][0]["args"] if "trusted-proxy" in a]
+    with pytest.raises(helm.HelmValuesError):
+        render({"gateway": {"trustedProxies": ["proxy.example"]}})
 
 
 @pytest.mark.parametrize("values, key", [
@@ -419,9 +445,11 @@ def test_each_install_draws_its_own_token() -> None:
     assert len(tokens) == 2
 
 
-def policy_for(objs: list[dict[str, Any]], component: str) -> dict[str, Any]:
+def policy_for(objs: list[dict[str, Any]], component: str, egress: bool = False) -> dict[str, Any]:
+    """A component's ingress policy, or with `egress` its egress one."""
     [policy] = [o for o in objs if o["kind"] == "NetworkPolicy"
-                and o["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == component]
+                and o["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == component
+                and o["metadata"]["name"].endswith("-egress") == egress]
     return policy["spec"]
 
 
@@ -617,3 +645,228 @@ def test_disaggregation_refuses_tensor_parallelism_and_keda() -> None:
     for values in ({"worker": {"tensorParallelSize": 2}}, {"keda": {"enabled": True}}):
         with pytest.raises(helm.HelmRenderError, match="disaggregation.enabled goes with"):
             render({**values, "disaggregation": {"enabled": True}})
+
+
+# ----------------------------------------------------------------------------- pod hardening, egress, Redis
+
+DOCKERFILE = CHART_DIR.parents[2] / "docker" / "Dockerfile.cpu"
+
+
+def workloads(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] in ("Deployment", "StatefulSet")]
+
+
+def image_cache_dir() -> str:
+    """KVMESH_CACHE_DIR as the images set it (a service without the variable in its pod writes there)."""
+    [path] = re.findall(r"KVMESH_CACHE_DIR=(\S+)", DOCKERFILE.read_text())
+    return path
+
+
+def test_every_container_runs_read_only_and_unprivileged(example: tuple[str, dict[str, str]]) -> None:
+    """Every container (init containers and Redis too): a read-only root filesystem, the runtime's
+    default seccomp profile, no root, no privilege escalation, no capabilities. What a kvmesh
+    service writes (temporary files, HOME's caches: Triton, Hugging Face, CUDA; KVMESH_CACHE_DIR:
+    native kernels, converted models) lies on a writable volume."""
+    _, rendered = example
+    objs = objects(rendered)
+    assert workloads(objs)
+    for workload in workloads(objs):
+        pod = workload["spec"]["template"]["spec"]
+        where = workload["metadata"]["name"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, where
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
+        for container in pod["containers"] + pod.get("initContainers", []):
+            context = container["securityContext"]
+            assert context["readOnlyRootFilesystem"] is True, (where, container["name"])
+            assert context["allowPrivilegeEscalation"] is False and context["capabilities"] == {"drop": ["ALL"]}
+            assert context.get("seccompProfile", {"type": "RuntimeDefault"}) == {"type": "RuntimeDefault"}
+        container = pod["containers"][0]
+        if container["name"] not in COMPONENTS:
+            continue
+        env = env_of(container)
+        writable = [m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")]
+        for path in ("/tmp", env["HOME"], env.get("KVMESH_CACHE_DIR", image_cache_dir())):
+            assert any(path == m or path.startswith(m + "/") for m in writable), (where, path, writable)
+
+
+def test_a_token_seed_gives_the_same_role_tokens_on_every_render() -> None:
+    """helm template and GitOps tools render without a cluster: from a seed, two renders give the
+    same three Secrets (still one token per role), another seed others; a user's Secret leaves no
+    token in the chart's output at all."""
+    seed = {"internalAuth": {"tokenSeed": "s" * 40}}
+
+    def tokens(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return {o["metadata"]["name"]: o for o in objects(render(values))
+                if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-token")}
+
+    first, second = tokens(seed), tokens(seed)
+    assert set(first) == {"kvmesh-gateway-token", "kvmesh-processor-token", "kvmesh-engine-token"}
+    assert first == second
+    assert len({s["data"]["token"] for s in first.values()}) == 3
+    assert all(len(base64.b64decode(s["data"]["token"])) >= 32 for s in first.values())
+    other = tokens({"internalAuth": {"tokenSeed": "t" * 40}})
+    assert not {s["data"]["token"] for s in first.values()} & {s["data"]["token"] for s in other.values()}
+    assert tokens({"internalAuth": {"existingSecret": "mine"}}) == {}
+    with pytest.raises(helm.HelmValuesError):
+        render({"internalAuth": {"tokenSeed": "short"}})
+
+
+def egress_peers(objs: list[dict[str, Any]], component: str) -> set[tuple[str, tuple[Any, ...]]]:
+    """(peer, ports) per rule of a component's egress policy: peer is a component, "dns", "api",
+    or the rule's `to` as text; ports as (port, protocol) pairs, () for any."""
+    peers = set()
+    for rule in policy_for(objs, component, egress=True)["egress"]:
+        ports = tuple(sorted((p["port"], p.get("protocol", "TCP")) for p in rule.get("ports", [])))
+        for to in rule.get("to", [{}]):
+            labels = to.get("podSelector", {}).get("matchLabels", {})
+            if "namespaceSelector" in to and labels.get("k8s-app") == "kube-dns":
+                peers.add(("dns", ports))
+            elif to.get("ipBlock", {}).get("cidr") == "0.0.0.0/0" and ports == ((443, "TCP"), (6443, "TCP")):
+                peers.add(("api", ports))
+            elif "app.kubernetes.io/component" in labels and "namespaceSelector" not in to:
+                assert labels["app.kubernetes.io/instance"] == "kvmesh"
+                peers.add((labels["app.kubernetes.io/component"], ports))
+            else:
+                peers.add((str(to), ports))
+    return peers
+
+
+DNS = ("dns", ((53, "TCP"), (53, "UDP")))
+API = ("api", ((443, "TCP"), (6443, "TCP")))
+
+
+@pytest.mark.parametrize("values, expected", [
+    ({"redis": {"enabled": True}}, {
+        "gateway": {("processor", (("grpc", "TCP"),)), DNS},
+        "processor": {("engine", (("grpc", "TCP"),)), ("redis", (("redis", "TCP"),)), API, DNS},
+        "engine": {("worker", (("grpc", "TCP"), ("step", "TCP"))), ("redis", (("redis", "TCP"),)), API, DNS},
+        "worker": {DNS}}),
+    (example_values("pd"), {
+        "gateway": {("processor", (("grpc", "TCP"),)), DNS},
+        "processor": {("engine", (("grpc", "TCP"),)), API, DNS},
+        "engine": {("worker", (("grpc", "TCP"), ("step", "TCP"))), ("engine", (("grpc", "TCP"),)), API, DNS},
+        "worker": {("worker", ()), DNS}}),
+    (example_values("tp2"), {
+        "gateway": {("processor", (("grpc", "TCP"),)), DNS},
+        "processor": {("engine", (("grpc", "TCP"),)), API, DNS},
+        "engine": {("worker", (("grpc", "TCP"), ("step", "TCP"))), API, DNS},
+        "worker": {("worker", ()), DNS}}),
+], ids=["redis", "pd", "tp2"])
+def test_egress_policies_allow_exactly_the_next_hops(values: dict[str, Any], expected: dict[str, set]) -> None:
+    """Each component may open connections to the next hop, Redis and the API server where it uses
+    them, and DNS; workers reach other workers only when they have peers (tensor parallel, KV
+    transfer). Named ports exist on the peers' containers."""
+    objs = objects(render(values))
+    for component, peers in expected.items():
+        spec = policy_for(objs, component, egress=True)
+        assert spec["policyTypes"] == ["Egress"]
+        assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == component
+        assert egress_peers(objs, component) == peers, component
+        for peer, ports in peers:
+            if peer in COMPONENTS:
+                names = {p["name"] for p in pod_spec(objs, peer)["containers"][0]["ports"]}
+                assert {p for p, _ in ports} <= names, (component, peer)
+    if values.get("redis", {}).get("enabled"):
+        redis = policy_for(objs, "redis")
+        assert redis["policyTypes"] == ["Ingress", "Egress"] and "egress" not in redis  # Redis dials no one
+
+
+def test_egress_policies_can_be_turned_off_and_extended() -> None:
+    off = objects(render({"redis": {"enabled": True}, "networkPolicy": {"egress": {"enabled": False}}}))
+    assert not [o for o in off if o["kind"] == "NetworkPolicy" and o["metadata"]["name"].endswith("-egress")]
+    assert policy_for(off, "redis")["policyTypes"] == ["Ingress"]
+    assert all(policy_for(off, c) for c in COMPONENTS)  # ingress stays
+    collector = {"to": [{"ipBlock": {"cidr": "10.7.0.0/16"}}], "ports": [{"port": 4317}]}
+    objs = objects(render({"networkPolicy": {"egress": {"extra": {"gateway": [collector]}}}}))
+    assert collector in policy_for(objs, "gateway", egress=True)["egress"]
+    assert collector not in policy_for(objs, "processor", egress=True)["egress"]
+
+
+def test_an_external_redis_gets_its_port_peers_password_file_and_tls(monkeypatch: pytest.MonkeyPatch) -> None:
+    peer = {"ipBlock": {"cidr": "10.9.0.0/16"}}
+    values = {"redis": {"url": "rediss://index.example:6380/1", "auth": {"existingSecret": "redis-pass",
+                                                                          "passwordKey": "pw", "username": "kv"},
+                        "tls": {"existingSecret": "redis-ca", "clientCertificate": True}},
+              "networkPolicy": {"egress": {"externalRedis": [peer]}}}
+    objs = objects(render(values))
+    for component in ("engine", "processor"):
+        assert {"to": [peer], "ports": [{"port": 6380, "protocol": "TCP"}]} in \
+            policy_for(objs, component, egress=True)["egress"]
+        pod = pod_spec(objs, component)
+        container = pod["containers"][0]
+        env = env_of(container)
+        prefix = f"KVMESH_{component.upper()}_"
+        assert volume_of(pod, container, env[f"{prefix}PREFIX_INDEX_PASSWORD_FILE"])["secret"]["items"] == \
+            [{"key": "pw", "path": "password"}]
+        for name in ("CA_FILE", "CERT_FILE", "KEY_FILE"):
+            assert volume_of(pod, container, env[f"{prefix}PREFIX_INDEX_{name}"])["secret"]["secretName"] == "redis-ca"
+        with monkeypatch.context() as patch:
+            for name, value in env.items():
+                patch.setenv(name, value)
+            parser = importlib.import_module(SERVICES[component]).build_parser()
+            config = build(parser, PrefixIndexConfig, parser.parse_args(container["args"][1:]))
+        assert (config.prefix_index, config.prefix_index_username) == ("rediss://index.example:6380/1", "kv")
+        assert config.prefix_index_password_file == Path("/var/run/kvmesh/redis-auth/password")
+        assert config.prefix_index_cert_file == Path("/var/run/kvmesh/redis-tls/tls.crt")
+    # No peers given: the port, to anywhere.
+    anywhere = objects(render({"redis": {"url": "redis://index.example/0"}}))
+    assert {"ports": [{"port": 6379, "protocol": "TCP"}]} in policy_for(anywhere, "engine", egress=True)["egress"]
+    assert "PASSWORD_FILE" not in str(pod_spec(anywhere, "engine")["containers"][0]["env"])
+    with pytest.raises(helm.HelmRenderError, match="rediss://"):
+        render({"redis": {"enabled": True, "tls": {"existingSecret": "redis-ca", "clientCertificate": False}}})
+
+
+def test_the_charts_redis_caps_its_memory_and_lets_kvmesh_run_only_its_commands() -> None:
+    objs = objects(render({"redis": {"enabled": True, "auth": {"existingSecret": "redis-pass",
+                                                                "passwordKey": "password", "username": "kvmesh"}}}))
+    pod = find(objs, "Deployment", "kvmesh-redis")["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--maxmemory") + 1] == "768mb"
+    assert args[args.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    [init] = pod["initContainers"]
+    [rule] = [line for line in init["command"][2].splitlines() if '"user kvmesh' in line]
+    assert tuple(word.strip('"')[1:] for word in rule.split() if word.startswith("+")) == REDIS_ACL_COMMANDS
+    for component in ("engine", "processor"):
+        env = env_of(pod_spec(objs, component)["containers"][0])
+        assert env[f"KVMESH_{component.upper()}_PREFIX_INDEX_USERNAME"] == "kvmesh"
+    plain = find(objects(render({"redis": {"enabled": True}})), "Deployment", "kvmesh-redis")["spec"]["template"]
+    assert "--aclfile" not in plain["spec"]["containers"][0]["args"] and "initContainers" not in plain["spec"]
+
+
+def test_the_charts_redis_acl_works_on_a_real_redis(tmp_path: Path) -> None:
+    """The init container's script (real sh) writes an ACL file a real redis-server loads with the
+    chart's arguments: kvmesh's user logs in with the password file, the default user may only PING."""
+    objs = objects(render({"redis": {"enabled": True, "auth": {"existingSecret": "redis-pass",
+                                                                "passwordKey": "password", "username": "kvmesh"}}}))
+    pod = find(objs, "Deployment", "kvmesh-redis")["spec"]["template"]["spec"]
+    (tmp_path / "auth").mkdir()
+    (tmp_path / "acl").mkdir()
+    (tmp_path / "auth" / "password").write_text("pass word with spaces\n")
+    script = pod["initContainers"][0]["command"][2].replace("/var/run/redis/auth", str(tmp_path / "auth")) \
+        .replace("/etc/redis/acl", str(tmp_path / "acl"))
+    subprocess.run(["sh", "-ec", script], check=True, timeout=30)
+    assert "pass word" not in (tmp_path / "acl" / "users.acl").read_text()  # only its hash
+    port = free_port()
+    args = [a.replace("/etc/redis/acl", str(tmp_path / "acl")) for a in pod["containers"][0]["args"]]
+    args[args.index("--port") + 1] = str(port)
+    server = subprocess.Popen(["redis-server", *args, "--bind", "127.0.0.1", "--dir", str(tmp_path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def cli(*command: str, user: str | None = None) -> str:
+        auth = ["--user", user, "--pass", "pass word with spaces", "--no-auth-warning"] if user else []
+        return subprocess.run(["redis-cli", "-p", str(port), *auth, *command], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+
+    try:
+        deadline = time.monotonic() + 10
+        while cli("PING") != "PONG":
+            assert server.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+        assert "NOPERM" in cli("GET", "kvmesh:pi:engines")  # the default user: PING only
+        assert cli("SADD", "kvmesh:pi:engines", "e", user="kvmesh") == "1"
+        assert "NOPERM" in cli("SET", "elsewhere", "1", user="kvmesh")
+        assert "NOPERM" in cli("CONFIG", "GET", "maxmemory", user="kvmesh")
+        assert "NOPERM" in cli("FLUSHALL", user="kvmesh")
+    finally:
+        server.kill()
+        server.wait(10)

@@ -11,6 +11,8 @@ import asyncio
 import hashlib
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +28,7 @@ from services.gateway.auth import ANONYMOUS, PUBLIC_PATHS, APIKeyMiddleware, Ten
 from services.processor.async_processor import AsyncProcessor
 from services.processor.processor import Processor
 from services.processor.tokenizer import load_tokenizer
-from tests.services.procs import free_port
+from tests.services.procs import free_port, running_service
 from tests.services.test_gateway import MAX_MODEL_LEN, MODEL, ScriptedEngine
 
 KEYS = ["sk-first-key", "sk-second-key"]
@@ -169,6 +171,29 @@ def test_keys_come_from_flags_else_the_environment():
     assert api_keys_from(None, {}) == [] and api_keys_from([], {"KVMESH_API_KEY": ""}) == []
     with pytest.raises(ValueError):
         APIKeyMiddleware(app=None, api_keys=[])
+
+
+def test_a_key_file_is_read_at_start_and_an_empty_one_is_refused(tmp_path: Path):
+    """--api-key-file (a mounted Secret): a real gateway asks for its keys; a file without a key
+    stops it at start instead of serving with no authentication."""
+    keys = tmp_path / "api-keys"
+    keys.write_text("# mounted from a Secret\nsk-from-file\n\n")
+    assert api_keys_from(["c"], {}, keys) == ["c", "sk-from-file"]
+    port = free_port()
+    with running_service([sys.executable, "-m", "services.cli", "gateway", "--processor-address",
+                          f"127.0.0.1:{free_port()}", "--port", str(port), "--api-key-file", str(keys)],
+                         port, health="http", http_path="/version"):
+        assert_401(raw_request(port, "GET", "/v1/models"), "no key")
+        assert_401(raw_request(port, "GET", "/v1/models", {"Authorization": "Bearer sk-other"}), "wrong key")
+        # Past authentication: the processor is down, so anything but a 401.
+        assert raw_request(port, "GET", "/v1/models", {"Authorization": "Bearer sk-from-file"}).status != 401
+    empty = tmp_path / "empty"
+    empty.write_text("\n# no key here\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        api_keys_from(None, {}, empty)
+    result = subprocess.run([sys.executable, "-m", "services.cli", "gateway", "--api-key-file", str(empty)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--api-key-file" in result.stderr and "holds no key" in result.stderr
 
 
 def test_a_key_names_its_tenant_by_a_hash_and_only_priority_keys_may_set_priority():

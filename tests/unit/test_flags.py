@@ -7,6 +7,7 @@ import argparse
 import subprocess
 import sys
 from dataclasses import fields, replace
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +35,12 @@ from services.worker import server as worker_server
 
 CONFIGS = [ModelConfig, CacheConfig, SchedulerConfig, WorkerConfig, ServingConfig, EngineServiceConfig,
            ProcessorServiceConfig, GatewayConfig, Limits, PrefixIndexConfig, RoutingConfig]
+SOCKETS = Path("/run/user/1000/kvmesh-serve-test")  # where `kvmesh serve` would keep its sockets
+
+
+def sock(name: str) -> str:
+    """The gRPC address serve gives child `name`."""
+    return f"unix:{SOCKETS}/{name}.sock"
 
 
 def parser_for(config_class: type, env_prefix: str | None = None) -> argparse.ArgumentParser:
@@ -110,11 +117,10 @@ def test_serve_hands_each_child_exactly_its_configs():
     parser = cli.build_serve_parser()
     argv = ["--model", "/m", "--kv-cache-memory", "64MiB", "--max-num-seqs", "3", "--no-enable-prefix-caching",
             "--scheduling-policy", "priority", "--attention-backend", "torch", "--max-n", "2", "--api-key", "k",
-            "--port", "8123", "--block-size", "32", "--return-tokens-as-token-ids"]
+            "--api-key-file", "/run/keys", "--port", "8123", "--block-size", "32", "--return-tokens-as-token-ids"]
     args = parser.parse_args(argv)
     spec = cli.ServeSpec(*(build(parser, c, args) for c, _ in cli.SERVE_FLAGS))
-    layout = cli.Layout(cli.groups_of(1), {"worker": 1, "engine": 2, "processor": 3},
-                        {"worker": 4, "engine": 5, "processor": 6})
+    layout = cli.Layout(cli.groups_of(1), SOCKETS, {"worker": 4, "engine": 5, "processor": 6})
     argvs = cli.service_argvs(spec, layout)
     model = replace(spec.model, served_model_name="/m")
 
@@ -123,30 +129,32 @@ def test_serve_hands_each_child_exactly_its_configs():
     assert build(worker_parser, ModelConfig, worker_args) == model
     assert build(worker_parser, CacheConfig, worker_args) == CacheConfig(block_size=32, kv_cache_memory=64 * 2**20)
     assert build(worker_parser, WorkerConfig, worker_args) == WorkerConfig("torch", max_num_seqs=3)
-    assert build(worker_parser, ServingConfig, worker_args).port == 1
+    assert build(worker_parser, ServingConfig, worker_args).unix_socket == SOCKETS / "worker.sock"
 
     engine = engine_server.parse_args(argvs["engine"])
     assert engine.scheduler == SchedulerConfig(max_num_seqs=3, policy="priority", enable_prefix_caching=False)
-    assert (engine.service.worker_address, engine.service.advertise_address) == (("127.0.0.1:1",), "127.0.0.1:2")
+    assert (engine.service.worker_address, engine.service.advertise_address) == ((sock("worker"),), sock("engine"))
     assert engine.parallel == ParallelConfig()
-    assert (engine.model.served_model_name, engine.serving.port, engine.serving.metrics_port) == ("/m", 2, 5)
+    assert (engine.model.served_model_name, engine.serving.unix_socket, engine.serving.metrics_port) == \
+        ("/m", SOCKETS / "engine.sock", 5)
 
     processor = processor_server.parse_args(argvs["processor"])
-    assert processor.service.engine_address == ("127.0.0.1:2",)
+    assert processor.service.engine_address == (sock("engine"),)
     assert (processor.model.model, processor.model.name) == ("/m", "/m")
 
     gateway_parser = gateway_server.build_parser()
     gateway_args = gateway_parser.parse_args(argvs["gateway"])
     gateway = build(gateway_parser, GatewayConfig, gateway_args)
-    assert (gateway.processor_address, gateway.api_key) == ("127.0.0.1:3", ("k",))
+    assert (gateway.processor_address, gateway.api_key) == (sock("processor"), ("k",))
+    assert gateway.api_key_file == Path("/run/keys")  # read by the gateway, never by serve
     assert gateway.return_tokens_as_token_ids
     assert gateway.aggregate_metrics == tuple(f"http://127.0.0.1:{p}/metrics" for p in (4, 5, 6))
     assert build(gateway_parser, Limits, gateway_args) == Limits(max_n=2)
     assert build(gateway_parser, ServingConfig, gateway_args).port == 8123
 
 
-def test_serve_with_two_engines_hands_each_pair_its_own_ports():
-    """--num-engines 2: two worker+engine pairs on ports of their own, every engine named to the
+def test_serve_with_two_engines_hands_each_pair_its_own_sockets():
+    """--num-engines 2: two worker+engine pairs on sockets of their own, every engine named to the
     processor, the prefix index to engines and processor, the routing to the processor, and every
     internal service's /metrics to the gateway."""
     parser = cli.build_serve_parser()
@@ -155,27 +163,27 @@ def test_serve_with_two_engines_hands_each_pair_its_own_ports():
     spec = cli.ServeSpec(*(build(parser, c, args) for c, _ in cli.SERVE_FLAGS))
     assert spec.serve.num_engines == 2
     names = ["worker-0", "engine-0", "worker-1", "engine-1", "processor"]
-    layout = cli.Layout(cli.groups_of(2), dict(zip(names, range(1, 6))), dict(zip(names, range(11, 16))))
+    layout = cli.Layout(cli.groups_of(2), SOCKETS, dict(zip(names, range(11, 16))))
     assert layout.internal == tuple(names)
     argvs = cli.service_argvs(spec, layout)
     assert list(argvs) == [*names, "gateway"]
     index = PrefixIndexConfig(prefix_index="redis://127.0.0.1:7/1", heartbeat_ttl=3.0)
 
-    for i, (worker_port, engine_port) in enumerate(((1, 2), (3, 4))):
+    for i in range(2):
         worker_parser = worker_server.build_parser()
-        assert build(worker_parser, ServingConfig, worker_parser.parse_args(argvs[f"worker-{i}"])).port == worker_port
+        worker_serving = build(worker_parser, ServingConfig, worker_parser.parse_args(argvs[f"worker-{i}"]))
+        assert worker_serving.unix_socket == SOCKETS / f"worker-{i}.sock"
         engine_parser = engine_server.build_parser()
         engine_args = engine_parser.parse_args(argvs[f"engine-{i}"])
         service = build(engine_parser, EngineServiceConfig, engine_args)
-        assert (service.worker_address, service.advertise_address) == ((f"127.0.0.1:{worker_port}",),
-                                                                      f"127.0.0.1:{engine_port}")
+        assert (service.worker_address, service.advertise_address) == ((sock(f"worker-{i}"),), sock(f"engine-{i}"))
         assert build(engine_parser, PrefixIndexConfig, engine_args) == index
-        assert build(engine_parser, ServingConfig, engine_args).metrics_port == engine_port + 10
+        assert build(engine_parser, ServingConfig, engine_args).metrics_port == 12 + 2 * i
 
     processor_parser = processor_server.build_parser()
     processor_args = processor_parser.parse_args(argvs["processor"])
-    assert build(processor_parser, ProcessorServiceConfig, processor_args).engine_address == ("127.0.0.1:2",
-                                                                                            "127.0.0.1:4")
+    assert build(processor_parser, ProcessorServiceConfig, processor_args).engine_address == (sock("engine-0"),
+                                                                                            sock("engine-1"))
     assert build(processor_parser, PrefixIndexConfig, processor_args) == index
     assert build(processor_parser, RoutingConfig, processor_args) == RoutingConfig("least-load", max_migrations=1)
 
@@ -195,15 +203,14 @@ def test_serve_with_tensor_parallel_groups_hands_each_rank_its_place():
                       cli.Group(("worker-1-r0", "worker-1-r1"), "engine-1"))
     assert groups[0].stages == (("worker-0-r0", "worker-0-r1"), ("engine-0",))
     names = ["worker-0-r0", "worker-0-r1", "engine-0", "worker-1-r0", "worker-1-r1", "engine-1", "processor"]
-    layout = cli.Layout(groups, dict(zip(names, range(1, 8))), dict(zip(names, range(11, 18))),
-                        {"engine-0": 21, "engine-1": 22})
+    layout = cli.Layout(groups, SOCKETS, dict(zip(names, range(11, 18))), {"engine-0": 21, "engine-1": 22})
     assert layout.internal == tuple(names)
     argvs = cli.service_argvs(spec, layout)
 
     for i, group in enumerate(groups):
         engine = engine_server.parse_args(argvs[group.engine])
         assert engine.parallel.tensor_parallel_size == 2
-        assert engine.service.worker_address == tuple(f"127.0.0.1:{layout.ports[w]}" for w in group.workers)
+        assert engine.service.worker_address == tuple(sock(w) for w in group.workers)
         for rank, worker in enumerate(group.workers):
             parallel_parser = argparse.ArgumentParser()  # the worker's parser has them once #13's worker side lands
             add_flags(parallel_parser, ParallelConfig, None)
@@ -215,11 +222,10 @@ def test_serve_with_tensor_parallel_groups_hands_each_rank_its_place():
                 assert build(worker_parser, ParallelConfig, worker_parser.parse_args(argvs[worker])) == parallel
 
     one = cli.service_argvs(cli.ServeSpec(*(build(parser, c, parser.parse_args([])) for c, _ in cli.SERVE_FLAGS)),
-                            cli.Layout(cli.groups_of(1), {"worker": 1, "engine": 2, "processor": 3},
-                                       {"worker": 4, "engine": 5, "processor": 6}))
+                            cli.Layout(cli.groups_of(1), SOCKETS, {"worker": 4, "engine": 5, "processor": 6}))
     assert not any(flag.startswith(("--rank", "--tensor-parallel-size", "--distributed")) for flag in one["worker"])
-    assert cli.Layout.on_free_ports(2, 2).distributed_ports.keys() == {"engine-0", "engine-1"}
-    assert cli.Layout.on_free_ports(2, 1).distributed_ports == {}
+    assert cli.Layout.allocate(SOCKETS, 2, 2).distributed_ports.keys() == {"engine-0", "engine-1"}
+    assert cli.Layout.allocate(SOCKETS, 2, 1).distributed_ports == {}
 
 
 def test_parallel_config_is_checked():

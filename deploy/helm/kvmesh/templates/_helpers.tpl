@@ -401,3 +401,197 @@ spec:
     {{- end }}
 {{- end }}
 {{- end }}
+
+{{/* ---- Writable paths: the root filesystem is read-only, so what the services write goes to one emptyDir. */}}
+
+{{/* Where each part of the scratch volume is mounted: /tmp (tempfile, the C compiler), HOME (Triton's
+~/.triton, Hugging Face's ~/.cache/huggingface, CUDA's ~/.nv) and the image's KVMESH_CACHE_DIR (native
+kernels and converted models, for the services whose KVMESH_CACHE_DIR is not on the model volume). */}}
+{{- define "kvmesh.scratchPaths" -}}
+tmp: /tmp
+home: /home/kvmesh
+cache: /var/cache/kvmesh
+{{- end }}
+
+{{- define "kvmesh.scratchVolume" -}}
+- name: scratch
+  emptyDir:
+    sizeLimit: {{ .Values.scratch.sizeLimit }}
+{{- end }}
+
+{{- define "kvmesh.scratchVolumeMounts" -}}
+{{- range $subPath, $path := include "kvmesh.scratchPaths" . | fromYaml }}
+- name: scratch
+  mountPath: {{ $path }}
+  subPath: {{ $subPath }}
+{{- end }}
+{{- end }}
+
+{{/* HOME from the image's passwd would be right too; set here so that a different runAsUser keeps it. */}}
+{{- define "kvmesh.scratchEnv" -}}
+- name: HOME
+  value: {{ get (include "kvmesh.scratchPaths" . | fromYaml) "home" | quote }}
+{{- end }}
+
+{{/* ---- The prefix index's credentials: a password file, and TLS files for an external rediss:// Redis. */}}
+
+{{/* The ACL user kvmesh logs in as: the chart's Redis always has one with a password; an external one as configured. */}}
+{{- define "kvmesh.redisUsername" -}}
+{{- if .Values.redis.auth.existingSecret }}{{ .Values.redis.auth.username }}{{ end }}
+{{- end }}
+
+{{/* Usage: include "kvmesh.prefixIndexAccessEnv" (list . "KVMESH_ENGINE") */}}
+{{- define "kvmesh.prefixIndexAccessEnv" -}}
+{{- $root := index . 0 }}
+{{- $prefix := index . 1 }}
+{{- $redis := $root.Values.redis }}
+{{- if include "kvmesh.redisUrl" $root }}
+{{- with include "kvmesh.redisUsername" $root }}
+- name: {{ $prefix }}_PREFIX_INDEX_USERNAME
+  value: {{ . | quote }}
+{{- end }}
+{{- if $redis.auth.existingSecret }}
+- name: {{ $prefix }}_PREFIX_INDEX_PASSWORD_FILE
+  value: /var/run/kvmesh/redis-auth/password
+{{- end }}
+{{- if and (not $redis.enabled) $redis.tls.existingSecret }}
+- name: {{ $prefix }}_PREFIX_INDEX_CA_FILE
+  value: /var/run/kvmesh/redis-tls/ca.crt
+{{- if $redis.tls.clientCertificate }}
+- name: {{ $prefix }}_PREFIX_INDEX_CERT_FILE
+  value: /var/run/kvmesh/redis-tls/tls.crt
+- name: {{ $prefix }}_PREFIX_INDEX_KEY_FILE
+  value: /var/run/kvmesh/redis-tls/tls.key
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvmesh.prefixIndexVolumeMounts" -}}
+{{- $redis := .Values.redis }}
+{{- if include "kvmesh.redisUrl" . }}
+{{- if $redis.auth.existingSecret }}
+- name: redis-auth
+  mountPath: /var/run/kvmesh/redis-auth
+  readOnly: true
+{{- end }}
+{{- if and (not $redis.enabled) $redis.tls.existingSecret }}
+- name: redis-tls
+  mountPath: /var/run/kvmesh/redis-tls
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvmesh.prefixIndexVolumes" -}}
+{{- $redis := .Values.redis }}
+{{- if include "kvmesh.redisUrl" . }}
+{{- with $redis.auth.existingSecret }}
+- name: redis-auth
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0440
+    items:
+      - key: {{ $redis.auth.passwordKey }}
+        path: password
+{{- end }}
+{{- if and (not $redis.enabled) $redis.tls.existingSecret }}
+- name: redis-tls
+  secret:
+    secretName: {{ $redis.tls.existingSecret }}
+    defaultMode: 0440
+    items:
+      - {key: ca.crt, path: ca.crt}
+      {{- if $redis.tls.clientCertificate }}
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      {{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Every command kvmesh sends to Redis (services/prefix_index/redis_index.py REDIS_ACL_COMMANDS; a
+test keeps the two the same): all the chart's Redis lets kvmesh's ACL user run. */}}
+{{- define "kvmesh.redisAclCommands" -}}
+ping evalsha script|load smembers hgetall xread xrevrange get set del exists sadd srem scard hset hget pexpire pttl xadd
+{{- end }}
+
+{{/* ---- Egress: what each component may open connections to. */}}
+
+{{/* An egress rule to the pods of a component on named ports.
+Usage: include "kvmesh.egressToComponent" (list . "engine" (list "grpc")) */}}
+{{- define "kvmesh.egressToComponent" -}}
+{{- $root := index . 0 -}}
+- to:
+    - podSelector:
+        matchLabels:
+          {{- include "kvmesh.selectorLabels" (list $root (index . 1)) | nindent 10 }}
+  ports:
+    {{- range index . 2 }}
+    - port: {{ . }}
+    {{- end }}
+{{- end }}
+
+{{/* The prefix index: the chart's Redis pods, or an external Redis's port (at networkPolicy.egress.externalRedis
+when given, else anywhere). Empty without Redis. */}}
+{{- define "kvmesh.egressToRedis" -}}
+{{- $redis := .Values.redis }}
+{{- if $redis.enabled }}
+{{- include "kvmesh.egressToComponent" (list . "redis" (list "redis")) }}
+{{- else if $redis.url }}
+{{- $host := (urlParse $redis.url).host }}
+{{- $port := ternary (regexReplaceAll ".*:" $host "") "6379" (regexMatch ":[0-9]+$" $host) -}}
+- ports:
+    - port: {{ int $port }}
+      protocol: TCP
+  {{- with .Values.networkPolicy.egress.externalRedis }}
+  to:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Discovery (EndpointSlices): the Kubernetes API server. */}}
+{{- define "kvmesh.egressToKubernetesApi" -}}
+{{- $api := .Values.networkPolicy.egress.kubernetesApi -}}
+- to:
+    {{- toYaml $api.to | nindent 4 }}
+  ports:
+    {{- range $api.ports }}
+    - port: {{ . }}
+      protocol: TCP
+    {{- end }}
+{{- end }}
+
+{{/* A component's egress NetworkPolicy: `rules` (rendered egress rules), DNS, and the component's
+networkPolicy.egress.extra. Usage: include "kvmesh.egressPolicy" (list . "engine" $rules) */}}
+{{- define "kvmesh.egressPolicy" -}}
+{{- $root := index . 0 }}
+{{- $name := index . 1 }}
+{{- $policy := $root.Values.networkPolicy }}
+{{- if and $policy.enabled $policy.egress.enabled }}
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: {{ include "kvmesh.componentName" (list $root (printf "%s-egress" $name)) }}
+  labels:
+    {{- include "kvmesh.labels" (list $root $name) | nindent 4 }}
+spec:
+  podSelector:
+    matchLabels:
+      {{- include "kvmesh.selectorLabels" (list $root $name) | nindent 6 }}
+  policyTypes: [Egress]
+  egress:
+    {{- with index . 2 }}
+    {{- . | nindent 4 }}
+    {{- end }}
+    - to:
+        {{- toYaml $policy.egress.dns.to | nindent 8 }}
+      ports:
+        - {port: 53, protocol: UDP}
+        - {port: 53, protocol: TCP}
+    {{- with get $policy.egress.extra $name }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end }}
+{{- end }}

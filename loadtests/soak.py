@@ -12,6 +12,9 @@ It starts `python -m services.cli serve --print-addresses --kv-cache-memory 256M
     disconnect    a streamed chat dropped after its first chunks (the server must free it)
     tokenize      /tokenize of a chat: 200
     bad           one of BAD_REQUESTS: exactly the 4xx it names
+    stall         a streamed chat with 20 top logprobs whose client reads nothing (a 4 KB receive window):
+                  the gateway pauses it and cuts the connection --send-timeout (SEND_TIMEOUT) later,
+                  before [DONE]
     crowd         one made-up client address opens one connection more than --max-connections-per-client:
                   the last is a 429 naming that flag
     intruder      one of INTRUSIONS on an internal gRPC port, with the gateway's own token (read from the
@@ -31,6 +34,7 @@ import asyncio
 import functools
 import json
 import random
+import socket
 import sys
 import time
 from collections import Counter
@@ -50,6 +54,9 @@ SERVICES = ("gateway", "processor", "engine", "worker")
 MODEL = "smollm2"
 API_KEY = "soak-key"  # may not set priority: no --priority-api-key-file
 PER_CLIENT = 32  # --max-connections-per-client: above what the client loops hold, all from 127.0.0.1
+SEND_TIMEOUT = 5.0  # --send-timeout: seconds a client may leave its socket full
+STALL_DEADLINE = 150.0  # seconds a stalled stream may take to be cut: its socket fills, then SEND_TIMEOUT
+ROOT_PATHS = ("/tokenize", "/detokenize")  # vLLM's routes beside /v1
 LONG_PROMPT = " ".join(f"Paragraph {i}: the river carried boats of grain and salt past the old mill." for i in range(60))
 
 
@@ -86,9 +93,15 @@ BAD_REQUESTS: list[tuple[str, str, Any, int]] = [
     ("deep schema", "/completions", {"model": MODEL, "prompt": "hi", "guided_json": "[" * 50_000 + "]" * 50_000}, 400),
     ("long regex", "/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "guided_regex": "(a|b)" * 1000}, 400),
+    ("answer over the budget", "/completions",
+     {"model": MODEL, "prompt": "hi", "n": 16, "logprobs": 20, "max_tokens": 2000}, 400),
+    ("tools of a million numbers", "/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "none",
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"enum": [1] * 1_000_000}}}]}, 400),
+    ("detokenize over the context", "/detokenize", {"model": MODEL, "tokens": [42] * 200_000}, 400),
 ]
 WEIGHTS = {"chat": 5, "completion": 3, "disconnect": 2, "tokenize": 1, "bad": 3, "crowd": 1, "intruder": 1,
-           "abort_reason": 1}
+           "abort_reason": 1, "stall": 1}
 # (name, service, method path, streamed, whose token, the status it must end with): the gateway's
 # token opens the processor only; a token nobody issued opens nothing.
 INTRUSIONS: list[tuple[str, str, str, bool, str, grpc.StatusCode]] = [
@@ -160,7 +173,8 @@ async def tokenize(client: httpx.AsyncClient, rng: random.Random, tally: Tally) 
 async def bad(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
     name, path, body, status = rng.choice(BAD_REQUESTS)
     content = body if isinstance(body, str) else json.dumps(body)
-    response = await client.post(path, content=content, headers={"Content-Type": "application/json"})
+    url = client.base_url.copy_with(path=path) if path in ROOT_PATHS else path
+    response = await client.post(url, content=content, headers={"Content-Type": "application/json"})
     if response.status_code != status or "error" not in response.json():
         return tally.bad("bad", f"{name}: status {response.status_code} (expected {status}): {response.text[:200]}")
     tally.counts[f"bad: {name}"] += 1
@@ -181,6 +195,38 @@ async def crowd(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> 
     if not answer.startswith(b"HTTP/1.1 429") or b"--max-connections-per-client" not in answer:
         return tally.bad("crowd", f"connection {PER_CLIENT + 1} of one client: {answer[:200]!r}")
     tally.counts["crowd"] += 1
+
+
+async def stall(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+    outcome = await asyncio.to_thread(_stalled_stream, client.base_url.host, client.base_url.port)
+    if outcome != "cut off":
+        return tally.bad("stall", outcome)
+    tally.counts["stall"] += 1
+
+
+def _stalled_stream(host: str, port: int) -> str:
+    """"cut off" when the gateway reset the connection before [DONE]; else what happened."""
+    body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 1500, "ignore_eos": True, "logprobs": True,
+                       "top_logprobs": 20, "messages": [{"role": "user", "content": "Count to a thousand."}]}).encode()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, port))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (API_KEY.encode(), len(body), body))
+        deadline = time.monotonic() + STALL_DEADLINE
+        while time.monotonic() < deadline:
+            time.sleep(1.0)
+            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)  # the reset, once it came
+            if error:
+                return "cut off"
+        sock.settimeout(10)  # never cut: read it whole, to say what it was
+        received = bytearray()
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except OSError as exc:
+            return f"read after {STALL_DEADLINE:.0f} s failed ({exc}) yet no reset came: {bytes(received[:120])!r}"
+    return f"never cut off in {STALL_DEADLINE:.0f} s; read {len(received)} bytes, [DONE]: {b'[DONE]' in received}"
 
 
 @dataclass(frozen=True)
@@ -243,7 +289,7 @@ async def abort_reason(internal: Internal, client: httpx.AsyncClient, rng: rando
 
 
 SCENARIOS = {"chat": chat, "completion": completion, "disconnect": disconnect, "tokenize": tokenize, "bad": bad,
-             "crowd": crowd}
+             "crowd": crowd, "stall": stall}
 
 
 async def client_loop(api: str, seed: int, deadline: float, tally: Tally, scenarios: dict[str, Any]) -> None:
@@ -334,7 +380,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
     proc, ready, log = start_serve(["--kv-cache-memory", "256MiB", "--port", str(args.port), "--no-access-log",
-                                    "--max-connections-per-client", str(PER_CLIENT)], env={"KVMESH_API_KEY": API_KEY})
+                                    "--max-connections-per-client", str(PER_CLIENT), "--send-timeout", str(SEND_TIMEOUT)],
+                                   env={"KVMESH_API_KEY": API_KEY})
     try:
         pids = {name: ready["services"][name]["pid"] for name in SERVICES}
         result = asyncio.run(soak(ready["api"], pids, Internal.of(ready["services"]), args))

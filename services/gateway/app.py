@@ -308,7 +308,8 @@ class _API:
         if body.return_tokens_as_token_ids is None:  # the request as this server reads it: its flag decides
             body.return_tokens_as_token_ids = self.options.return_tokens_as_token_ids
         check_token_id_lists(self.limits, body)
-        params = check_limits(self.limits, body, to_sampling_params(body, self.grammar_limits))
+        params = check_limits(self.limits, body, to_sampling_params(body, self.grammar_limits),
+                              await self._context_length())
         await validate_structured_outputs(body, params.structured_outputs, self.grammar_limits)  # off the loop
         return params
 
@@ -316,11 +317,14 @@ class _API:
         if model is not None and model != self.served_model_name:
             raise model_not_found(model)
 
+    async def _context_length(self) -> int:
+        if self.max_model_len is None:  # asked once
+            self.max_model_len = (await self.processor.model_info()).max_model_len
+        return self.max_model_len
+
     async def _check_sizes(self, sizes: Iterable[PromptSize]) -> None:
         """400 for a prompt too long to fit the context, before it travels to be tokenized."""
-        if self.max_model_len is None:  # the context length, asked once
-            self.max_model_len = (await self.processor.model_info()).max_model_len
-        check_prompt_sizes(self.limits, sizes, self.max_model_len)
+        check_prompt_sizes(self.limits, sizes, await self._context_length())
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self._check_model(body.model)
@@ -334,9 +338,7 @@ class _API:
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         self._check_model(body.model)
         # Ids count like a prompt: no more than the context holds, as each may decode to many bytes.
-        if self.max_model_len is None:
-            self.max_model_len = (await self.processor.model_info()).max_model_len
-        if len(body.tokens) > self.max_model_len:
+        if len(body.tokens) > await self._context_length():
             raise APIError(400, f"{len(body.tokens)} tokens is over the model's context length of "
                                 f"{self.max_model_len} tokens", "invalid_request_error", "tokens", "limit_exceeded")
         return DetokenizeResponse(prompt=await self.processor.detokenize(body.tokens))

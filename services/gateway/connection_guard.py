@@ -21,7 +21,10 @@ front of every gateway (GuardedH11Protocol, one instance per connection):
     body in ── all bodies held together over --max-buffered-body-bytes? ──▶ 503, closed
         │       (a body's bytes count from its arrival until its response is complete)
         ▼
-    the app answers ── keep-alive (uvicorn's --keep-alive-timeout) ── next request ...
+    the app answers ── its writes unread for --send-timeout (the client's socket full)? ──▶ aborted
+        │
+        ▼
+    keep-alive (uvicorn's --keep-alive-timeout) ── next request ...
 
 A client is the peer's address: X-Forwarded-For is anyone's to write, so it names the client only
 on connections from a trusted proxy (the last address it names that is not one). Refusals of a
@@ -29,6 +32,12 @@ request carry the OpenAI error body naming the flag and its bound.
 
 A deadline that passes closes the connection: a 408 if no request was read yet, else the app sees
 the client gone (http.disconnect) and aborts what it started. Neither is logged per connection.
+
+A client that stops reading fills its socket's buffers (the kernel's send buffer is fixed at
+SEND_BUFFER_BYTES: autotuned, it would grow to megabytes per connection), then asyncio's write
+buffer past its high water mark: uvicorn then pauses the app's writes (back-pressure reaches the processor's stream
+through gRPC's flow control). If the client has not drained it --send-timeout later, the
+connection is reset (dropping what is buffered, the kernel's too; a close would wait to flush it).
 
 When the process runs out of file descriptors anyway, asyncio's accept loop reports each failure
 with a traceback; `quiet_accept_errors` turns that into one warning line every ACCEPT_WARNING_INTERVAL.
@@ -41,6 +50,8 @@ import ipaddress
 import json
 import logging
 import resource
+import socket
+import struct
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -60,6 +71,9 @@ logger = logging.getLogger("uvicorn.error")
 # logs, /metrics scrapes of the local services.
 FD_RESERVE = 64
 ACCEPT_WARNING_INTERVAL = 10.0  # seconds between warnings of a failing accept()
+# A connection's kernel send buffer (Linux doubles it): ~5 MB/s on a 100 ms path, far above what
+# a model writes to one client, and bounded where autotuning would allow 4 MB a connection.
+SEND_BUFFER_BYTES = 256 * 1024
 TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 TOO_MANY = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
 REASONS = {400: b"Bad Request", 429: b"Too Many Requests", 431: b"Request Header Fields Too Large",
@@ -97,6 +111,7 @@ class ConnectionLimits:
     max_connections_per_client: int = 2**31
     max_buffered_body_bytes: int = 2**62
     trusted_proxies: TrustedProxies = TrustedProxies(())
+    send_timeout: float = 60.0
 
     @classmethod
     def of(cls, gateway: GatewayConfig) -> ConnectionLimits:
@@ -109,7 +124,7 @@ class ConnectionLimits:
                            gateway.max_connections, cap, soft)
         return cls(gateway.header_timeout, gateway.body_timeout, cap, gateway.max_header_bytes, gateway.max_headers,
                    gateway.max_connections_per_client, gateway.max_buffered_body_bytes,
-                   TrustedProxies.of(gateway.trusted_proxy))
+                   TrustedProxies.of(gateway.trusted_proxy), gateway.send_timeout)
 
 
 def error_response(status: int, message: str, param: str | None, code: str) -> bytes:
@@ -239,12 +254,16 @@ class GuardedH11Protocol(H11Protocol):
         self.conn = HeaderLimitingConnection(limits.max_header_bytes, limits.max_headers, guard=self)
         self.deadline: asyncio.TimerHandle | None = None
         self.reading: str | None = None  # "headers" or "body": what the deadline is for
+        self.send_deadline: asyncio.TimerHandle | None = None  # armed while writing is paused
         self.peer = ""  # the address this connection comes from
         self.client_key: str | None = None  # the client it counts for in the ledger, once admitted
         self.body_bytes = 0  # of the current request's body, reserved in the ledger
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         if len(self.connections) > self.limits.max_connections:
             transport.write(TOO_MANY)
             transport.close()
@@ -260,6 +279,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._expect(None)
+        self._disarm_send_deadline()
         self._release_body()
         self._release_client()
         super().connection_lost(exc)
@@ -341,6 +361,29 @@ class GuardedH11Protocol(H11Protocol):
         if reading is not None and not self.transport.is_closing():
             timeout = self.limits.header_timeout if reading == "headers" else self.limits.body_timeout
             self.deadline = self.loop.call_later(timeout, self._timed_out)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.send_deadline is None and not self.transport.is_closing():
+            self.send_deadline = self.loop.call_later(self.limits.send_timeout, self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        self._disarm_send_deadline()
+        super().resume_writing()
+
+    def _disarm_send_deadline(self) -> None:
+        if self.send_deadline is not None:
+            self.send_deadline.cancel()
+            self.send_deadline = None
+
+    def _send_timed_out(self) -> None:
+        self.send_deadline = None
+        if self.transport.is_closing():
+            return
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:  # a reset, not a FIN: the kernel drops the unsent bytes too, at once
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()  # connection_lost follows: the app sees http.disconnect
 
     def _timed_out(self) -> None:
         self.deadline = None

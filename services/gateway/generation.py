@@ -11,6 +11,11 @@
 
 aclose() is shielded from the caller's cancellation: under anyio (Starlette cancels a streaming
 response whose client went away) every await of a cancelled task fails at once.
+
+The queue holds at most DELTAS_AHEAD deltas per stream: when the client reads slower than the
+engine writes, the pumps wait, and gRPC's flow control holds the processor's stream back, instead
+of the gateway buffering the whole answer (a client that stops reading altogether is cut off by
+the connection's --send-timeout, services/gateway/connection_guard.py).
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ from services.common.clients import GenerateDelta, GenerateRequest, ProcessorCli
 from services.gateway.protocol import PromptTokensDetails, Usage
 
 _END = object()
+DELTAS_AHEAD = 16  # per stream: deltas read from the processor and not yet taken by the response
 
 
 class Generation:
     def __init__(self, streams: Sequence[AsyncIterator[GenerateDelta]]) -> None:
-        self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue(DELTAS_AHEAD * max(1, len(streams)))
+        self._ended: Exception | None = None  # by end(), ahead of whatever the queue holds
         self._pumps = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
         self._remaining = len(streams)
         self._started: list[tuple[int, GenerateDelta]] = []  # read by started(), replayed by deltas()
@@ -75,7 +82,9 @@ class Generation:
 
     def end(self, error: Exception) -> None:
         """Makes the reader raise `error` next (it then closes this generation)."""
-        self._queue.put_nowait((-1, error))
+        self._ended = error
+        if self._queue.empty():  # the reader may be waiting on it: wake it (else it finds _ended first)
+            self._queue.put_nowait((-1, error))
 
     async def aclose(self) -> None:
         for pump in self._pumps:
@@ -85,6 +94,8 @@ class Generation:
 
     async def _next(self) -> tuple[int, GenerateDelta | None]:
         """The next delta, (i, None) when stream i ended; raises a stream's error."""
+        if self._ended is not None:
+            raise self._ended
         i, item = await self._queue.get()
         if isinstance(item, Exception):
             raise item
@@ -99,9 +110,9 @@ class Generation:
             async with aclosing(stream):
                 async for delta in stream:
                     empty = False
-                    self._queue.put_nowait((index, delta))
+                    await self._queue.put((index, delta))  # waits while the reader is DELTAS_AHEAD behind
             if empty:
                 raise ConnectionError("the processor ended a stream without any output")
-            self._queue.put_nowait((index, _END))
+            await self._queue.put((index, _END))
         except Exception as e:  # raised to the reader
-            self._queue.put_nowait((index, e))
+            await self._queue.put((index, e))

@@ -1,5 +1,5 @@
 """What one request may ask of the server: body size, prompts, choices and sequences, logprobs,
-stop strings, token-id lists, tokens, a prompt's characters (services.common.config.Limits, built
+stop strings, token-id lists, tokens, the answer's size, a prompt's characters (services.common.config.Limits, built
 at the edge from flags); a request over a limit is a 400 that names the limit and its flag.
 
 The body size is checked by an ASGI middleware as the body streams in (a client announcing or
@@ -24,9 +24,11 @@ from services.gateway.errors import APIError, bad_request
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
-def check_limits(limits: Limits, body: SamplingRequest, params: SamplingParams) -> SamplingParams:
+def check_limits(limits: Limits, body: SamplingRequest, params: SamplingParams,
+                 max_model_len: int | None = None) -> SamplingParams:
     """`params` (made from `body`) within the limits: APIError (400) for what is over one;
-    max_tokens, when the request did not set it (or set it to null), capped at the limit."""
+    max_tokens, when the request left it open, what the limits leave (None, the rest of the
+    context, when they leave at least `max_model_len`; the engine caps any at the rest)."""
     if isinstance(body, BatchChatCompletionRequest):
         num_prompts, prompts_param = len(body.messages), "messages"  # its conversations
     else:
@@ -48,12 +50,38 @@ def check_limits(limits: Limits, body: SamplingRequest, params: SamplingParams) 
     for stop in params.stop:
         _at_most(len(stop), limits.max_stop_string_length, "characters in a stop string", "stop",
                  "max_stop_string_length")
-    if limits.max_tokens is None:
-        return params
     given = sorted({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
-    if not given or params.max_tokens is None:  # the endpoint's default, or the rest of the context
-        return replace(params, max_tokens=min(params.max_tokens or limits.max_tokens, limits.max_tokens))
-    _at_most(params.max_tokens, limits.max_tokens, given[0], given[0], "max_tokens")
+    left_open = not given or params.max_tokens is None  # the endpoint's default, or the rest of the context
+    if not left_open and limits.max_tokens is not None:
+        _at_most(params.max_tokens, limits.max_tokens, given[0], given[0], "max_tokens")
+    return _within_answer_budget(limits, params, num_prompts * params.n, given[0] if given else "max_tokens",
+                                 left_open, max_model_len)
+
+
+def _within_answer_budget(limits: Limits, params: SamplingParams, num_choices: int, tokens_param: str,
+                          left_open: bool, max_model_len: int | None) -> SamplingParams:
+    """`params` whose answer fits --max-answer-tokens: every choice's tokens, each top logprob counted
+    as one more. A max_tokens the request left open becomes at most what fits and --max-tokens-limit;
+    one it set over what fits is a 400."""
+    if params.logprobs == WHOLE_VOCABULARY:  # allowed by --max-logprobs -1: the operator lifted this bound
+        return params
+    per_token = num_choices * (1 + (params.logprobs or 0))
+    fits = limits.max_answer_tokens // per_token
+    budget = flag_of(Limits, "max_answer_tokens")
+    if fits < 1:
+        raise APIError(400, f"{num_choices} choices with {params.logprobs or 0} top logprobs each cannot produce one "
+                            f"token within this server's answer limit of {limits.max_answer_tokens} tokens ({budget}: "
+                            "choices x max_tokens x (1 + top logprobs))", "invalid_request_error", "n", "limit_exceeded")
+    if left_open:
+        caps = [c for c in (params.max_tokens, fits, limits.max_tokens) if c is not None]
+        if params.max_tokens is None and max_model_len is not None and min(caps) >= max_model_len:
+            return params  # the context binds first: it stays open
+        return replace(params, max_tokens=min(caps))
+    if params.max_tokens > fits:
+        raise APIError(400, f"max_tokens {params.max_tokens} for {num_choices} choices with {params.logprobs or 0} top "
+                            f"logprobs each is over this server's answer limit of {limits.max_answer_tokens} tokens "
+                            f"({budget}: choices x max_tokens x (1 + top logprobs)); at most {fits} fit",
+                       "invalid_request_error", tokens_param, "limit_exceeded")
     return params
 
 

@@ -5,13 +5,19 @@
   within the bound still decodes;
 - a chat whose `tools` is megabytes of numbers (which templates render with `tojson`) is a 400
   naming `messages` and the characters-per-token bound, as if it were that much text; it used to
-  count as a few characters and be rendered and tokenized whole.
+  count as a few characters and be rendered and tokenized whole;
+- an answer over --max-answer-tokens (choices x max_tokens x (1 + top logprobs); ~13.5 KB a token
+  for a non-streamed chat with 20 top logprobs) is a 400 that says how much fits;
+- a streaming client that stops reading is cut off --send-timeout after its socket filled, its
+  request aborted in the engine (its KV blocks freed), instead of the gateway buffering the stream.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,10 +27,12 @@ from tests.services.procs import Serve, serving
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
+SEND_TIMEOUT = 3.0
+
 
 @pytest.fixture(scope="module")
 def serve(model_path: Path) -> Iterator[Serve]:
-    yield from serving(model_path)
+    yield from serving(model_path, ["--send-timeout", str(SEND_TIMEOUT)])
 
 
 def _post(serve: Serve, path: str, body: dict) -> tuple[int, dict]:
@@ -62,3 +70,54 @@ def test_tools_of_numbers_count_towards_the_prompt_bound(serve: Serve) -> None:
     assert status == 400, body
     error = body["error"]
     assert error["param"] == "messages" and "--max-chars-per-token" in error["message"], error
+
+
+def test_an_answer_over_the_budget_is_a_400_that_says_what_fits(serve: Serve) -> None:
+    # The default budget, 131072: 16 choices x 391 tokens x (1 + 20) is over it, 390 fit.
+    body = {"prompt": "Hello", "n": 16, "logprobs": 20, "max_tokens": 391}
+    status, answer = _post(serve, "/v1/completions", body)
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["param"] == "max_tokens" and error["code"] == "limit_exceeded", error
+    assert "--max-answer-tokens" in error["message"] and "at most 390 fit" in error["message"], error
+    status, answer = _post(serve, "/v1/completions", {**body, "max_tokens": 1})
+    assert status == 200 and len(answer["choices"]) == 16, answer
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_its_request_aborted(serve: Serve) -> None:
+    """The client takes a few KB and then nothing: the stream fills its socket and the gateway's
+    write buffer (~0.6 MB: a few hundred tokens), the gateway pauses it, and aborts it SEND_TIMEOUT
+    later, long before its 6000 tokens (~1 KB each, with 20 top logprobs; minutes of work) could be
+    generated."""
+    body = json.dumps({"messages": [{"role": "user", "content": "Count to a thousand."}], "stream": True,
+                       "max_tokens": 6000, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}).encode()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, as a stalled phone's
+    sock.connect(("127.0.0.1", serve.port))
+    start = time.monotonic()
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = start + 120
+        while serve.engine_stats().num_running == 0:  # admitted
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.2)
+        while (stats := serve.engine_stats()).num_running or stats.num_used_blocks:  # aborted, blocks freed
+            assert time.monotonic() < deadline, f"the stalled stream was never aborted: {stats}\n{serve.log()}"
+            time.sleep(0.5)
+        elapsed = time.monotonic() - start
+        sock.settimeout(10)
+        # The gateway reset the connection: what it and the kernel held for it was dropped, so the
+        # client learns of the reset at once, however much it never read.
+        with pytest.raises(ConnectionResetError):
+            while sock.recv(65536):
+                pass
+    finally:
+        sock.close()
+    assert elapsed >= SEND_TIMEOUT
+    conn = http.client.HTTPConnection("127.0.0.1", serve.port, timeout=10)  # the gateway serves on
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()

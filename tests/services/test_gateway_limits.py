@@ -25,7 +25,7 @@ pytestmark = pytest.mark.anyio
 
 LIMITS = Limits(max_body_bytes=4096, max_prompts=3, max_n=2, max_logprobs=3, max_stop_strings=2,
                 max_stop_string_length=5, max_tokens=8, max_allowed_token_ids=4, max_logit_bias=2,
-                max_stop_token_ids=2)
+                max_stop_token_ids=2, max_answer_tokens=48)
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 
 
@@ -79,6 +79,11 @@ async def client(tokenizer, model_path: Path, engine) -> AsyncIterator[httpx.Asy
      "logit_bias", "--max-logit-bias"),
     ("/v1/completions", {"prompt": "a", "stop_token_ids": [9, 9, 9]}, {"prompt": "a", "stop_token_ids": [9, 9]},
      "stop_token_ids", "--max-stop-token-ids"),
+    # The answer: choices x max_tokens x (1 + top logprobs), here 2 x 7 x 4 = 56 over 48, 2 x 6 x 4 at it.
+    ("/v1/completions", {"prompt": "a", "n": 2, "logprobs": 3, "max_tokens": 7},
+     {"prompt": "a", "n": 2, "logprobs": 3, "max_tokens": 6}, "max_tokens", "--max-answer-tokens"),
+    ("/v1/chat/completions", {**CHAT, "n": 2, "logprobs": True, "top_logprobs": 3, "max_tokens": 7},
+     {**CHAT, "n": 2, "logprobs": True, "top_logprobs": 3, "max_tokens": 6}, "max_tokens", "--max-answer-tokens"),
 ])
 async def test_over_a_limit_is_a_400_naming_it(client, engine, path, over, at, param, flag):
     error = assert_openai_error(await client.post(path, json=over), 400)
@@ -91,6 +96,26 @@ async def test_an_open_max_tokens_is_capped_at_the_limit(client, engine):
     r = await client.post("/v1/chat/completions", json=CHAT)  # chat's default: the rest of the context
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     assert engine.requests[0].sampling_params.max_tokens == 8
+
+
+async def test_an_open_max_tokens_is_what_the_answer_limit_leaves(client, engine):
+    """Two choices with three top logprobs each: 8 answer tokens a step, so 48 leave 6 steps."""
+    body = {**CHAT, "n": 2, "logprobs": True, "top_logprobs": 3}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2 * 6
+    assert {c["finish_reason"] for c in r.json()["choices"]} == {"length"}
+    assert all(request.sampling_params.max_tokens == 6 for request in engine.requests)
+
+
+async def test_choices_that_cannot_produce_a_token_within_the_answer_limit_are_a_400(tokenizer, model_path: Path,
+                                                                                     engine):
+    app = make_app(tokenizer, model_path, engine, Limits(max_answer_tokens=4))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        body = {"prompt": "a", "n": 2, "logprobs": 3}  # 2 x (1 + 3) = 8 answer tokens for one step
+        error = assert_openai_error(await client.post("/v1/completions", json=body), 400)
+        assert error["param"] == "n" and "--max-answer-tokens" in error["message"], error
+        assert (await client.post("/v1/completions", json={**body, "n": 1})).status_code == 200
+    assert len(engine.requests) == 1
 
 
 async def test_the_body_size_is_checked_as_it_streams(client, engine):
@@ -157,7 +182,7 @@ def test_limits_refuse_nonsense():
         Limits(max_n=0)
     with pytest.raises(ValueError, match="max_logprobs"):
         Limits(max_logprobs=-2)  # -1 is "no limit", above 20 is allowed (vLLM)
-    assert to_argv(Limits(max_n=3, max_tokens=5))[-4:] == ["--max-stop-token-ids", "1024",
+    assert to_argv(Limits(max_n=3, max_tokens=5))[-4:] == ["--max-answer-tokens", "131072",
                                                           "--max-tokens-limit", "5"]
 
 

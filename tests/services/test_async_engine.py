@@ -40,6 +40,9 @@ class ScriptedWorker:
     def close(self) -> None:
         pass
 
+    def check_alive(self) -> None:  # always alive: it lives in the engine's process
+        pass
+
     def get_info(self) -> WorkerInfo:
         return WorkerInfo(model_id="scripted", model_path="/nowhere", vocab_size=1000, max_model_len=4096, block_size=4)
 

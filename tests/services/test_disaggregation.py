@@ -240,9 +240,11 @@ def test_a_constrained_long_prompt_is_prefilled_where_its_grammar_is(pd: PD):
 
 def test_a_decode_side_that_vanishes_after_the_transfer_leaves_the_lease_to_expire(pd: PD):
     """The test process is the decode side: a real KV-transfer endpoint receives P's blocks over
-    gloo, then goes away without ReleaseTransfer. P holds the blocks until the lease expires."""
+    gloo, then goes away without ReleaseTransfer. P holds the blocks until the lease expires. It
+    holds the engine token, as a real decode worker does: the stores' keys are signed with it."""
     info = pd._call(pd.prefill, "info")
-    receiver = KVTransferEndpoint("127.0.0.1:0", torch.device("cpu"), timeout=5.0)
+    secret = (pd.serve.token_file.parent / "engine-token").read_text().strip()
+    receiver = KVTransferEndpoint("127.0.0.1:0", torch.device("cpu"), timeout=5.0, secret=secret)
     kv_caches = [torch.zeros(2, 32, 16, 3, 64) for _ in range(30)]  # this side's cache: 32 blocks
     [prompt] = prompts(1, 300, 300, seed=6)
     num_blocks = len(prompt) // 16

@@ -36,7 +36,7 @@ KERNELS_IMPORTS = """
 import json, pkgutil, importlib, sys
 import kvmesh_kernels
 for module in pkgutil.iter_modules(kvmesh_kernels.__path__):
-    importlib.import_module(f"kernels.{module.name}")
+    importlib.import_module(f"kvmesh_kernels.{module.name}")
 print(json.dumps(sorted(name for name in sys.modules if name == "services" or name.startswith("services."))))
 """
 

@@ -82,6 +82,32 @@ class Summary(NamedTuple):
     e2e: tuple[float, float]  # s, p50 p99
     wrong_length: int  # completed requests whose output was not max_tokens long
     first_error: str | None
+    prompt_tokens: float = math.nan  # mean over the completed requests, as their usage reported it
+
+    def incomplete(self) -> str | None:
+        """Why this run cannot be held against another: a request that failed or came back short."""
+        if self.ok < self.requests:
+            return f"{self.target}: {self.requests - self.ok} of {self.requests} requests failed"
+        if self.wrong_length:
+            return f"{self.target}: {self.wrong_length} answers not at full length"
+        return None
+
+
+PROMPT_TOKENS_TOLERANCE = 0.02  # two sides' mean prompt tokens may differ this much (their chat templates)
+
+
+def not_comparable(a: Summary, b: Summary) -> str | None:
+    """Why a ratio of `a` over `b` would mislead, or None: both sides must have completed every
+    request at full length, with the same prompts as each side's tokenizer counts them."""
+    reason = a.incomplete() or b.incomplete()
+    if reason:
+        return reason
+    if not (a.prompt_tokens > 0 and b.prompt_tokens > 0):
+        return "a side reported no prompt tokens"
+    if abs(a.prompt_tokens - b.prompt_tokens) > PROMPT_TOKENS_TOLERANCE * max(a.prompt_tokens, b.prompt_tokens):
+        return (f"mean prompt tokens differ by more than {PROMPT_TOKENS_TOLERANCE:.0%}: {a.prompt_tokens:.1f} "
+                f"against {b.prompt_tokens:.1f}")
+    return None
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -108,7 +134,8 @@ def summarize(target: str, run: Run, result: LoadResult, max_tokens: int) -> Sum
         len(done) / duration, sum(r.output_tokens for r in done) / duration,
         tuple(percentile(ttft, q) for q in (50, 90, 99)), tuple(percentile(tpot, q) for q in (50, 90, 99)),
         (percentile(itl, 50), percentile(itl, 99)), (percentile(e2e, 50), percentile(e2e, 99)),
-        sum(r.output_tokens != max_tokens for r in done), errors[0] if errors else None)
+        sum(r.output_tokens != max_tokens for r in done), errors[0] if errors else None,
+        sum(r.prompt_tokens for r in done) / len(done) if done else math.nan)
 
 
 async def warm_up(endpoint: Endpoint, num_requests: int, args: argparse.Namespace) -> None:
@@ -166,7 +193,11 @@ def ratios(summaries: Sequence[Summary]) -> list[str]:
                         ("transformers", "target: kvmesh ahead, > 100%")):
         for s in summaries:
             base = by_key.get((other, s.scenario, s.mode))
-            if s.target != "kvmesh" or base is None or base.output_rate == 0:
+            if s.target != "kvmesh" or base is None:
+                continue
+            reason = not_comparable(s, base)
+            if reason:
+                lines.append(f"- kvmesh / {other}, {s.scenario} {s.mode}: no ratio ({reason})")
                 continue
             ratio = s.output_rate / base.output_rate
             verdict = ""
@@ -198,6 +229,10 @@ def anchor_ratios(summaries: Sequence[Summary]) -> list[str]:
         target, number = split(s.target)
         other = anchors.get((number, s.scenario, s.mode))
         if target != "kvmesh" or other is None:
+            continue
+        reason = not_comparable(s, other)
+        if reason:
+            lines.append(f"- kvmesh / llama-server, run {number}, {s.scenario} {s.mode}: no ratio ({reason})")
             continue
         throughput = s.output_rate / other.output_rate if other.output_rate else math.nan
         ttft = s.ttft[0] / other.ttft[0] if other.ttft[0] else math.nan
@@ -285,8 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"))
     group.add_argument("--max-num-seqs", type=int, default=128)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    group.add_argument("--threads", type=int, default=None,
-                       help="OMP_NUM_THREADS of every server (default: torch's own); 1 steadies a shared machine")
+    group.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                       help="threads of every server: OMP_NUM_THREADS, and llama-server's -t and -tb (default: "
+                            "every core); 1 steadies a shared machine")
     group.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server may take to start")
     group.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a new temporary folder)")
     group.add_argument("--url", default=None, help="the server of --target url, e.g. http://127.0.0.1:8000")
@@ -331,7 +367,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
 
 
 def report(args: argparse.Namespace, summaries: Sequence[Summary], unavailable: dict[str, str]) -> str:
-    threads = args.threads if args.threads is not None else "torch default"
+    threads = args.threads
     parts = [f"Serving benchmark: {args.max_tokens} output tokens per request, EOS ignored, greedy; "
              f"{args.num_requests} requests per run; model {args.model}, {args.dtype} on {args.device}, "
              f"KV cache {args.kv_cache_memory / 2**30:g} GiB; server threads: {threads}"

@@ -8,8 +8,8 @@ they arrive, and stamp each content chunk with `time.perf_counter()`:
 
     TPOT = (e2e - TTFT) / (output tokens - 1)
 
-The output token count is the server's `usage.completion_tokens` (the chunk count if it sends no
-usage); a chunk may hold more than one token (the detokenizer holds back an incomplete character), so
+The output and prompt token counts are the server's `usage`; a stream without it is a failed
+request (its length could not be checked). A chunk may hold more than one token (the detokenizer holds back an incomplete character), so
 ITL is per chunk, TPOT per token. A load (`run_load`) drives sessions (loadtests.serving_scenarios)
 either with a fixed number in flight (`concurrency`) or arriving as a seeded Poisson process
 (`rate` sessions/s, unbounded in flight); multi-turn sessions send their turns one after another.
@@ -136,7 +136,8 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, messages: list[dic
         result.end = time.perf_counter()
     if result.error is None and result.ttft is None:
         result.error = "the stream ended without content"
-    result.output_tokens = result.output_tokens or len(pieces)
+    if result.error is None and not result.output_tokens:
+        result.error = "the stream reported no usage: its length is unknown"
     result.answer = "".join(pieces)
     return result
 

@@ -6,12 +6,13 @@
     llama-server  llama.cpp's `llama-server` (the CPU anchor, issue 16), built by
                   ../shared/anchors/build-llama-server.sh into --llama-server-dir, serving the GGUF of
                   --llama-file-type (SmolLM2 requantised from the wheel's Q4_1) with --llama-slots
-                  slots of 2,048 tokens, continuous batching, --threads threads (default: every core),
+                  slots of 2,048 tokens, continuous batching, --threads threads (-t and -tb),
                   its weight repacking as --llama-repack says (off: llama.cpp's AMX repack of Q4_1 /
                   Q8_0 dies with SIGILL in this workplace's Xeon VMs; no other repack applies to Q4_1)
     url           a server already running at --url (not started, not stopped)
 
-Every started server gets the same model folder, dtype, device and KV cache size; kvmesh and
+Every started server gets the same model folder, dtype, device, KV cache size and thread count
+(OMP_NUM_THREADS for all, llama-server's -t and -tb besides); kvmesh and
 inprocess also the same scheduler limits. transformers serve takes its KV cache as a number of
 blocks of its default page size (256 tokens, all layers), so it gets the blocks that fit in the same
 bytes (`--cb-num-blocks`), and kvmesh's token budget per step (`--cb-max-batch-tokens`); its page
@@ -72,7 +73,7 @@ class ServerConfig:
     max_num_batched_tokens: int
     startup_timeout: float  # seconds
     log_dir: Path
-    threads: int | None = None  # OMP_NUM_THREADS of every server; None: torch's default
+    threads: int = os.cpu_count() or 1  # of every server: OMP_NUM_THREADS, llama-server's -t and -tb
     llama_server_dir: Path = DEFAULT_ANCHOR_DIR
     llama_file_type: str = "f16"  # models/smollm2-<this>.gguf: f16, f32, bf16, q8_0, q4_1
     llama_slots: int = 32
@@ -94,9 +95,7 @@ def started(target: str, config: ServerConfig, url: str | None = None,
     url = f"http://{LOOPBACK}:{port}"
     command = server_command(target, config, port)
     log_path = config.log_dir / f"{target}.log"
-    env = dict(os.environ)
-    if config.threads is not None:
-        env.update(OMP_NUM_THREADS=str(config.threads), MKL_NUM_THREADS=str(config.threads))
+    env = server_env(config)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, start_new_session=True)
@@ -106,6 +105,13 @@ def started(target: str, config: ServerConfig, url: str | None = None,
         yield Endpoint(url, served_model(url), extras)
     finally:
         stop(proc, target, log_path)
+
+
+def server_env(config: ServerConfig, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Every server's environment: the same thread count for all, whatever this shell says."""
+    env = dict(os.environ if environ is None else environ)
+    env.update(OMP_NUM_THREADS=str(config.threads), MKL_NUM_THREADS=str(config.threads))
+    return env
 
 
 def server_command(target: str, config: ServerConfig, port: int) -> list[str]:
@@ -133,7 +139,7 @@ def server_command(target: str, config: ServerConfig, port: int) -> list[str]:
             if not needed.exists():
                 raise TargetUnavailable(f"{needed} is missing: build it with ../shared/anchors/build-llama-server.sh "
                                         f"{config.llama_server_dir}")
-        threads = str(config.threads or os.cpu_count() or 1)
+        threads = str(config.threads)
         return [str(exe), "-m", str(gguf), "--host", LOOPBACK, "--port", str(port), "-t", threads, "-tb", threads,
                 "-np", str(config.llama_slots), "-cb", "-c", str(config.llama_slots * LLAMA_SLOT_TOKENS),
                 "--no-webui", "--repack" if config.llama_repack else "--no-repack"]

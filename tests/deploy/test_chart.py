@@ -305,9 +305,6 @@ def test_the_services_accept_the_chart_arguments(example: tuple[str, dict[str, s
         container = pod_spec(objs, component)["containers"][0]
         env = env_of(container)
         prefix = f"KVMESH_{component.upper()}_"
-        if component == "worker" and "--tensor-parallel-size" in " ".join(container["args"]) \
-                and "rank" not in {a.dest for a in importlib.import_module(SERVICES[component]).build_parser()._actions}:
-            pytest.skip("the worker's --rank and --tensor-parallel-size come with #13's worker side")
         with monkeypatch.context() as patch:
             for name, value in env.items():
                 patch.setenv(name, value)

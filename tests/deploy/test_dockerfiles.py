@@ -37,7 +37,10 @@ def test_only_the_allowed_findings_are_ignored(name: str) -> None:
     assert {code for group in ignored for code in group.split(",")} <= ALLOWED_IGNORES
     # Without the pragmas, hadolint reports nothing but those.
     result = hadolint("--disable-ignore-pragma", "-", stdin=text)
-    assert set(re.findall(r"\b(DL\d{4}|SC\d{4})\b", result.stdout)) <= ALLOWED_IGNORES, result.stdout
+    findings = set(re.findall(r"\b(DL\d{4}|SC\d{4})\b", result.stdout))
+    # 1 with findings, 0 without: anything else (a crash, a bad flag) would pass the check unseen.
+    assert result.returncode == (1 if findings else 0), result.stdout + result.stderr
+    assert findings <= ALLOWED_IGNORES, result.stdout
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)

@@ -25,6 +25,9 @@ from services.common.config import default_cache_dir
 
 # The types whose rows are blocks of their own (the I8 copies hold their rows in groups: their own tests below).
 ROW_TYPES = [qtype for qtype in QuantType if qtype not in qm.I8_TYPES]
+# The builds with tiles of their own; the portable one leaves its tiles to the compiler's vectorizer
+# and its linear to torch, and is never probed for packing (its own tests say so).
+VECTOR_BUILDS = [isa for isa in native.ISA_FLAGS if isa != "scalar"]
 
 
 @pytest.fixture
@@ -69,14 +72,13 @@ def test_matmul_is_a_float32_matmul_over_the_dequantized_weights(lib, qtype, m, 
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k**0.5)
 
 
+@pytest.mark.parametrize("isa", VECTOR_BUILDS, indirect=True)
 @pytest.mark.parametrize("qtype", ROW_TYPES)
 @pytest.mark.parametrize("m", [2, 4, 5, 11])
 def test_a_row_sums_alike_whatever_the_batch(lib, qtype, m):
     # Up to MR rows of x multiply the blocks in registers, more a panel's dequantized buffer: the same
     # sum order (and the same horizontal sums) either way, so a request's logits (the LM head's Q8_0)
     # do not depend on the requests beside it.
-    if qm.isa(lib) == 0:
-        pytest.skip("the portable build's tiles are left to the compiler's vectorizer (and its linear to torch)")
     blocks, _ = quantized(23, 96, qtype, seed=m)
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
     batch = qm.matmul(x, blocks, qtype, 96, lib)
@@ -139,18 +141,27 @@ def test_packs_faster_measures_once_per_library_and_answers_a_bool(lib):
     hits = qm._packs_faster.cache_info().hits
     assert qm.packs_faster(lib) is choice
     assert qm._packs_faster.cache_info().hits == hits + 1
-    if qm.isa(lib) == 0:
-        assert choice is False  # the portable build's linear leaves every row count to torch's GEMM
 
 
+@pytest.mark.parametrize("isa", ["scalar"], indirect=True)
+def test_the_portable_build_is_never_probed_and_never_packs(monkeypatch, lib):
+    # Its linear leaves every row count to torch's GEMM: there is nothing to time.
+    monkeypatch.setattr(qm, "_probe_packing", lambda _lib: pytest.fail("the portable build was probed"))
+    qm._packs_faster.cache_clear()
+    try:
+        assert qm.packs_faster(lib) is False
+    finally:
+        qm._packs_faster.cache_clear()
+
+
+@pytest.mark.parametrize("isa", VECTOR_BUILDS, indirect=True)
 def test_the_probe_times_both_paths_at_one_and_eight_rows(lib):
-    if qm.isa(lib) == 0:
-        pytest.skip("the portable build is never probed")
     best_row, best_packed = qm._probe_packing(lib)
     assert len(best_row) == len(best_packed) == len(qm._PROBE_ROWS) == 2
     assert all(isinstance(t, int) and t > 0 for t in best_row + best_packed)
 
 
+@pytest.mark.parametrize("isa", VECTOR_BUILDS, indirect=True)
 @pytest.mark.parametrize("timings, packs", [
     (([100, 800], [94, 800]), True),   # 6 % faster at one row, level at eight
     (([100, 800], [94, 820]), True),   # 2.4 % slower at eight: within the noise allowed
@@ -159,8 +170,6 @@ def test_the_probe_times_both_paths_at_one_and_eight_rows(lib):
     (([100, 800], [130, 700]), False),
 ])
 def test_packs_faster_packs_when_clearly_faster_at_one_row_and_not_slower_at_eight(monkeypatch, lib, timings, packs):
-    if qm.isa(lib) == 0:
-        pytest.skip("the portable build never packs, whatever the timings")
     monkeypatch.setattr(qm, "_probe_packing", lambda _lib: timings)
     qm._packs_faster.cache_clear()
     try:

@@ -141,6 +141,7 @@ def sigterm_during_traffic(serve: Serve) -> None:
     assert all(gone(pid) for pid in serve.child_pids), serve.log()
     # Each request finished within the gateway's grace, or was ended with a 503 / an error event
     # saying why (on a busy machine, 32 tokens may take longer than the grace).
+    assert len(results) == len(threads), results
     for result in results:
         assert result in ("length", "stop") or "shutting down" in str(result), (results, elapsed)
 

@@ -52,3 +52,12 @@ def test_hashes_are_identical_in_a_fresh_process():
                             env={"PYTHONHASHSEED": str(seed)}).stdout.strip() for seed in (1, 2)]
     here = hash_token_blocks(list(range(100)), 16, "model", "salt")[-1].hex()
     assert other == [here, here]
+
+
+def test_the_encoding_is_pinned():
+    """Engines of two versions share one Redis index: a change to the encoding must be deliberate
+    (a new ROOT_SEED version), never a side effect. These are the digests of today's encoding."""
+    assert [h.hex() for h in hash_token_blocks(list(range(1, 33)), 16, "smollm2", "tenant-a")] == [
+        "0c9ec852bd3e78926452c1964c8d72ec3f6169a6a7306fda96d9ac8034c6f851",
+        "657f0edff942cf4f1b9dacf1990472b8719d2050a8a1ace58d19fa6dd3571145",
+    ]

@@ -32,12 +32,12 @@ TEST_ENV := OMP_WAIT_POLICY=PASSIVE
 
 # The whole suite (what .ci/run runs). The service tests share one `kvmesh serve` per session.
 test: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q tests
+	$(TEST_ENV) $(PY) -m pytest -q --durations=25 tests
 
 # Units and model truth: everything but the tests that start service processes (marker `services`)
 # and the long end-to-end runs (`slow`); see README.md, Tests.
 test-fast: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q -m "not services and not slow" tests
+	$(TEST_ENV) $(PY) -m pytest -q --durations=25 -m "not services and not slow" tests
 
 bench: $(STAMP)
 	$(PY) loadtests/offline_throughput.py

@@ -1,12 +1,14 @@
 """Everything a lent GPU (an H200) should tell us about the Triton attention path, in one command
 of under 8 minutes:
 
-  1. the kernel tests, for real on CUDA (tests/kernels/test_paged_attention.py, test_reshape_and_cache.py);
+  1. the kernel tests, compiled on CUDA: the paged attention and cache kernels, the Triton backend,
+     and the engine with it against Hugging Face's greedy tokens;
   2. a device-to-device copy, the bandwidth the attention kernels are measured against;
   3. decode attention (Llama-3-8B heads: 32 query, 8 KV, 128 wide, bfloat16, blocks of 16) at
      batch x context sizes, against torch's scaled_dot_product_attention on the same K/V laid out
-     contiguously: median time (CUDA events), achieved bandwidth, share of the copy bandwidth;
-  4. prefill attention (causal, no cached context), same comparison, in TFLOP/s;
+     contiguously: median time (CUDA events), achieved bandwidth, share of the copy bandwidth; the
+     largest difference from SDPA must stay within the kernel tests' bfloat16 tolerance;
+  4. prefill attention (causal, no cached context), same comparison, in TFLOP/s, same tolerance;
   5. the engine end to end (scheduler, model runner, Triton backend) on a randomly initialised
      Llama-3-8B-shaped model in bfloat16 (no weights to download) at batch 1, 32 and 256:
      128-token prompts, 128 new tokens each, output tokens/s and the median decode step.
@@ -85,7 +87,8 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
 
 FULL = Sizes(
-    pytest_args=["tests/kernels/test_paged_attention.py", "tests/kernels/test_reshape_and_cache.py"],
+    pytest_args=["tests/kernels/test_paged_attention.py", "tests/kernels/test_reshape_and_cache.py",
+                 "tests/kernels/test_triton_backend.py", "tests/kernels/test_triton_engine.py"],
     copy_bytes=2**30,
     heads=(32, 8, 128),
     decode_cases=[(1, 4096), (1, 32768), (32, 1024), (32, 4096), (256, 1024), (256, 4096)],
@@ -113,6 +116,17 @@ SMOKE = Sizes(
 )
 DTYPE = torch.bfloat16
 BLOCK_SIZE = 16
+# The largest |Triton - SDPA| allowed: the kernel tests' bfloat16 bound (tests/kernels/paged_inputs.py),
+# about four bfloat16 ulps at 1.0; the outputs here are averages of unit-normal values.
+MAX_ABS_DIFF = 3e-2
+
+
+def check_differences(lines: list[str], diffs: list[float]) -> list[str]:
+    """`lines`, or AssertionError carrying them when a difference is over MAX_ABS_DIFF (or NaN)."""
+    bad = [d for d in diffs if not d <= MAX_ABS_DIFF]
+    if bad:
+        raise AssertionError("\n".join(lines) + f"\nmax abs diff over {MAX_ABS_DIFF:g}: {bad}")
+    return lines
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, iters: int) -> float:
@@ -191,6 +205,7 @@ def decode_attention(device: torch.device, sizes: Sizes, copy_bw: float) -> list
     params = AttentionParams(scale=head_size**-0.5)
     lines = ["| batch | context | splits | Triton µs | GB/s | % of copy | SDPA µs | SDPA / Triton | max abs diff |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    diffs = []
     for batch, context in sizes.decode_cases:
         q, kv_cache, paged, k, v = paged_inputs(batch, context, 1, sizes, device)
         out = torch.empty_like(q)
@@ -201,11 +216,12 @@ def decode_attention(device: torch.device, sizes: Sizes, copy_bw: float) -> list
                               device, sizes.iters)
         expected = F.scaled_dot_product_attention(qs, k, v, scale=params.scale, enable_gqa=True)
         diff = (out.float() - expected.view_as(out).float()).abs().max().item()
+        diffs.append(diff)
         moved = 2 * batch * context * num_kv_heads * head_size * kv_cache.element_size()  # K and V, read once
         lines.append(f"| {batch} | {context} | {splits} | {ours * 1e6:.0f} | {moved / ours / 1e9:.0f} | "
                      f"{100 * moved / ours / copy_bw:.0f} | {sdpa * 1e6:.0f} | {sdpa / ours:.2f} | {diff:.1e} |")
         del q, kv_cache, paged, k, v, out
-    return lines
+    return check_differences(lines, diffs)
 
 
 def prefill_attention(device: torch.device, sizes: Sizes) -> list[str]:
@@ -213,6 +229,7 @@ def prefill_attention(device: torch.device, sizes: Sizes) -> list[str]:
     params = AttentionParams(scale=head_size**-0.5)
     lines = ["| batch | prompt | Triton ms | TFLOP/s | SDPA ms | SDPA TFLOP/s | max abs diff |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    diffs = []
     for batch, length in sizes.prefill_cases:
         q, kv_cache, paged, k, v = paged_inputs(batch, length, length, sizes, device)
         out = torch.empty_like(q)
@@ -224,11 +241,12 @@ def prefill_attention(device: torch.device, sizes: Sizes) -> list[str]:
 
         sdpa = median_seconds(sdpa_call, device, sizes.iters)
         diff = (out.float() - sdpa_call().transpose(1, 2).reshape_as(out).float()).abs().max().item()
+        diffs.append(diff)
         flops = 4 * batch * num_heads * head_size * length * (length + 1) / 2  # causal: half the scores
         lines.append(f"| {batch} | {length} | {ours * 1e3:.2f} | {flops / ours / 1e12:.1f} | {sdpa * 1e3:.2f} | "
                      f"{flops / sdpa / 1e12:.1f} | {diff:.1e} |")
         del q, kv_cache, paged, k, v, out
-    return lines
+    return check_differences(lines, diffs)
 
 
 def random_model(sizes: Sizes, device: torch.device) -> tuple[LlamaForCausalLM, LlamaConfig]:

@@ -1,18 +1,18 @@
-"""The engine end to end with the Triton attention backend (under the interpreter on the CPU):
-greedy tokens identical to the torch backend's and to Hugging Face transformers' generate(), top-5
+"""The engine end to end with the Triton attention backend (compiled on a CUDA device, under the
+interpreter on the CPU; scripts/gpu_check.py runs it on the GPU): greedy tokens identical to the torch backend's and to Hugging Face transformers' generate(), top-5
 logprobs close to the torch backend's. A short case: four prompts, eight new tokens, and a small
 token budget so that prompts are prefilled in chunks next to other requests' decodes."""
 
 from __future__ import annotations
 
 import gc
-import os
 from pathlib import Path
 
 import pytest
 
 from services import LLM, SamplingParams
 from services.processor.tokenizer import apply_chat_template
+from tests.kernels.conftest import kernels_device
 from tests.model.hf_reference import HFReference
 from tests.model.prompts import CHAT_QUESTIONS, RAW_PROMPTS, long_text
 
@@ -21,15 +21,12 @@ LOGPROB_TOL = 1e-3
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
 ENGINE_ARGS = dict(kv_cache_memory=64 * 2**20, max_num_batched_tokens=64)
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                       reason="the engine runs on the CPU here, where the Triton kernels need TRITON_INTERPRET=1"),
-]
+pytestmark = pytest.mark.slow
 
 
 def generate(model_path: Path, backend: str, prompts: list[list[int]] | None = None):
-    llm = LLM(model=str(model_path), dtype="float32", attention_backend=backend, **ENGINE_ARGS)
+    llm = LLM(model=str(model_path), dtype="float32", attention_backend=backend, device=str(kernels_device()),
+              **ENGINE_ARGS)
     try:
         if prompts is None:
             tokenizer = llm.get_tokenizer()

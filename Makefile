@@ -35,7 +35,7 @@ test: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q --durations=25 tests
 
 # Units and model truth: everything but the tests that start service processes (marker `services`)
-# and the long end-to-end runs (`slow`); see README.md, Tests.
+# and the long end-to-end runs (`slow`); see docs/development/testing.md.
 test-fast: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q --durations=25 -m "not services and not slow" tests
 

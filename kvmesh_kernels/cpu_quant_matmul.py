@@ -42,14 +42,14 @@ _BASE_FLAGS = ("-O3", *FAST_MATH, "-fopenmp")
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _NAME = "quant_matmul"
 # Vector bits of the build -> from how many rows of x up dequantizing the weight and calling torch's
-# float32 GEMM is as fast as the tiles (docs/benchmarks.md, "Quantized weights"): AVX-512 tiles keep
+# float32 GEMM is as fast as the tiles (docs/benchmarks/log.md, "Quantized weights"): AVX-512 tiles keep
 # up with torch's GEMM to ~512 rows, AVX2 ones to ~64; the portable C ones never do.
 GEMM_ROWS = {512: 256, 256: 64, 0: 1}
 # Below this many multiply-adds (or weights dequantized) a call stays on one thread: waking a second
 # OpenMP thread costs more than it saves. A decode step streams its weights from memory, at about one
 # core's bandwidth a thread, so two threads pay from a few hundred thousand multiply-adds up: one
 # sequence's decode step took 18.1 ms with every layer on one thread (the bound at 1 << 22, chosen on
-# a machine crowded with other jobs) and 15.2 ms on two, on a quiet 2-core Xeon (docs/benchmarks.md).
+# a machine crowded with other jobs) and 15.2 ms on two, on a quiet 2-core Xeon (docs/benchmarks/log.md).
 PARALLEL_WORK = 1 << 18
 
 
@@ -224,7 +224,7 @@ def packs_faster(lib: ctypes.CDLL | None = None) -> bool:
     Where it was tuned, on a Sapphire Rapids Xeon, the AVX-512 build packed faster (1.3-1.9x at one
     to four rows); on a Zen 5 EPYC the row-order tiles (with their prefetching) are about twice as
     fast as the panels at 1 and 8 rows, so it does not pack; the AVX2 build loses at eight rows and
-    more on both (docs/benchmarks.md, "Quantized matmul on the AMD EPYC Zen 5 (issue 16)").
+    more on both (docs/benchmarks/log.md, "Quantized matmul on the AMD EPYC Zen 5").
 
     Both paths compute the float32 matmul over the same exactly dequantized weights; they sum in
     different orders, so the choice can move logits by a rounding, never a weight."""

@@ -47,7 +47,7 @@ _ISA_NEEDS = {"native": (), "avx2": ("avx2", "fma", "f16c"), "scalar": ()}
 # The served builds' instruction set: this CPU's (native), or an older CPU's as far as kvmesh goes
 # (KVMESH_CPU_ISA=avx2: the kernels' AVX2 paths, and `cpu_has` denies AVX-512, AMX and VNNI, so that
 # what chooses by them, `--dtype auto` included, chooses as on an AVX2-only CPU), to measure that
-# CPU's paths on this one (docs/benchmarks.md; torch's own: ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA).
+# CPU's paths on this one (docs/benchmarks/index.md; torch's own: ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA).
 SERVED_ISA = os.environ.get("KVMESH_CPU_ISA", "native")
 if SERVED_ISA not in ISA_FLAGS:
     raise ValueError(f"KVMESH_CPU_ISA must be one of {', '.join(ISA_FLAGS)}, got {SERVED_ISA!r}")

@@ -1,4 +1,4 @@
-"""Decode attention on the CPU, per backend, and its share of a whole engine step (issue 3).
+"""Decode attention on the CPU, per backend, and its share of a whole engine step.
 
   1. One layer's decode attention (the backend's `forward`: the step's K/V write, then attention)
      for a batch of B sequences with L-token contexts, with the default model's heads, on each CPU

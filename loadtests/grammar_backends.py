@@ -1,4 +1,4 @@
-"""xgrammar against llguidance on this model's tokenizer (docs/structured_outputs.md): per schema the
+"""xgrammar against llguidance on this model's tokenizer (docs/features/structured_outputs.md): per schema the
 grammar's compile time, the per-token mask time along a walk through the grammar, and whether the
 walk's text (decoded by the tokenizer) parses and validates.
 

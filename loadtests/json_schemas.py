@@ -1,4 +1,4 @@
-"""Twenty JSON schemas of growing difficulty (issue 17): flat objects, then nested objects, arrays,
+"""Twenty JSON schemas of growing difficulty: flat objects, then nested objects, arrays,
 enums, string patterns and lengths, numeric bounds, `anyOf`, `$ref`. Shared by the structured-output
 tests (every output must validate) and the grammar backends' benchmark (loadtests/grammar_backends.py).
 Each is small enough that a tiny model finishes it within a few dozen tokens."""

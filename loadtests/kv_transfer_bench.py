@@ -1,4 +1,4 @@
-"""KV-block transfer throughput between two processes (issue 14): services/worker/kv_transfer.py's
+"""KV-block transfer throughput between two processes: services/worker/kv_transfer.py's
 send / receive over loopback, the same code the prefill and decode workers run (gloo on CPU; NCCL
 on CUDA, which needs a device per process).
 

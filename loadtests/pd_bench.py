@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode against colocated engines (issue 14), long prompts, at equal worker
+"""Disaggregated prefill/decode against colocated engines, long prompts, at equal worker
 count: `kvmesh serve --prefill-engines 1 --decode-engines 1` against `kvmesh serve --num-engines 2`,
 the same requests to each.
 

@@ -1,4 +1,4 @@
-"""The router's own cost (issue 12's "routing p99 < 2 ms with Redis on loopback"), alone on the machine.
+"""The router's own cost (the goal: "routing p99 < 2 ms with Redis on loopback"), alone on the machine.
 
 routing_bench.py measures routing inside a whole fleet on this 2-core machine, where the processor
 shares the cores with two workers busy computing: its percentiles there include the time the

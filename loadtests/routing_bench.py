@@ -1,4 +1,4 @@
-"""Fleet routing benchmark (issue 12): kv-aware routing against round-robin and least-load on a fleet of
+"""Fleet routing benchmark: kv-aware routing against round-robin and least-load on a fleet of
 engines (2 by default), on the same prompts, side by side in one run.
 
 One redis-server of our own on a free loopback port is the prefix index. For each policy in turn:

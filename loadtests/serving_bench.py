@@ -1,4 +1,4 @@
-"""Serving benchmark (issue 4): `kvmesh serve` against the same stack in one process and against
+"""Serving benchmark: `kvmesh serve` against the same stack in one process and against
 `transformers serve --continuous-batching`, on the same model and prompts, side by side in one run.
 
 For each target in turn (loadtests.serving_targets): start its server on a free loopback port, wait
@@ -210,7 +210,7 @@ def ratios(summaries: Sequence[Summary]) -> list[str]:
     return lines
 
 
-# Issue 16's goals, kvmesh against llama-server in the same run: (scenario, mode) -> (measure, goal).
+# The CPU anchor's goals, kvmesh against llama-server in the same run: (scenario, mode) -> (measure, goal).
 # Output tokens/s: kvmesh / llama-server at least the goal; TTFT p50: kvmesh / llama-server at most it.
 ANCHOR_GOALS = {("short-chat", "c=1"): ("out tok/s", 0.8), ("short-chat", "c=8"): ("out tok/s", 1.2),
                 ("short-chat", "c=32"): ("out tok/s", 1.5), ("long-prompt", "c=8"): ("TTFT p50", 0.5),
@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--url-api", default="vllm", choices=["vllm", "transformers"],
                        help="how --url makes outputs max_tokens long: vLLM's ignore_eos, or transformers' "
                             "generation_config")
-    group = parser.add_argument_group("llama-server (the CPU anchor of issue 16)")
+    group = parser.add_argument_group("llama-server (the CPU anchor)")
     group.add_argument("--llama-server-dir", type=Path, default=DEFAULT_ANCHOR_DIR,
                        help="what ../shared/anchors/build-llama-server.sh built")
     group.add_argument("--llama-file-type", default="f16", choices=["f16", "f32", "bf16", "q8_0", "q4_1"])

@@ -3,7 +3,7 @@
     kvmesh        `kvmesh serve`: gateway, processor, engine and worker as four processes over gRPC
     inprocess     the same components in one process (loadtests.inprocess_server)
     transformers  `transformers serve --continuous-batching` on the same model folder
-    llama-server  llama.cpp's `llama-server` (the CPU anchor, issue 16), built by
+    llama-server  llama.cpp's `llama-server` (the CPU anchor), built by
                   ../shared/anchors/build-llama-server.sh into --llama-server-dir, serving the GGUF of
                   --llama-file-type (SmolLM2 requantised from the wheel's Q4_1) with --llama-slots
                   slots of 2,048 tokens, continuous batching, --threads threads (-t and -tb),

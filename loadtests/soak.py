@@ -24,7 +24,7 @@ An answer with another status, a stream without [DONE], or an exception is *unex
 it reads VmRSS of each service's process; memory is "flat" when the last sample is within
 --rss-slack MB of the one taken after --warmup seconds. At the end it waits for the engine to be
 idle and reads its running / waiting requests and KV-cache usage from /metrics (nothing may be left
-behind). The summary is printed as Markdown (the table in docs/benchmarks.md) and, with --json, saved.
+behind). The summary is printed as Markdown (the table in docs/benchmarks/log.md) and, with --json, saved.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where an in-process decode step goes (issue 16): `LLM.generate` of M ~50-token prompts (the
+"""Where an in-process decode step goes: `LLM.generate` of M ~50-token prompts (the
 default model, greedy, EOS ignored) for 4 and for 68 output tokens; each row is the per-step
 difference over the 64 extra steps of the time spent in that function (wall clock, timers wrapped
 around the module functions, so nested rows overlap and the wrappers add ~1 us a call). With the

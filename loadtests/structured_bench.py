@@ -1,4 +1,4 @@
-"""The per-token cost of structured outputs (docs/benchmarks.md), two ways:
+"""The per-token cost of structured outputs (docs/benchmarks/index.md), two ways:
 
 1. End to end: the offline LLM generates --max-tokens tokens for each of 1 and 32 streams,
    unconstrained and under constraints that never end before --max-tokens (every mode generates the

@@ -1,4 +1,4 @@
-"""Where a step's time goes in `kvmesh serve` (issue 16, item 3): a single stream's output token, or
+"""Where a step's time goes in `kvmesh serve`: a single stream's output token, or
 with --concurrency N a step of N streams.
 
 Starts `kvmesh serve` (its four processes), sends --requests short chat completions, --concurrency

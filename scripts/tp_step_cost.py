@@ -1,4 +1,4 @@
-"""What tensor parallelism costs on this machine (issue 13): the gloo collectives a TP=2 step makes,
+"""What tensor parallelism costs on this machine: the gloo collectives a TP=2 step makes,
 and the step time of TP=1 against TP=2 (real `kvmesh worker` processes over gRPC, every step sent
 to every rank at once by the tests' fan-out executor, tests/model/test_tp_hf_equivalence.py).
 

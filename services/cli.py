@@ -371,7 +371,7 @@ class Group(NamedTuple):
 
     workers: tuple[str, ...]
     engine: str
-    role: str = "both"  # disaggregated prefill/decode: prefill or decode (issue 14)
+    role: str = "both"  # disaggregated prefill/decode: prefill or decode
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -127,7 +127,7 @@ static inline __attribute__((always_inline)) void attend_item(
  * path above spends most of its time in one expf call per (position, head) and in accumulators that
  * live in memory. One layer of eight decodes at 1,550 tokens of context on one Zen 5 core: 1.15 ->
  * 0.71 ms; with a 1,500-token shared prefix 0.65 -> 0.34 ms; the AVX2 build 0.67 -> 0.55 ms since
- * its heads' scores went side by side too (docs/benchmarks.md).
+ * its heads' scores went side by side too (docs/benchmarks/log.md).
  */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define VECTOR_PATH 1

@@ -48,7 +48,7 @@ enum { TYPE_F16 = 1, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_BF16 = 30, TYPE_Q4_1_I8 
 #define NR 4  /* output rows per panel */
 /* Panels ahead that a thread prefetches its weights (2.9 KB of Q4_1, 4.9 KB of Q8_0 at K = 576):
  * the hardware prefetchers alone left the tiles waiting on memory (the Q8_0 LM head at one row:
- * 7 GB/s on one Zen 5 core, about 30 GB/s with these; docs/benchmarks.md, issue 16). */
+ * 7 GB/s on one Zen 5 core, about 30 GB/s with these; docs/benchmarks/log.md). */
 #define PF_PANELS 2
 
 #if defined(__AVX512F__)

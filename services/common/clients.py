@@ -29,7 +29,7 @@ class WorkerInfo:
     block_size: int
     rank: int = 0  # in the worker's tensor-parallel group; only rank 0's steps carry tokens
     world_size: int = 1
-    kv_transfer_endpoint: str = ""  # its KV-transfer endpoint id (issue 14); "": it takes no part
+    kv_transfer_endpoint: str = ""  # its KV-transfer endpoint id; "": it takes no part
     step_port: int = 0  # its step channel's port, on its gRPC address's host; 0: none (in this process)
 
 
@@ -48,7 +48,7 @@ class WorkerClient(Protocol):
 
 
 class KVTransferWorker(Protocol):
-    """A worker that moves KV blocks to / from a worker of another engine (issue 14). Blocking, like
+    """A worker that moves KV blocks to / from a worker of another engine. Blocking, like
     WorkerClient, and safe to call from another thread while a step runs. Both return the bytes
     moved; KVTransferError (a ConnectionError) when the transfer failed or timed out."""
 
@@ -79,7 +79,7 @@ class EngineInfo:
     # every start). "" / 0 for an engine that is not part of a fleet (in-process, offline).
     engine_id: str = ""
     epoch: int = 0
-    role: str = "both"  # prefill, decode or both (issue 14)
+    role: str = "both"  # prefill, decode or both
     kv_transfer_endpoints: tuple[str, ...] = ()  # its workers' KV-transfer endpoint ids, rank order
 
 

@@ -114,7 +114,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         # The CPU's attention and fused kernels take float32 or bfloat16 only: refused here, at
-        # start-up, rather than by every request's first step (issue 15).
+        # start-up, rather than by every request's first step.
         on_cpu = self.device.split(":")[0] == "cpu"
         if self.dtype == "float16" and on_cpu:
             raise ValueError("dtype float16 is not supported on the CPU (its kernels take float32 or bfloat16): "
@@ -185,7 +185,7 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """A worker's place in its tensor-parallel group (issue 13). Size 1: no process group at all."""
+    """A worker's place in its tensor-parallel group. Size 1: no process group at all."""
 
     tensor_parallel_size: int = option(1, "workers (ranks) that share one model replica's layers", minimum=1)
     rank: int = option(0, "this worker's rank in its tensor-parallel group (0 is the driver)", minimum=0)
@@ -407,7 +407,7 @@ ENGINE_ROLES = ("both", "prefill", "decode")
 
 @dataclass(frozen=True)
 class DisaggregationConfig:
-    """Disaggregated prefill/decode (issue 14, docs/disaggregation.md). Each service takes its fields:
+    """Disaggregated prefill/decode (docs/features/disaggregation.md). Each service takes its fields:
     the worker its KV-transfer endpoint, the engine its role and lease, the processor the prefill
     engines and the decider's threshold."""
 
@@ -560,7 +560,7 @@ class GatewayConfig:
     return_tokens_as_token_ids: bool = option(
         False, "write logprobs' tokens as 'token_id:N' unless a request's return_tokens_as_token_ids says "
                "otherwise (vLLM's flag)")
-    # vLLM's server flags (issue 15).
+    # vLLM's server flags.
     root_path: str = option(
         "", "the path prefix a proxy serves the API under and strips before forwarding (e.g. /kvmesh): the "
             "ASGI root_path, as vLLM's --root-path")
@@ -573,7 +573,7 @@ class GatewayConfig:
         False, "every stream ends with a usage chunk, as if stream_options.include_usage were true")
     enable_tokenizer_info_endpoint: bool = option(
         False, "serve GET /tokenizer_info (the tokenizer's configuration, chat template included)")
-    # Tool calling (issue 17): tool_choice "required" or named works with any model, through the grammar;
+    # Tool calling: tool_choice "required" or named works with any model, through the grammar;
     # "auto" reads the calls out of the model's own text, as vLLM's flags of the same names.
     enable_auto_tool_choice: bool = option(
         False, "accept tool_choice 'auto' (the default with tools): the model decides, --tool-call-parser "

@@ -43,14 +43,14 @@ class EngineCoreRequest:
     tenant_id: str | None = None
     # Routing affinity (the processor's `session` policy); stays in the processor, never on the wire.
     session_id: str | None = None
-    # Disaggregation (issue 14): the prefill engine the processor's decider chose for this prompt.
+    # Disaggregation: the prefill engine the processor's decider chose for this prompt.
     prefill_engine_address: str | None = None
 
 
 
 @dataclass(slots=True)
 class PrefillTask:
-    """A decode engine's request to a prefill engine (disaggregation, issue 14): compute `request`'s
+    """A decode engine's request to a prefill engine (disaggregation): compute `request`'s
     prompt, sample its first token, and send its blocks first_block .. first_block + len(block_ids)
     - 1 to the decode engine's workers (`receiver_endpoints`, rank order) with `tag`."""
 

@@ -13,7 +13,7 @@ What a constraint may cost, wherever it is read:
 
 Validation and compile release the GIL: the callers run them on threads, never on an event loop.
 
-Why llguidance and not xgrammar: docs/structured_outputs.md (the engine stays free of torch, which
+Why llguidance and not xgrammar: docs/features/structured_outputs.md (the engine stays free of torch, which
 xgrammar imports; llguidance needs only the tokenizer.json, and its masks were correct on this
 model's byte-level tokenizer).
 """

@@ -88,7 +88,7 @@ class AsyncEngine:
         self._snapshot_wanted = threading.Event()  # see request_cache_snapshot
         # Functions to run on the engine-loop thread between steps (call_in_loop), with their futures.
         self._calls: list[tuple[Callable[[], object], asyncio.Future | None]] = []
-        # Disaggregated prefill/decode (issue 14): set by the engine service when its workers take part.
+        # Disaggregated prefill/decode: set by the engine service when its workers take part.
         self.disaggregation: Disaggregation | None = None
         self._stopping = False
         self._error: EngineDeadError | None = None
@@ -165,7 +165,7 @@ class AsyncEngine:
                 self._abort_soon([request.request_id])
 
     def enable_disaggregation(self, disaggregation: Disaggregation, endpoints: tuple[str, ...]) -> None:
-        """Take part in disaggregated prefill/decode (issue 14) as `disaggregation.role`; `endpoints`:
+        """Take part in disaggregated prefill/decode as `disaggregation.role`; `endpoints`:
         the workers' KV-transfer endpoint ids (in this engine's info). Before the first request."""
         self.disaggregation = disaggregation
         self._info = replace(self._info, role=disaggregation.role, kv_transfer_endpoints=endpoints)

@@ -14,7 +14,7 @@ measurement after each chunk sees it). A GPU, where a full chunk takes milliseco
 The cap is the step's, shared first come, first served (services/engine/scheduler.py): eight
 1,000-token prompts arriving together are read one after another, the first one's first token after
 its own prefill (~1/8 of the time), where a cap per request read them side by side and gave every
-one its first token only at the end (docs/benchmarks.md, long prompts).
+one its first token only at the end (docs/benchmarks/log.md, long prompts).
 """
 
 from __future__ import annotations

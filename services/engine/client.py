@@ -69,7 +69,7 @@ class GrpcEngineClient:
         return convert.prefix_match_from_proto(reply)
 
     async def prefill(self, task: PrefillTask, timeout: float) -> AsyncIterator[PrefillProgress]:
-        """Disaggregation (issue 14): have this (prefill) engine compute a prompt and send its blocks;
+        """Disaggregation: have this (prefill) engine compute a prompt and send its blocks;
         the token first, then `sent`. `timeout`: the whole call's deadline."""
         call = self._stub.Prefill(convert.prefill_task_to_proto(task), timeout=timeout)
         try:

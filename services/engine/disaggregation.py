@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode in the engine (issue 14): the decode side's remote prefill and the
+"""Disaggregated prefill/decode in the engine: the decode side's remote prefill and the
 prefill side's prefill-into-a-transfer, over an AsyncEngine and its worker group.
 
 Decode engine D, for a request the processor's decider gave a prefill engine P:

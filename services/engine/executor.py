@@ -11,7 +11,7 @@ driver) returns sampled tokens; the others return an empty ModelRunnerOutput.
 
 Send-to-all rather than send-to-rank-0-which-broadcasts: the step message travels N times over
 the network instead of once, but no rank waits for another to relay it, and the engine sees each
-rank's failure directly (docs/benchmarks.md, "Tensor parallel: the step's fan-out").
+rank's failure directly (docs/benchmarks/log.md, "Tensor parallel: the step's fan-out").
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class GroupWorkerClient:
             raise ValueError("a worker group needs at least one worker")
         self.ranks = tuple(ranks)
         self._pool = ThreadPoolExecutor(len(ranks), "worker-rank") if len(ranks) > 1 else None
-        # KV transfers (issue 14): several in flight at once, each a call per rank.
+        # KV transfers: several in flight at once, each a call per rank.
         self._transfer_pool = ThreadPoolExecutor(TRANSFER_THREADS_PER_RANK * len(ranks), "kv-transfer")
         self._kv_endpoints: tuple[str, ...] = ()
 

@@ -17,7 +17,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 class TransferBlocks(NamedTuple):
-    """A decode engine's blocks for a prompt another engine computes (disaggregation, issue 14):
+    """A decode engine's blocks for a prompt another engine computes (disaggregation):
     blocks `first_block ..` of the prompt (those before are cached here already)."""
 
     first_block: int
@@ -43,7 +43,7 @@ class KVCacheManager:
         # Prefix-cache stats, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        # Disaggregation (issue 14). Prefill side: requests whose blocks outlive them under a lease
+        # Disaggregation. Prefill side: requests whose blocks outlive them under a lease
         # (request id -> lease seconds until freed; then -> the lease). Decode side: blocks
         # allocated for a transfer in flight, owned by no request yet.
         self._hold_on_free: dict[str, float] = {}

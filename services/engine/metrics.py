@@ -177,7 +177,7 @@ class EngineMetrics:
                                                            request.sampling_params.max_tokens)
 
     def add_prefilled_request(self, request: EngineCoreRequest, first: EngineCoreOutput) -> None:
-        """A request whose prompt a prefill engine computed (disaggregation, issue 14), admitted with
+        """A request whose prompt a prefill engine computed (disaggregation), admitted with
         that engine's first token: TTFT and the prefill phase cover the remote prefill and the KV
         transfer (it counts as scheduled on arrival: it waited in no queue of ours)."""
         self.add_request(request)
@@ -345,7 +345,7 @@ TRANSFER_FAILURES = ("prefill_error", "prefill_timeout", "transfer_error", "tran
 
 
 class DisaggregationMetrics:
-    """KV transfers (issue 14, services/engine/disaggregation.py), fed on the event loop: the
+    """KV transfers (services/engine/disaggregation.py), fed on the event loop: the
     decode side counts transfers received, failures by reason and recomputes; the prefill side
     bytes sent and leases that expired unreleased."""
 

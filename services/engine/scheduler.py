@@ -63,8 +63,8 @@ class Scheduler:
         self.waiting.add(request)
 
     def add_prefilled_request(self, request: Request, token_id: int) -> EngineCoreOutput:
-        """A request whose prompt another engine computed and sampled `token_id` from (disaggregation,
-        issue 14): the token is its first output; unless that finished it, it joins the waiting
+        """A request whose prompt another engine computed and sampled `token_id` from (disaggregation):
+        the token is its first output; unless that finished it, it joins the waiting
         queue, where its admission hits the transferred blocks in the prefix cache and computes only
         the prompt's last partial block and the token. The first token's output, to stream."""
         request.append_output_token_ids([token_id])

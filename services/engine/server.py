@@ -212,7 +212,7 @@ async def open_index(config: PrefixIndexConfig) -> RedisPrefixIndex:
 
 def enable_disaggregation(engine: AsyncEngine, worker: GroupWorkerClient, args: EngineServiceArgs,
                           metrics: Callable[[], DisaggregationMetrics]) -> None:
-    """Disaggregated prefill/decode (issue 14) when every worker has a KV-transfer endpoint (its
+    """Disaggregated prefill/decode when every worker has a KV-transfer endpoint (its
     metrics registered only then); a prefill or decode role without them is a configuration error."""
     config = args.disaggregation
     endpoints = worker.kv_transfer_endpoints

@@ -1,6 +1,6 @@
 """OpenAI's request and response bodies (completions, chat completions, models, errors), with the
 vLLM extras the gateway supports. Unknown request fields are ignored, as vLLM does; the fields vLLM
-knows and kvmesh does not implement are refused (services/gateway/unsupported.py, docs/vllm_api.md)."""
+knows and kvmesh does not implement are refused (services/gateway/unsupported.py, docs/serving/vllm_api.md)."""
 
 from __future__ import annotations
 

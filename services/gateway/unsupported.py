@@ -1,7 +1,7 @@
 """The request fields vLLM knows and kvmesh does not implement. Each is a typed field of the request
 models (so a wrong type is a 400, as in vLLM), and a request that asks for something with one (a
 value other than the one that asks for nothing) is a 400 naming every such field: never an answer
-that silently ignores what was asked. docs/vllm_api.md lists every vLLM request field and what
+that silently ignores what was asked. docs/serving/vllm_api.md lists every vLLM request field and what
 kvmesh does with it.
 
     SamplingRequest(OpenAIRequest, UnsupportedSampling)            completions and chat

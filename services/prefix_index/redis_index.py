@@ -1,6 +1,6 @@
 """The prefix index in Redis, shared by every processor and engine of a deployment.
 
-Schema (docs/prefix_index.md has the costs): with `ns` the namespace and `id` an engine id,
+Schema (docs/features/prefix_index.md has the costs): with `ns` the namespace and `id` an engine id,
 
     {ns}:b:<hash>      SET     "id:epoch" of each engine holding the block (<hash>: the 32 raw bytes)
     {ns}:e:<id>:blocks SET     the block hashes the engine's current epoch holds (the reverse set)

@@ -1,6 +1,6 @@
 """A processor's own copy of the Redis prefix index, kept current from the index's events stream, so
 a routing decision looks a prompt up in memory instead of waiting for a round trip to Redis on a busy
-event loop (the wait, not Redis, was what routing latency measured: docs/routing.md).
+event loop (the wait, not Redis, was what routing latency measured: docs/features/routing.md).
 
     engines ──apply──▶ Redis: blocks + {ns}:events ──XREAD──▶ PrefixIndexReplica ──longest_prefix──▶ router
                                                                 (MemoryPrefixIndex)

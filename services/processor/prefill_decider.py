@@ -1,4 +1,4 @@
-"""The decider of disaggregated prefill/decode (issue 14), decode-first: an EngineClient over the
+"""The decider of disaggregated prefill/decode, decode-first: an EngineClient over the
 decode engine(s) that gives a request a prefill engine only when the decode side would have to
 compute more than `threshold` prompt tokens itself.
 

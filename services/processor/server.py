@@ -178,7 +178,7 @@ async def open_engines(config: ProcessorServiceConfig, metrics: GrpcMetrics | No
 
 
 def decide_prefill(decode: EngineClient, routing: Routing) -> EngineClient:
-    """The decode engine(s) behind the prefill decider when there are prefill engines (issue 14)."""
+    """The decode engine(s) behind the prefill decider when there are prefill engines."""
     config = routing.disaggregation
     if not config.prefill_engine_address:
         return decode

@@ -1,4 +1,4 @@
-"""Weights kept in GGUF blocks for the native CPU kernel (issue 16, `--quantization`): a GGUF model's
+"""Weights kept in GGUF blocks for the native CPU kernel (`--quantization`): a GGUF model's
 own (`gguf`, `GGUFWeights`), or any model's quantized at load (`int8`: Q8_0 blocks, `f16`: float16;
 `LoadQuantizedWeights`).
 
@@ -108,7 +108,7 @@ class LoadQuantizedWeights:
     """Every 2-D weight (layers, embedding, LM head) of a checkpoint quantized at load by gguf's own
     quantizer: Q8_0 is weight-only int8 (int8 values, one f16 scale per 32: finer than a scale per
     output channel), F16 rounds to float16. Not the checkpoint's weights any more: the agreement
-    with the float model is measured (docs/benchmarks.md), not tested for exactness."""
+    with the float model is measured (docs/benchmarks/index.md), not tested for exactness."""
 
     def __init__(self, qtype: QuantType) -> None:
         self.qtype = qtype
@@ -129,7 +129,7 @@ def resolve_dtype(dtype: str, quantization: str, model: str, device: torch.devic
     where the weights stay in GGUF blocks (their kernel computes in float32, exactly); else on a CPU
     bfloat16 where it has bfloat16 instructions (AVX512_BF16, AMX-BF16: torch's GEMM uses them),
     float32 otherwise (without them torch's bfloat16 and float16 matmuls are slower than float32's
-    from a batch of 8 up, issue 16; float16 is refused by the CPU's attention kernels anyway); on a GPU
+    from a batch of 8 up; float16 is refused by the CPU's attention kernels anyway); on a GPU
     bfloat16 where supported, else float16."""
     if dtype != "auto":
         return _DTYPES[dtype]
@@ -151,7 +151,7 @@ def block_gemm_dtype(dtype: str, device: torch.device) -> torch.dtype:
     1.3-2.5x the float32 kernel); else float32. The LM head's larger steps too. Smaller steps stay
     float32 over the exact weights either way; the low-precision steps' activations, KV and logits
     carry its rounding (the agreement with transformers: loadtests/int8_agreement.py --dtype auto;
-    docs/benchmarks.md)."""
+    docs/benchmarks/index.md)."""
     if dtype != "auto" or device.type != "cpu":
         return torch.float32
     if cpu_has("avx512_bf16") or cpu_has("amx_bf16"):

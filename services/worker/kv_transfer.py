@@ -1,4 +1,4 @@
-"""KV-block transfer between workers of different engines (disaggregated prefill/decode, issue 14).
+"""KV-block transfer between workers of different engines (disaggregated prefill/decode).
 
 Each worker that takes part hosts one TCPStore on its `kv_transfer_address` (bound to that
 interface only, never to every interface) and is known to its peers by an endpoint id,

@@ -1,5 +1,5 @@
 """A worker's tensor-parallel group: its rank, its size and the few collectives the sharded model
-and the model runner need (issue 13).
+and the model runner need.
 
 Size 1 is no group at all: every collective is a no-op that returns its input untouched, so a
 single worker runs exactly as before (no process group, no copies). Size N rendezvous through a

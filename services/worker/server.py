@@ -111,7 +111,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.owner_lease = owner_lease
         self._own_thread = step_thread is None
         self._thread = step_thread or StepThread()
-        # KV transfers (issue 14) wait on their peer for up to their timeout: never on the step thread.
+        # KV transfers wait on their peer for up to their timeout: never on the step thread.
         self._transfers = ThreadPoolExecutor(max_workers=TRANSFER_THREADS, thread_name_prefix="kv-transfer")
         self._lock = threading.Lock()
         self._owner: str | None = None  # the engine session that claimed the worker

@@ -9,7 +9,7 @@ whose gRPC listens on a Unix socket (`kvmesh serve`), the Unix socket beside it 
 Why not a gRPC call (the worker's other calls stay gRPC): a unary call crosses grpcio's threads on
 both sides (the client's completion queue, the server's poller, its event loop, the hop to the step
 thread and back) and each hand-off pays a vCPU wake-up; on a 2-core VM a call with nothing to do
-costs 0.4-0.9 ms where this socket's round trip costs 20 us (docs/benchmarks.md, "The step
+costs 0.4-0.9 ms where this socket's round trip costs 20 us (docs/benchmarks/log.md, "The step
 channel"). vLLM drives its workers over shared memory and ZMQ sockets for the same reason.
 
 Frames: a 5-byte header (the payload's length, big-endian uint32; its kind, one byte), then the

@@ -7,7 +7,7 @@ steps that arrive on its step channels, read by this thread itself.
 
 Why one thread: each thread that starts an OpenMP parallel region keeps a team of its own, and with
 more OpenMP threads alive than cores libgomp stops spinning between regions, so every region of a
-step paid a wake-up (docs/benchmarks.md, "llama-server side by side"). Why the step thread reads
+step paid a wake-up (docs/benchmarks/log.md, "llama-server side by side"). Why the step thread reads
 the channel itself: a hand-off from a reader thread costs a wake-up of this one per step, ~50-100 us
 on a small VM, where the socket's whole round trip costs 20 us.
 

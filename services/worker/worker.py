@@ -5,7 +5,7 @@ Start-up is three calls the engine makes in order: `Worker(...)` loads the model
 builds its block pool from), `initialize_cache(num_blocks, ...)` allocates it. Then
 `execute_model(scheduler_output)` once per step.
 
-In a tensor-parallel group (ParallelConfig, issue 13) every rank is such a worker over its slice
+In a tensor-parallel group (ParallelConfig) every rank is such a worker over its slice
 of the model, and the engine makes each call on every rank with the same message: the ranks join
 their group in `Worker(...)`, agree on the smallest number of KV blocks in `determine_num_blocks()`,
 and run every step together (the layers' collectives keep them in step); rank 0 samples.
@@ -71,7 +71,7 @@ class Worker:
             if model_config.max_model_len > max_len:
                 raise ValueError(f"max_model_len {model_config.max_model_len} exceeds the model's {max_len}")
             max_len = model_config.max_model_len
-        # Disaggregation (issue 14): this worker's end of KV transfers with other engines' workers.
+        # Disaggregation: this worker's end of KV transfers with other engines' workers.
         self.kv_transfer = None if disaggregation.kv_transfer_address is None else KVTransferEndpoint(
             disaggregation.kv_transfer_address, self.device, disaggregation.kv_transfer_timeout, secret)
         self.info = WorkerInfo(model_id=model_id_of(self.model_path), model_path=str(self.model_path),

@@ -14,9 +14,9 @@ from typing import Any, Iterator, NamedTuple
 from tests.deploy.chart import CHART_DIR, REPO_ROOT
 
 DASHBOARD_DIR = CHART_DIR / "dashboards"
-METRICS_DOC = REPO_ROOT / "docs" / "metrics.md"
+METRICS_DOC = REPO_ROOT / "docs" / "serving" / "metrics.md"
 
-# vLLM's names that operators' tools depend on, by type (vLLM's metrics reference; docs/metrics.md
+# vLLM's names that operators' tools depend on, by type (vLLM's metrics reference; docs/serving/metrics.md
 # points there). Counters are named as scraped, with `_total`.
 VLLM_METRICS: dict[str, str] = {
     "vllm:num_requests_running": "gauge",
@@ -130,7 +130,7 @@ def dashboard_metric_names() -> set[str]:
 
 def known_metric_names() -> set[str]:
     """The series names kvmesh exports: vLLM's (VLLM_METRICS) and kvmesh's own and the process_*
-    series (docs/metrics.md), expanded to what a scrape shows."""
+    series (docs/serving/metrics.md), expanded to what a scrape shows."""
     doc = METRICS_DOC.read_text()
     typed = dict(VLLM_METRICS)
     for name, kind in re.findall(r"^\|\s*(kvmesh_\w+)\s*\|\s*(counter|gauge|histogram)\b", doc, re.MULTILINE):

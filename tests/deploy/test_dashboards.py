@@ -90,7 +90,7 @@ def test_promtool_check_catches_a_broken_expression(tmp_path: Path) -> None:
 def test_dashboards_use_only_exported_metric_names() -> None:
     used = dashboard_metric_names()
     unknown = used - known_metric_names()
-    assert not unknown, f"not in docs/metrics.md nor vLLM's names: {sorted(unknown)}"
+    assert not unknown, f"not in docs/serving/metrics.md nor vLLM's names: {sorted(unknown)}"
     # The dashboards cover what the issue asks for.
     for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
                  "vllm:e2e_request_latency_seconds_bucket", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",

@@ -1,4 +1,4 @@
-"""Issue #11, item 1: the internal gRPC ports trust no one without the internal token.
+"""The internal gRPC ports trust no one without the internal token.
 
 Real worker, engine and processor processes on loopback, started with a token file as a pod gets
 it from a Secret: every RPC of every kvmesh service and reflection refuse a caller without the

@@ -114,7 +114,7 @@ def test_linear_either_path_equals_f_linear_with_bias(lib, rows):
 
 
 def test_the_portable_build_leaves_every_row_count_to_torch_gemm(lib):
-    # Where the tiles are slower than dequantize + GEMM (docs/benchmarks.md), linear never takes them.
+    # Where the tiles are slower than dequantize + GEMM (docs/benchmarks/log.md), linear never takes them.
     assert qm.gemm_rows(lib) == {0: 1, 256: 64, 512: 256}[qm.isa(lib)]
 
 

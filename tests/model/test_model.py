@@ -125,7 +125,7 @@ def test_smollm2_matches_transformers_prefill_and_decode(smollm2, model_path: Pa
 
 
 def test_smollm2_in_gguf_blocks_holds_the_folders_weights_and_matches_transformers(smollm2, model_path: Path) -> None:
-    # The worker's CPU default for a GGUF model: its weights in the file's blocks (issue 16).
+    # The worker's CPU default for a GGUF model: its weights in the file's blocks.
     model, hf_model, config = smollm2
     cache_dir = default_cache_dir()
     weights = gguf_weights_for("gguf", model_files.DEFAULT_MODEL, torch.device("cpu"), torch.float32, cache_dir)

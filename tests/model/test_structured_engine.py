@@ -1,4 +1,4 @@
-"""Structured outputs in the engine with the real model and worker (issue 17): a batch mixing
+"""Structured outputs in the engine with the real model and worker: a batch mixing
 constrained and unconstrained requests leaves the unconstrained ones exactly their solo tokens;
 constrained requests survive preemption; aborts at any stage, and a constraint the engine cannot
 compile, leave nothing behind."""

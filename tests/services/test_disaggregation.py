@@ -1,4 +1,4 @@
-"""Issue 14's acceptance: disaggregated prefill/decode on real processes, KV blocks over gloo.
+"""Acceptance of disaggregated prefill/decode on real processes, KV blocks over gloo.
 
 One `kvmesh serve --prefill-engines 1 --decode-engines 1` for the module (engine-prefill-0 and
 engine-decode-0, each with its worker). The tests that only talk to it come first and leave both

@@ -1,4 +1,4 @@
-"""Issue 12's acceptance: `kvmesh serve --num-engines 2` behind one processor, real processes, a real
+"""Acceptance of the fleet: `kvmesh serve --num-engines 2` behind one processor, real processes, a real
 redis-server on a free loopback port as the shared prefix-cache index.
 
 The module's fleet (kv-aware routing, Redis) serves tests 1-4 in order; they leave it as they

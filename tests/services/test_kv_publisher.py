@@ -75,7 +75,7 @@ class Fleet:
         return await self.client.smembers(f"{self.namespace}:e:{engine_id}:blocks")
 
     async def check_forward_keys(self, held: set[BlockHash]) -> None:
-        """The forward keys say what the reverse set says (docs/prefix_index.md's invariant, as the
+        """The forward keys say what the reverse set says (docs/features/prefix_index.md's invariant, as the
         router reads it). Only once the publisher is quiet: it updates both between our reads."""
         engine_id, epoch = self.engine.identity
         member = f"{engine_id}:{epoch}".encode()

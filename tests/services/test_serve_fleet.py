@@ -2,8 +2,7 @@
 own, behind one processor and one gateway; a completion goes through; the gateway's /metrics
 merges both engines; a dead worker restarts its own pair only, while the other pair serves on.
 
-Until the processor routes over several engines (#12's router), it sends every request to the
-first engine it is given: this module checks what `kvmesh serve` does, not the routing. One
+This module checks what `kvmesh serve` does, not the routing (tests/services/test_fleet.py does). One
 `kvmesh serve` for the module; the restart test comes last and leaves it serving."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The engine's side of tensor parallelism (issue 13): the GroupWorkerClient over real worker
+"""The engine's side of tensor parallelism: the GroupWorkerClient over real worker
 processes, `kvmesh serve`'s supervisor restarting an engine with all its workers, the offline
 `LLM` with worker processes, and the end-to-end TP=2 checks.
 

@@ -1,7 +1,7 @@
-"""vLLM's extensions of the OpenAI API (issue #15: token ids in and out, stream_options, type coercion,
+"""vLLM's extensions of the OpenAI API (token ids in and out, stream_options, type coercion,
 the fields kvmesh refuses), through `kvmesh serve` with the official `openai` client (vLLM's fields in
 `extra_body`) or raw HTTP where the client cannot say it. Field names and shapes are vLLM's
-(vllm/entrypoints/openai/{completion,chat_completion}/protocol.py); docs/vllm_api.md lists them all.
+(vllm/entrypoints/openai/{completion,chat_completion}/protocol.py); docs/serving/vllm_api.md lists them all.
 
 On the session's shared stack (`serve`, tests/services/conftest.py); small max_tokens throughout.
 """

@@ -1,4 +1,4 @@
-"""vLLM's routes beyond OpenAI's (issue 15): /ping and /invocations (SageMaker's pair), /load (what
+"""vLLM's routes beyond OpenAI's: /ping and /invocations (SageMaker's pair), /load (what
 routers poll) and /v1/chat/completions/batch, through `kvmesh serve` with raw HTTP (the `openai`
 client has no method for them) and compared with what the `openai` client gets from the routes
 they stand for.

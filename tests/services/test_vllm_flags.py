@@ -1,4 +1,4 @@
-"""vLLM's server flags (issue 15), through one `kvmesh serve` started with all of them:
+"""vLLM's server flags, through one `kvmesh serve` started with all of them:
 --root-path, --enable-request-id-headers, --enable-force-include-usage,
 --enable-tokenizer-info-endpoint and --max-logprobs -1 (logprobs of the whole vocabulary); and
 --dtype float16 on the CPU, refused at start-up. The defaults (no X-Request-Id, no

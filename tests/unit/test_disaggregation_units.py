@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode's cores (issue 14), pinned to exact state: the decode side's
+"""Disaggregated prefill/decode's cores, pinned to exact state: the decode side's
 transfer blocks (allocated uncached, cached on commit, freed on cancel), the prefill side's lease
 (held on free, released or expired), the scheduler's admission of a prefilled request, the
 processor's decision, and `kvmesh serve`'s P/D layout."""

@@ -212,7 +212,7 @@ def test_serve_with_tensor_parallel_groups_hands_each_rank_its_place():
         assert engine.parallel.tensor_parallel_size == 2
         assert engine.service.worker_address == tuple(sock(w) for w in group.workers)
         for rank, worker in enumerate(group.workers):
-            parallel_parser = argparse.ArgumentParser()  # the worker's parser has them once #13's worker side lands
+            parallel_parser = argparse.ArgumentParser()  # ParallelConfig's flags alone, out of the worker's argv
             add_flags(parallel_parser, ParallelConfig, None)
             parallel = build(parallel_parser, ParallelConfig, parallel_parser.parse_known_args(argvs[worker])[0])
             assert parallel == ParallelConfig(2, rank, f"127.0.0.1:{21 + i}", 4.0)

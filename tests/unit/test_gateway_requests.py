@@ -1,5 +1,5 @@
 """The gateway's request models on their own: vLLM's type coercion, the stream_options rule, the
-fields refused as unimplemented (and that docs/vllm_api.md lists every field)."""
+fields refused as unimplemented (and that docs/serving/vllm_api.md lists every field)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from services.gateway.sampling import to_sampling_params
 from services.gateway.unsupported import UNSUPPORTED, UNSUPPORTED_CHAT, unsupported_asks
 
 CHAT = [{"role": "user", "content": "hi"}]
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "vllm_api.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "serving" / "vllm_api.md"
 
 
 def chat(**fields) -> ChatCompletionRequest:
@@ -85,7 +85,7 @@ def test_defaults_ask_for_nothing_and_every_refused_field_is_named():
 
 
 def test_the_docs_table_lists_every_request_field():
-    """docs/vllm_api.md's table has a row for each field of both request models (and of the refused ones)."""
+    """docs/serving/vllm_api.md's table has a row for each field of both request models (and of the refused ones)."""
     rows = set(re.findall(r"^\| `(\w+)` \|", DOCS.read_text(), flags=re.MULTILINE))
     fields = {*ChatCompletionRequest.model_fields, *CompletionRequest.model_fields, *UNSUPPORTED, *UNSUPPORTED_CHAT}
     assert fields - rows == set()

@@ -1,5 +1,5 @@
 """The prefix-cache index: the in-memory and the Redis implementation give the same answers, and the
-Redis one leaves exactly the keys its schema promises (docs/prefix_index.md) after every call.
+Redis one leaves exactly the keys its schema promises (docs/features/prefix_index.md) after every call.
 
 A real redis-server runs on a free loopback port for the module, in a temporary folder, and is killed
 by its pid; each test works in its own key namespace.

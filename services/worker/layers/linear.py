@@ -1,4 +1,4 @@
-"""Linear layers split the Megatron way across a tensor-parallel group (issue 13), and the reading
+"""Linear layers split the Megatron way across a tensor-parallel group, and the reading
 of their slices from a checkpoint.
 
     MergedLinear       column-parallel: several checkpoint projections (q|k|v, gate|up) stacked along
@@ -10,7 +10,7 @@ With a group of one both are plain nn.Linear layers over whole projections: no c
 
 Weights arrive as a `WeightSource`: a torch tensor, or a safetensors slice (`safe_open(...).get_slice`)
 that reads from the file only the rows or columns asked for, so a rank never holds a whole tensor, or
-a GGUF file's blocks (`GGUFBlocks`, issue 16), which the layers keep as they are where the native
+a GGUF file's blocks (`GGUFBlocks`), which the layers keep as they are where the native
 kernel reads them (services/worker/layers/quantized_weight.py) and dequantize otherwise.
 """
 

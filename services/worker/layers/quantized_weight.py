@@ -1,4 +1,4 @@
-"""Weights kept in a GGUF file's blocks (issue 16): the checkpoint-side source and the layer-side weight.
+"""Weights kept in a GGUF file's blocks: the checkpoint-side source and the layer-side weight.
 
     GGUFBlocks   a WeightSource: one tensor's blocks as the file holds them, rows in the model's
                  order; sliced like a safetensors slice (whole rows; columns in whole blocks)
@@ -178,7 +178,7 @@ class BlockWeightHolder:
 #           sequence's decode steps stay exact.
 #  Q8_0_I8  from 2 rows too (the LM head: 36 bytes a block against Q8_0's 34): level with the float32
 #           tiles at one row, 2.0x at two, 2.5x at eight, 1.6x at 32 (AVX2, same machine).
-# (docs/benchmarks.md, issue 16)
+# (docs/benchmarks/log.md)
 LOW_PRECISION_GEMM_ROWS = {QuantType.BF16: 24, QuantType.Q4_1_I8: 2, QuantType.Q8_0_I8: 2}
 
 

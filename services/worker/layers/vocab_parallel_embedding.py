@@ -1,4 +1,4 @@
-"""The vocabulary split across a tensor-parallel group (issue 13): the token embedding and the LM
+"""The vocabulary split across a tensor-parallel group: the token embedding and the LM
 head (the same matrix when tied).
 
 Rank r holds rows [r * per_rank, (r + 1) * per_rank) with per_rank = ceil(vocab / size); the last
@@ -9,7 +9,7 @@ rank's rows past the vocabulary are zero padding, so every rank's slice has the 
              the padding cut off; the other ranks get None
 
 With a group of one both are plain `F.embedding` / `F.linear` over the whole vocabulary. Given a
-GGUF file's blocks, the table stays in them (issue 16): a lookup dequantizes its rows, the logits
+GGUF file's blocks, the table stays in them: a lookup dequantizes its rows, the logits
 are the native quantized matmul.
 """
 

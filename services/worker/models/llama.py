@@ -7,7 +7,7 @@
       after it: a fused add + norm, vLLM's way);  compute_logits -> [num_tokens, vocab]
 
 Checkpoint projections are fused: q|k|v into one `qkv_proj`, gate|up into one `gate_up_proj`.
-In a tensor-parallel group (issue 13) each rank holds a Megatron slice of every layer: its heads of
+In a tensor-parallel group each rank holds a Megatron slice of every layer: its heads of
 q|k|v and its rows of gate|up (column-parallel), the matching columns of o_proj and down_proj
 (row-parallel, one all-reduce each), its part of the vocabulary (services/worker/layers/
 vocab_parallel_embedding.py); norms and RoPE are whole on every rank. Heads are split by KV head

@@ -112,7 +112,7 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
-        """Disaggregated prefill/decode (issue 14), decode engine D -> prefill engine P: compute the
+        """Disaggregated prefill/decode, decode engine D -> prefill engine P: compute the
         prompt, send its KV blocks from P's workers to D's (torch.distributed point-to-point), answer
         with the first sampled token (first message), then once sent (last message). P holds the blocks under a lease until ReleaseTransfer (D got
         them, or gave up) or until the lease expires.

@@ -26,7 +26,8 @@ from loadtests.serve_process import start_serve, stop_serve
 from loadtests.serving_bench import command_line, machine, percentile
 from loadtests.serving_client import Endpoint, RequestResult, send
 from loadtests.serving_scenarios import ScenarioLengths, build_sessions
-from loadtests.serving_targets import VLLM_EXTRAS, free_port, served_model
+from loadtests.serving_targets import VLLM_EXTRAS, served_model
+from services.common.processes import free_ports
 from services.processor.tokenizer import load_tokenizer
 from services.worker.loader import resolve_model
 
@@ -73,7 +74,7 @@ def main() -> None:
     print("| config | req/s | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | KV transfers |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for run_index, (name, flags) in enumerate(CONFIGS.items()):
-        port = free_port()
+        port = free_ports(1)[0]
         proc, ready, log = start_serve(["--model", str(model_path), "--port", str(port), "--kv-cache-memory",
                                         args.kv_cache_memory, *flags])
         try:

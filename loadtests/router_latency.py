@@ -29,8 +29,8 @@ from services.common.clients import EngineInfo
 from services.common.config import RoutingConfig
 from services.common.engine_output import EngineCoreRequest
 from services.common.hashing import hash_token_blocks
+from services.common.kv_events import BlockStored
 from services.common.sampling_params import SamplingParams
-from services.engine.kv_events import BlockStored
 from services.prefix_index import EngineLoad, PrefixIndexReplica, RedisPrefixIndex
 from services.processor.router import Router
 from tests.redis_server import RedisServer

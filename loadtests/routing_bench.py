@@ -57,8 +57,9 @@ from loadtests.serve_process import start_serve, stop_serve
 from loadtests.serving_bench import Run, Summary, command_line, format_ms, machine, notes, summarize, warm_up
 from loadtests.serving_client import Endpoint, Load, LoadResult, run_load
 from loadtests.serving_scenarios import ScenarioLengths, build_sessions
-from loadtests.serving_targets import VLLM_EXTRAS, TargetUnavailable, free_port, served_model
+from loadtests.serving_targets import VLLM_EXTRAS, TargetUnavailable, served_model
 from services.common.config import parse_bytes
+from services.common.processes import free_ports
 from services.processor.tokenizer import load_tokenizer
 from services.worker.loader import resolve_model
 from tests.redis_server import RedisServer
@@ -279,7 +280,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
 
 
 def serve_flags(policy: str, index_url: str, args: argparse.Namespace) -> list[str]:
-    flags = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--port", str(free_port()),
+    flags = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--port", str(free_ports(1)[0]),
              "--num-engines", str(args.num_engines), "--prefix-index", index_url, "--routing", policy,
              "--kv-cache-memory", str(args.kv_cache_memory), "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),

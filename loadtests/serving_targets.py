@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,6 +43,7 @@ from transformers import AutoConfig
 from transformers.utils.import_utils import is_serve_available
 
 from loadtests.serving_client import Endpoint
+from services.common.processes import free_ports, http_ok, read_ready_line
 from services.worker.loader import resolve_model
 
 TARGETS = ("kvmesh", "inprocess", "transformers", "llama-server", "url")
@@ -91,7 +91,7 @@ def started(target: str, config: ServerConfig, url: str | None = None,
         wait_healthy(url, None, min(config.startup_timeout, URL_WAIT), None)
         yield Endpoint(url, served_model(url), VLLM_EXTRAS if url_api == "vllm" else _transformers_extras())
         return
-    port = free_port()
+    port, = free_ports(1)
     url = f"http://{LOOPBACK}:{port}"
     command = server_command(target, config, port)
     log_path = config.log_dir / f"{target}.log"
@@ -160,23 +160,14 @@ def _transformers_extras() -> dict[str, object]:
     return {"generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
 def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log_path: Path | None) -> None:
     deadline = time.monotonic() + timeout
     while True:
         if proc is not None and proc.poll() is not None:
             raise TargetUnavailable(f"the server exited with code {proc.returncode} while starting; "
                                     f"{_tail(log_path)}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if http_ok(f"{url}/health"):
+            return
         if time.monotonic() > deadline:
             raise TargetUnavailable(f"{url}/health did not answer 200 within {timeout:g}s; {_tail(log_path)}")
         time.sleep(0.5)
@@ -218,10 +209,8 @@ def stop(proc: subprocess.Popen, target: str, log_path: Path) -> None:
 
 
 def _kvmesh_service_pids(log_path: Path) -> list[int]:
-    for line in log_path.read_text(errors="replace").splitlines():
-        if line.startswith('{"kvmesh": "ready"'):
-            return [s["pid"] for s in json.loads(line)["services"].values()]
-    return []
+    ready = read_ready_line(log_path)
+    return [] if ready is None else [s["pid"] for s in ready.services.values()]
 
 
 def _is_kvmesh_service(pid: int) -> bool:

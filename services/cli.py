@@ -33,26 +33,17 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib
-import json
 import os
-import secrets
 import signal
-import socket
 import stat
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from enum import Enum
 from pathlib import Path
 from typing import NamedTuple
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import (
     DisaggregationConfig,
@@ -76,16 +67,27 @@ from services.common.config import (
     WorkerConfig,
 )
 from services.common.flags import add_flags, build, to_argv
+from services.common.processes import (
+    KILL_AFTER,
+    LOOPBACK,
+    SERVICE_NAMES,
+    SUPERVISOR_PID_ENV,
+    Child,
+    ChildSpec,
+    ReadyLine,
+    Supervisor,
+    format_ready_line,
+    free_ports,
+    grpc_serving,
+    http_ok,
+    kill_group,
+)
 from services.common.rpc.security import ROLES
+from services.common.token_files import write_role_tokens
 from services.common.unix_socket import check_path_length, unix_address
 from services.worker.step_channel import step_channel_path
 
-SERVICES = {
-    "worker": "services.worker.server",
-    "engine": "services.engine.server",
-    "processor": "services.processor.server",
-    "gateway": "services.gateway.server",
-}
+SERVICES = {name: f"services.{name}.server" for name in SERVICE_NAMES}
 USAGE = """usage: kvmesh <command> [flags]
 
 commands:
@@ -95,11 +97,8 @@ commands:
   processor   run the processor service
   gateway     run the OpenAI-compatible HTTP gateway
 """
-LOOPBACK = "127.0.0.1"
-KILL_AFTER = 1.5  # extra seconds past a grace before SIGKILL
 PARTNER_EXIT_WAIT = 3.0  # seconds the survivors of a group get to exit on their own (the engine, after its worker)
 PR_SET_PDEATHSIG = 1
-SERVICE_ENV_PREFIXES = tuple(f"KVMESH_{name.upper()}_" for name in SERVICES)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -151,32 +150,6 @@ def build_serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class ChildSpec(NamedTuple):
-    """A child to start: its name, its service's flags, its address and its readiness check."""
-
-    name: str
-    argv: list[str]
-    address: str
-    ready: Callable[[], bool]
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-    address: str
-    argv: list[str]
-    ready: Callable[[], bool]
-
-
-SUPERVISOR_PID_ENV = "KVMESH_SUPERVISOR_PID"  # set by `kvmesh serve` for its children
-
-
-def service_of(name: str) -> str:
-    """The service a child runs: children are named "<service>" or "<service>-<suffix>" (one of several)."""
-    return name.partition("-")[0]
-
-
 def _follow_supervisor() -> None:
     """In a child of `kvmesh serve`: SIGTERM when the supervisor dies. Set here, after exec (see
     the module docstring); a supervisor already gone by now means exit at once."""
@@ -186,85 +159,6 @@ def _follow_supervisor() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(supervisor):
         sys.exit("kvmesh: the kvmesh serve that started this service is gone")
-
-
-class Supervisor:
-    """The children of one `kvmesh serve`, started in order and stopped in reverse."""
-
-    def __init__(self, grace: float = 5.0, internal_grace: float = 2.0) -> None:
-        self.children: list[Child] = []
-        self.grace = grace  # the gateway's, for requests in flight
-        self.internal_grace = internal_grace  # the others', once the gateway is gone
-        self.stop_requested = False
-
-    def request_stop(self, signum: int, frame: object) -> None:
-        self.stop_requested = True
-
-    def start(self, stage: Sequence[ChildSpec], timeout: float) -> bool:
-        """Start `kvmesh <name> ...` for each child of `stage` at once (a tensor-parallel group's
-        workers wait for each other) and wait until each is `ready()`; False if one died, a wait
-        timed out or a stop was requested meanwhile (then the caller stops everything)."""
-        children = [Child(name, self._spawn(name, argv), address, argv, ready) for name, argv, address, ready in stage]
-        self.children.extend(children)
-        return all(self._wait_ready(child, timeout) for child in children)
-
-    def respawn(self, name: str) -> Child:
-        """Start the child `name` again with the same flags (same addresses), in place of the old one."""
-        index = next(i for i, c in enumerate(self.children) if c.name == name)
-        old = self.children[index]
-        self.children[index] = Child(name, self._spawn(name, old.argv), old.address, old.argv, old.ready)
-        return self.children[index]
-
-    @staticmethod
-    def _spawn(name: str, service_argv: list[str]) -> subprocess.Popen:
-        # A process group of its own: a Ctrl-C at the terminal reaches only us, and we stop the
-        # children in order.
-        # Every knob is in the argv: the service's own environment variables would only disagree.
-        env = {k: v for k, v in os.environ.items() if not k.startswith(SERVICE_ENV_PREFIXES)}
-        return subprocess.Popen([sys.executable, "-m", "services.cli", service_of(name), *service_argv],
-                                start_new_session=True, env={**env, SUPERVISOR_PID_ENV: str(os.getpid())})
-
-    def _wait_ready(self, child: Child, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while not self.stop_requested:
-            if child.proc.poll() is not None:
-                print(f"kvmesh: the {child.name} exited with code {child.proc.returncode} while starting",
-                      file=sys.stderr)
-                return False
-            if child.ready():
-                return True
-            if time.monotonic() > deadline:
-                print(f"kvmesh: the {child.name} was not healthy after {timeout:.0f}s", file=sys.stderr)
-                return False
-            time.sleep(0.2)
-        return False
-
-    def sleep(self, seconds: float) -> None:
-        """Until `seconds` passed or a stop was requested."""
-        deadline = time.monotonic() + seconds
-        while not self.stop_requested and time.monotonic() < deadline:
-            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-
-    def stop(self) -> None:
-        """The gateway first (it lets requests in flight finish), then the others together."""
-        front = [c for c in self.children if c.name == "gateway"]
-        back = [c for c in reversed(self.children) if c.name != "gateway"]
-        self._stop(front, self.grace + KILL_AFTER)
-        self._stop(back, self.internal_grace + KILL_AFTER)
-
-    @staticmethod
-    def _stop(children: list[Child], timeout: float) -> None:
-        for child in children:
-            if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for child in children:
-            try:
-                child.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"kvmesh: the {child.name} did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
-        for child in children:
-            _kill_group(child)
 
 
 class ServeSpec(NamedTuple):
@@ -332,25 +226,6 @@ def runtime_dir() -> str | None:
         return None
     if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or not os.access(path, os.W_OK | os.X_OK):
         return None
-    return path
-
-
-def write_token_file(directory: Path) -> SecurityConfig:
-    """A random shared internal token in `directory`/internal-token (mode 0600; mkdtemp's directory
-    is 0700), as the config that points the services at it."""
-    return SecurityConfig(internal_token_file=write_secret(directory / "internal-token"))
-
-
-def write_role_tokens(directory: Path) -> SecurityConfig:
-    """A random token per caller role in `directory`/<role>-token (mode 0600), as the config that
-    names them all: service_argvs gives each child only the ones its kind holds."""
-    return SecurityConfig(**{f"{role}_token_file": write_secret(directory / f"{role}-token") for role in ROLES})
-
-
-def write_secret(path: Path) -> Path:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32))
     return path
 
 
@@ -554,7 +429,7 @@ def _serve(spec: ServeSpec, supervisor: Supervisor, private: Path) -> int:
     if spec.serve.print_addresses:
         services = {c.name: {"address": c.address, "pid": c.proc.pid, "metrics": metrics[c.name]}
                     for c in supervisor.children}
-        print(json.dumps({"kvmesh": "ready", "api": f"{api}/v1", "services": services}), flush=True)
+        print(format_ready_line(ReadyLine(f"{api}/v1", services)), flush=True)
     return supervise(supervisor, spec.serve, layout.groups)
 
 
@@ -618,7 +493,7 @@ class Recovery:
         if self.phase == "stopping" and (now >= self.deadline or all(c.proc.poll() is not None
                                                                      for c in self.members())):
             for child in self.members():
-                _kill_group(child)
+                kill_group(child.proc)
             delay = self.budget.next_delay(now)
             if delay is None:
                 return Outcome.GAVE_UP
@@ -656,15 +531,6 @@ class Recovery:
         self.why = f"{self.unit.describe()} did not come back"
         self.phase, self.deadline = "draining", now  # its survivors are stopped at the next step
         return None
-
-
-def _kill_group(child: Child) -> None:
-    """SIGKILL to the child's process group (the service and anything it started), then reap it."""
-    try:
-        os.killpg(child.proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    child.proc.wait()
 
 
 def supervise(supervisor: Supervisor, config: ServeConfig, groups: Sequence[Group] = (SOLE_GROUP,)) -> int:
@@ -706,35 +572,6 @@ def supervise(supervisor: Supervisor, config: ServeConfig, groups: Sequence[Grou
                 return 1
         supervisor.sleep(0.2)
     return 0
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports the kernel just handed out on loopback (held together, so distinct)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind((LOOPBACK, 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def grpc_serving(address: str, timeout: float = 1.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def http_ok(url: str, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return False
 
 
 def _url_host(host: str) -> str:

@@ -8,7 +8,7 @@ import subprocess
 import tempfile
 import time
 
-from services.cli import free_ports
+from services.common.processes import free_ports
 
 
 class RedisServer:

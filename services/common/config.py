@@ -20,6 +20,7 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from services.common.ports import DEFAULT_PORTS, default_address
 from services.common.sampling_params import MAX_LOGPROBS, MAX_TOKEN_IDS
 from services.common.unix_socket import SCHEME as UNIX_SCHEME, check_path_length, socket_path
 
@@ -313,7 +314,7 @@ class EngineServiceConfig:
     worker_address: tuple[str, ...] = option(
         (), "a worker's host:port, off Kubernetes (repeatable, or comma-separated in the environment, in rank "
             "order: several are one tensor-parallel group, as many as --tensor-parallel-size; default "
-            "127.0.0.1:50053)")
+            f"{default_address('worker')})")
     worker_service: str | None = option(
         None, "the workers' Kubernetes Service: connect to its ready endpoints (port named grpc) whose hostnames "
               "are --worker-hostname; excludes --worker-address")
@@ -473,7 +474,7 @@ class ProcessorServiceConfig:
 
     engine_address: tuple[str, ...] = option(
         (), "an engine's host:port, off Kubernetes (repeatable, or comma-separated in the environment; several: "
-            "the router chooses per request; default 127.0.0.1:50052)")
+            f"the router chooses per request; default {default_address('engine')})")
     engine_service: str | None = option(
         None, "the engines' Kubernetes Service: route to its ready endpoints (port named grpc); "
               "excludes --engine-address")
@@ -513,7 +514,7 @@ class ProcessorServiceConfig:
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    processor_address: str = option("127.0.0.1:50051", "the processor")
+    processor_address: str = option(default_address("processor"), "the processor")
     timeout: float = option(10.0, "deadline (s) of each unary processor call and of the health check",
                             minimum=0.0)
     access_log: bool = option(True, "uvicorn's access log")
@@ -677,7 +678,7 @@ class ServeConfig:
     """`kvmesh serve`'s own knobs (the services' come from the dataclasses above)."""
 
     host: str = option("127.0.0.1", "interface the API listens on")
-    port: int = option(8000, "port of the API", minimum=0, maximum=65535)
+    port: int = option(DEFAULT_PORTS["gateway"].port, "port of the API", minimum=0, maximum=65535)
     startup_timeout: float = option(600.0, "seconds each service may take to become healthy", minimum=0.0)
     print_addresses: bool = option(False, "print one JSON line with every service's address and pid once ready")
     grace: float = option(5.0, "seconds requests in flight get to finish at shutdown (the gateway's drain); those "

@@ -40,18 +40,15 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from services.common.clients import EngineInfo, EngineStats, PrefixMatch, WorkerClient
 from services.common.config import GrammarLimits, SchedulerConfig
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.errors import EngineDeadError
 from services.engine.engine_core import EngineCore
-from services.engine.kv_events import KVEventQueue
+from services.engine.kv_event_queue import KVEventQueue
 from services.engine.metrics import ABORT_REASONS, EngineMetrics
-
-if TYPE_CHECKING:  # it drives this engine; this engine only hands it requests
-    from services.engine.disaggregation import Disaggregation
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,6 +58,19 @@ IDLE_SCHEDULE_WAIT = 0.001  # seconds; see _step
 
 # What the engine-loop thread hands a stream: an output, or the exception it ends with.
 Item = EngineCoreOutput | BaseException
+
+
+class RemotePrefill(Protocol):
+    """What this engine asks of disaggregated prefill (services/engine/disaggregation.py), which
+    drives this engine: this engine only hands it requests and tells it of expired leases."""
+
+    role: str
+
+    def start(self, request: EngineCoreRequest) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def record_expired(self, count: int) -> None: ...
 
 
 class EngineIdentity(NamedTuple):
@@ -89,7 +99,7 @@ class AsyncEngine:
         # Functions to run on the engine-loop thread between steps (call_in_loop), with their futures.
         self._calls: list[tuple[Callable[[], object], asyncio.Future | None]] = []
         # Disaggregated prefill/decode: set by the engine service when its workers take part.
-        self.disaggregation: Disaggregation | None = None
+        self.disaggregation: RemotePrefill | None = None
         self._stopping = False
         self._error: EngineDeadError | None = None
         self._dead = asyncio.Event()
@@ -164,7 +174,7 @@ class AsyncEngine:
                     self.disaggregation.cancel(request.request_id)
                 self._abort_soon([request.request_id])
 
-    def enable_disaggregation(self, disaggregation: Disaggregation, endpoints: tuple[str, ...]) -> None:
+    def enable_disaggregation(self, disaggregation: RemotePrefill, endpoints: tuple[str, ...]) -> None:
         """Take part in disaggregated prefill/decode as `disaggregation.role`; `endpoints`:
         the workers' KV-transfer endpoint ids (in this engine's info). Before the first request."""
         self.disaggregation = disaggregation

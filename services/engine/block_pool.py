@@ -19,7 +19,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from services.common.hashing import BlockHash
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot, KVEventQueue
+from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot
+from services.engine.kv_event_queue import KVEventQueue
 
 
 @dataclass(slots=True, eq=False)

@@ -9,20 +9,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from services.common.clients import EngineInfo, EngineStats, PrefixMatch
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest, PrefillProgress, PrefillTask
 from services.common.errors import raising_errors
 from services.common.metrics import GrpcMetrics
 from services.common.rpc import convert
+from services.common.rpc.client import AsyncGrpcClient
 from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.common.rpc.security import RpcSecurity
-from services.common.rpc.server import GRPC_OPTIONS, SERVING
 
 
-class GrpcEngineClient:
+class GrpcEngineClient(AsyncGrpcClient):
     """`timeout` is the deadline of each unary call; `stream_timeout` of each Generate stream
     (the whole generation); `security` puts the internal token (and mTLS) on every call. Closing a
     generate() iterator early cancels the call, which aborts the request in the engine. Construct
@@ -30,13 +27,9 @@ class GrpcEngineClient:
 
     def __init__(self, address: str, timeout: float = 10.0, stream_timeout: float = 3600.0,
                  metrics: GrpcMetrics | None = None, security: RpcSecurity = RpcSecurity()) -> None:
-        self.address = address
-        self.timeout = timeout
+        super().__init__(address, security, metrics, timeout)
         self.stream_timeout = stream_timeout
-        self._channel = security.aio_channel(address, GRPC_OPTIONS,
-                                             metrics.aio_client_interceptors() if metrics else ())
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def info(self) -> EngineInfo:
         with raising_errors():
@@ -83,14 +76,3 @@ class GrpcEngineClient:
         with raising_errors():
             await self._stub.ReleaseTransfer(engine_pb2.ReleaseTransferRequest(request_id=request_id),
                                              timeout=self.timeout)
-
-    async def is_healthy(self) -> bool:
-        """The engine's standard health service says SERVING; False also when it cannot be reached."""
-        try:
-            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout)
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.status == SERVING
-
-    async def close(self) -> None:
-        await self._channel.close()

@@ -15,7 +15,7 @@ from services.common.scheduler_output import GrammarBitmask, SchedulerOutput
 from services.common.validation import check_engine_request
 from services.engine.chunk_policy import AdaptiveChunking
 from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.kv_events import KVEventQueue
+from services.engine.kv_event_queue import KVEventQueue
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler
 from services.engine.structured_output import GrammarError, StructuredOutputManager

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from services.common.hashing import BlockHash
 from services.engine.block_pool import BlockPool, KVCacheBlock
-from services.engine.kv_events import KVEventQueue
+from services.engine.kv_event_queue import KVEventQueue
 from services.engine.request import Request
 
 

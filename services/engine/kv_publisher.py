@@ -31,8 +31,9 @@ import logging
 import time
 
 from services.common.clients import EngineStats
+from services.common.kv_events import CacheSnapshot, KVCacheEvent
 from services.engine.async_engine import AsyncEngine
-from services.engine.kv_events import CacheSnapshot, KVCacheEvent, KVEventQueue
+from services.engine.kv_event_queue import KVEventQueue
 from services.engine.metrics import PublisherMetrics
 from services.prefix_index import EngineLoad, PrefixIndex, StaleEpochError
 

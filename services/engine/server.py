@@ -58,6 +58,7 @@ from services.common.flags import add_flags, build
 from services.common.discovery import EndpointWatcher, kube_configuration
 from services.common.errors import answers_with_status
 from services.common.metrics import MetricsEndpoint, ServiceMetrics
+from services.common.ports import DEFAULT_PORTS, default_address
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.common.rpc.security import ENGINE, RpcSecurity
@@ -66,7 +67,7 @@ from services.common.unix_socket import unix_address
 from services.engine.async_engine import AsyncEngine, EngineIdentity
 from services.engine.client import GrpcEngineClient
 from services.engine.disaggregation import Disaggregation, Timeouts
-from services.engine.kv_events import KVEventQueue
+from services.engine.kv_event_queue import KVEventQueue
 from services.engine.kv_publisher import KVPublisher
 from services.engine.executor import GroupWorkerClient
 from services.engine.metrics import DisaggregationMetrics, EngineLabels, EngineMetrics, PublisherMetrics
@@ -76,9 +77,8 @@ from services.worker.client import GrpcWorkerClient
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PORT = 50052
-DEFAULT_METRICS_PORT = 9052
-DEFAULT_WORKER_ADDRESS = "127.0.0.1:50053"
+DEFAULT_PORT, DEFAULT_METRICS_PORT = DEFAULT_PORTS["engine"]
+DEFAULT_WORKER_ADDRESS = default_address("worker")
 ENV_PREFIX = "KVMESH_ENGINE"  # KVMESH_ENGINE_PORT for --port, ...
 SERVICE_NAME = service_name(engine_pb2.DESCRIPTOR, "Engine")
 
@@ -115,7 +115,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     @answers_with_status
     async def Prefill(self, request: engine_pb2.PrefillRequest, context):
-        disaggregation = self.engine.disaggregation if isinstance(self.engine, AsyncEngine) else None
+        disaggregation = disaggregation_of(self.engine)
         if disaggregation is None:
             raise ValueError("this engine takes no part in KV transfers: start its workers with --kv-transfer-address")
         async with aclosing(disaggregation.prefill(convert.prefill_task_from_proto(request))) as stream:
@@ -125,8 +125,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     @answers_with_status
     async def ReleaseTransfer(self, request: engine_pb2.ReleaseTransferRequest,
                               context) -> engine_pb2.ReleaseTransferResponse:
-        if isinstance(self.engine, AsyncEngine) and self.engine.disaggregation is not None:
-            await self.engine.disaggregation.release(request.request_id)
+        disaggregation = disaggregation_of(self.engine)
+        if disaggregation is not None:
+            await disaggregation.release(request.request_id)
         return engine_pb2.ReleaseTransferResponse()
 
     @answers_with_status
@@ -140,6 +141,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     @answers_with_status
     async def MatchPrefix(self, request: engine_pb2.MatchPrefixRequest, context) -> engine_pb2.MatchPrefixResponse:
         return convert.prefix_match_to_proto(await self.engine.match_prefix(convert.block_hashes_from_proto(request)))
+
+
+def disaggregation_of(engine: EngineClient) -> Disaggregation | None:
+    """The disaggregated prefill an in-process engine takes part in, if any: an engine only knows
+    it as RemotePrefill (services/engine/async_engine.py), its servicer needs its prefill side too."""
+    disaggregation = engine.disaggregation if isinstance(engine, AsyncEngine) else None
+    return disaggregation if isinstance(disaggregation, Disaggregation) else None
 
 
 async def follow_engine_health(engine: AsyncEngine, server: RpcServer, exit_grace: float = 1.0) -> None:
@@ -252,8 +260,9 @@ async def serve(worker: GroupWorkerClient, args: EngineServiceArgs, metrics: Ser
         await publisher.close()  # out of the index first: routers stop choosing an engine that goes away
     healthy = await engine.is_healthy()
     await server.shutdown(serving.grace if healthy else 0.0, serving.drain if healthy else 0.0)
-    if engine.disaggregation is not None:
-        await engine.disaggregation.close()
+    disaggregation = disaggregation_of(engine)
+    if disaggregation is not None:
+        await disaggregation.close()
     await engine.shutdown()
     return healthy
 

@@ -7,7 +7,8 @@ tensor_parallel_size above 1 (as vLLM's multiproc executor): N `kvmesh worker` p
     .close()                                                close the client, SIGTERM, then SIGKILL
 
 The children follow this process (Linux's parent-death signal, set by `kvmesh worker` itself:
-services/cli.py), so a crash here leaves no worker behind; close() stops them in an orderly way.
+services/common/processes.py), so a crash here leaves no worker behind; close() stops them in an
+orderly way.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from services.cli import LOOPBACK, ChildSpec, Supervisor, free_ports, grpc_serving, write_token_file
 from services.common.config import CacheConfig, ModelConfig, ParallelConfig, ServingConfig, WorkerConfig
 from services.common.flags import to_argv
+from services.common.processes import LOOPBACK, ChildSpec, Supervisor, free_ports, grpc_serving
 from services.common.rpc.security import ENGINE, RpcSecurity
+from services.common.token_files import write_token_file
 from services.engine.executor import GroupWorkerClient
 from services.worker.client import GrpcWorkerClient
 

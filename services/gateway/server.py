@@ -26,6 +26,7 @@ from services.common.config import (GRAMMAR_COMPILE_FIELDS, GatewayConfig, Gramm
                                     SecurityConfig, ServingConfig)
 from services.common.flags import add_flags, build
 from services.common.metrics import GrpcMetrics
+from services.common.ports import DEFAULT_PORTS
 from services.common.rpc.security import GATEWAY, RpcSecurity
 from services.gateway.app import ApiOptions, create_app, end_requests
 from services.gateway.auth import api_keys_from, api_keys_from_file
@@ -35,7 +36,7 @@ from services.processor.client import GrpcProcessorClient
 
 logger = logging.getLogger("uvicorn.error")  # uvicorn configures its own loggers only
 
-DEFAULT_PORT = 8000
+DEFAULT_PORT = DEFAULT_PORTS["gateway"].port
 ENV_PREFIX = "KVMESH_GATEWAY"  # KVMESH_GATEWAY_PORT for --port, ...
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from services.common.clients import EngineClient, PrefixMatch
 from services.common.errors import EngineDeadError
 from services.common.hashing import BlockHash
-from services.engine.kv_events import KVCacheEvent
+from services.common.kv_events import KVCacheEvent
 from services.prefix_index.index import EngineLoad, EngineState
 
 logger = logging.getLogger(__name__)

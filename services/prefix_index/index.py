@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.common.hashing import BlockHash
-from services.engine.kv_events import KVCacheEvent
+from services.common.kv_events import KVCacheEvent
 
 
 class StaleEpochError(ValueError):

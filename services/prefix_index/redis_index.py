@@ -44,7 +44,7 @@ from redis.retry import Retry
 from services.common.config import PrefixIndexConfig
 from services.common.hashing import BLOCK_HASH_BYTES as HASH_BYTES
 from services.common.hashing import BlockHash
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot, KVCacheEvent
+from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot, KVCacheEvent
 from services.prefix_index.index import EngineLoad, EngineState, StaleEpochError, validate_engine
 
 logger = logging.getLogger(__name__)

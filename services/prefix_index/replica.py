@@ -30,7 +30,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common.hashing import BlockHash
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from services.prefix_index.index import EngineLoad, EngineState, StaleEpochError
 from services.prefix_index.memory import MemoryPrefixIndex
 from services.prefix_index.redis_index import RedisAccess, RedisPrefixIndex, redis_client, split_hashes, valid_epoch

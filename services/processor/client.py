@@ -10,22 +10,20 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from services.common.clients import EngineInfo, GenerateDelta, GenerateRequest, Tokenized, TokenizeRequest
 from services.common.errors import raising_errors
 from services.common.metrics import GrpcMetrics
 from services.common.rpc import convert
+from services.common.rpc.client import AsyncGrpcClient
 from services.common.rpc.convert import generate_delta_from_proto, generate_request_to_proto
 from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
 from services.common.rpc.security import RpcSecurity
-from services.common.rpc.server import GRPC_OPTIONS, SERVING, service_name
+from services.common.rpc.server import service_name
 
 SERVICE_NAME = service_name(processor_pb2.DESCRIPTOR, "Processor")
 
 
-class GrpcProcessorClient:
+class GrpcProcessorClient(AsyncGrpcClient):
     """`timeout` is the deadline of each unary call (and of the health check); `stream_timeout` of
     each Generate stream (the whole generation); `security` puts the internal token (and mTLS) on
     every call. Closing a generate() iterator early cancels the call, which aborts its engine
@@ -33,13 +31,10 @@ class GrpcProcessorClient:
 
     def __init__(self, address: str, timeout: float = 10.0, stream_timeout: float = 3600.0,
                  metrics: GrpcMetrics | None = None, security: RpcSecurity = RpcSecurity()) -> None:
-        self.address = address
-        self.timeout = timeout
+        # Its health is the Processor service's, SERVING only while its engine is healthy.
+        super().__init__(address, security, metrics, timeout, health_service=SERVICE_NAME)
         self.stream_timeout = stream_timeout
-        self._channel = security.aio_channel(address, GRPC_OPTIONS,
-                                             metrics.aio_client_interceptors() if metrics else ())
         self._stub = processor_pb2_grpc.ProcessorStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         call = self._stub.Generate(generate_request_to_proto(request), timeout=self.stream_timeout)
@@ -70,16 +65,3 @@ class GrpcProcessorClient:
         with raising_errors():
             reply = await self._stub.GetModelInfo(processor_pb2.GetModelInfoRequest(), timeout=self.timeout)
         return convert.engine_info_from_proto(reply)
-
-    async def is_healthy(self) -> bool:
-        """The processor says SERVING, which it does only while its engine is healthy; False also
-        when it cannot be reached."""
-        try:
-            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
-                                             timeout=self.timeout)
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.status == SERVING
-
-    async def close(self) -> None:
-        await self._channel.close()

@@ -50,6 +50,7 @@ from services.common.discovery import Endpoint, EndpointWatcher, kube_configurat
 from services.common.errors import answers_with_status
 from services.common.metrics import GrpcMetrics, MetricsEndpoint, ServiceMetrics
 from services.common.model_files import model_id_of, resolve_tokenizer
+from services.common.ports import DEFAULT_PORTS, default_address
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
 from services.common.rpc.security import PROCESSOR, RpcSecurity
@@ -70,9 +71,8 @@ from services.processor.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PORT = 50051
-DEFAULT_METRICS_PORT = 9051
-DEFAULT_ENGINE_ADDRESS = "127.0.0.1:50052"
+DEFAULT_PORT, DEFAULT_METRICS_PORT = DEFAULT_PORTS["processor"]
+DEFAULT_ENGINE_ADDRESS = default_address("engine")
 SERVICE_NAME = service_name(processor_pb2.DESCRIPTOR, "Processor")
 HEALTH_INTERVAL = 1.0  # seconds between checks of the engine's health
 ENV_PREFIX = "KVMESH_PROCESSOR"  # KVMESH_PROCESSOR_PORT for --port, ...

@@ -16,16 +16,16 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.clients import WorkerInfo
 from services.common.errors import EngineDeadError, raising_errors
-from services.common.model_runner_output import ModelRunnerOutput
 from services.common.metrics import GrpcMetrics
+from services.common.model_runner_output import ModelRunnerOutput
 from services.common.rpc import convert
+from services.common.rpc.client import blocking_channel, health_status
 from services.common.rpc.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.rpc.security import RpcSecurity
-from services.common.rpc.server import GRPC_OPTIONS
+from services.common.rpc.server import SERVING
 from services.common.scheduler_output import SchedulerOutput
 from services.common.unix_socket import socket_path
 from services.worker.step_channel import StepChannel, parse, step_channel_path
@@ -117,10 +117,8 @@ class GrpcWorkerClient:
         self._security = security
         # Passed on each call: no interceptor on the step, the hottest call there is.
         self._metadata = (*security.call_metadata, (SESSION_METADATA_KEY, self.session))
-        channel = security.channel(address, GRPC_OPTIONS)
-        self._channel = metrics.intercept_channel(channel) if metrics else channel
+        self._channel = blocking_channel(address, security, metrics)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._step_channel: StepChannel | None = None  # opened at the first step
         self._step_port: int | None = None  # from GetInfo
         self._step_since: float | None = None  # monotonic start of the step in flight
@@ -206,14 +204,14 @@ class GrpcWorkerClient:
         session that owns it on GetInfo only (a health check names no session), so an idle engine
         that checks keeps its worker. During a step the step itself holds the lease."""
         try:
-            reply = self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.liveness_timeout)
-            if reply.status == health_pb2.HealthCheckResponse.SERVING and self._step_since is None:
+            status = health_status(self._channel, self.liveness_timeout)
+            if status == SERVING and self._step_since is None:
                 self._stub.GetInfo(worker_pb2.GetWorkerInfoRequest(), timeout=self.liveness_timeout,
                                    metadata=self._metadata)
         except grpc.RpcError as error:
             raise ConnectionError(f"the worker at {self.address} failed its liveness check "
                                   f"({error.code().name}, {self.liveness_timeout:g}s)") from None
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        if status != SERVING:
             raise ConnectionError(f"the worker at {self.address} is not serving")
 
     def _watch(self) -> None:

@@ -39,6 +39,7 @@ from services.common.config import (CacheConfig, DisaggregationConfig, ModelConf
                                    ServingConfig, WorkerConfig)
 from services.common.errors import EngineDeadError, answers_with_status
 from services.common.flags import add_flags, build
+from services.common.ports import DEFAULT_PORTS
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.metrics import MetricsEndpoint, ServiceMetrics
@@ -56,8 +57,7 @@ from services.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PORT = 50053
-DEFAULT_METRICS_PORT = 9053
+DEFAULT_PORT, DEFAULT_METRICS_PORT = DEFAULT_PORTS["worker"]
 ENV_PREFIX = "KVMESH_WORKER"  # KVMESH_WORKER_PORT for --port, ...
 T = TypeVar("T")
 TRANSFER_THREADS = 8  # KV transfers in flight at once (each waits on its peer)

@@ -29,10 +29,10 @@ from services import SamplingParams
 from services.common.clients import GenerateRequest
 from services.common.engine_output import EngineCoreRequest
 from services.common.hashing import hash_token_blocks
+from services.common.kv_events import BlockStored
 from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.common.rpc.security import TOKEN_METADATA_KEY, RpcSecurity
 from services.engine.client import GrpcEngineClient
-from services.engine.kv_events import BlockStored
 from services.prefix_index import EngineLoad, PrefixIndexReplica, RedisPrefixIndex
 from services.prefix_index.redis_index import RedisAccess, redis_acl_rule
 from services.processor.client import GrpcProcessorClient

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -25,18 +24,17 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import openai
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import processes
 from services.common.clients import EngineStats
 from services.common.config import SecurityConfig
+# The tests take their probes from here.
+from services.common.processes import grpc_health_status, grpc_serving, http_ok  # noqa: F401
 from services.common.rpc.security import RpcSecurity
 from services.common.unix_socket import socket_path
 from services.engine.client import GrpcEngineClient
@@ -87,25 +85,6 @@ class ServiceProcess:
         self.proc.wait()
 
 
-def grpc_health_status(address: str, timeout: float = 1.0, service: str = "") -> int | None:
-    """The grpc.health.v1 status of `service`, or None when the server cannot be reached."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-        except grpc.RpcError:
-            return None
-    return reply.status
-
-
-def http_ok(url: str, timeout: float = 1.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return False
-
-
 def start_service(cmd: Sequence[str], port: int, health: str = "grpc", http_path: str = "/health",
                   timeout: float = 180.0, env: Mapping[str, str] | None = None) -> ServiceProcess:
     """Start `cmd` in its own process group (cwd: the repository root) and wait for its health."""
@@ -122,7 +101,7 @@ def start_service(cmd: Sequence[str], port: int, health: str = "grpc", http_path
             if proc.poll() is not None:
                 raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode} while starting:\n{service.log()}")
             if health == "grpc":
-                healthy = grpc_health_status(service.address) == health_pb2.HealthCheckResponse.SERVING
+                healthy = grpc_serving(service.address)
             else:
                 healthy = http_ok(service.url + http_path)
             if healthy:
@@ -213,27 +192,10 @@ def start_serve(model_path: Path, timeout: float = 600.0, extra_args: Sequence[s
                 env: Mapping[str, str] | None = None) -> Serve:
     """`extra_args` go to `kvmesh serve`; `env` is added to the environment of every service."""
     port = free_port()
-    # stdout to a file, not a pipe: children share it, and a pipe nobody reads blocks them.
-    stdout = tempfile.NamedTemporaryFile(prefix="kvmesh-serve-", suffix=".out", delete=False)
-    stderr = tempfile.NamedTemporaryFile(prefix="kvmesh-serve-", suffix=".err", delete=False)
-    proc = subprocess.Popen([PYTHON, "-m", "services.cli", "serve", "--model", str(model_path), "--dtype", "float32", "--port", str(port),
-                             "--kv-cache-memory", SERVE_KV_CACHE, "--print-addresses", *extra_args],
-                            cwd=REPO_ROOT, stdout=stdout, stderr=stderr, start_new_session=True,
-                            env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + timeout
-    out_path = Path(stdout.name)
-    while True:
-        for line in out_path.read_text(errors="replace").splitlines():
-            if line.startswith('{"kvmesh"'):
-                ready = json.loads(line)
-                assert ready["api"] == f"http://127.0.0.1:{port}/v1"
-                return Serve(proc, ready["api"], ready["services"], Path(stderr.name))
-        if proc.poll() is not None or time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError):  # it died by itself: say why below
-                os.killpg(proc.pid, signal.SIGKILL)
-            raise RuntimeError(f"kvmesh serve did not come up (exit {proc.poll()}):\n"
-                               f"{Path(stderr.name).read_text(errors='replace')[-6000:]}")
-        time.sleep(0.5)
+    started = processes.start_serve(["--model", str(model_path), "--dtype", "float32", "--port", str(port),
+                                     "--kv-cache-memory", SERVE_KV_CACHE, *extra_args], timeout, env, REPO_ROOT)
+    assert started.ready.api == f"http://127.0.0.1:{port}/v1"
+    return Serve(started.proc, started.ready.api, started.ready.services, started.stderr)
 
 
 @contextlib.contextmanager

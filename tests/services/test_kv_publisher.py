@@ -27,11 +27,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from services.common.config import EngineServiceConfig, ModelConfig, SchedulerConfig, ServingConfig
 from services.common.engine_output import EngineCoreRequest
 from services.common.hashing import BlockHash, hash_token_blocks
+from services.common.kv_events import CacheSnapshot
 from services.common.metrics import ServiceMetrics
 from services.common.sampling_params import SamplingParams
 from services.engine.async_engine import AsyncEngine, EngineIdentity
 from services.engine.client import GrpcEngineClient
-from services.engine.kv_events import CacheSnapshot, KVEventQueue
+from services.engine.kv_event_queue import KVEventQueue
 from services.engine.kv_publisher import KVPublisher
 from services.engine.metrics import EngineLabels, PublisherMetrics
 from services.engine.server import EngineServiceArgs, engine_identity, start_engine

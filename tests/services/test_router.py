@@ -17,12 +17,13 @@ from services.common.clients import EngineInfo
 from services.common.config import ProcessorServiceConfig, RoutingConfig, SchedulerConfig
 from services.common.discovery import Endpoint
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.common.kv_events import AllBlocksCleared, BlockStored
 from services.common.metrics import ServiceMetrics
 from services.common.model_files import model_id_of
 from services.common.sampling_params import SamplingParams
 from services.engine.async_engine import AsyncEngine
 from services.engine.client import GrpcEngineClient
-from services.engine.kv_events import AllBlocksCleared, BlockStored, KVEventQueue
+from services.engine.kv_event_queue import KVEventQueue
 from services.engine.request import Request
 from services.prefix_index import EngineLoad, MemoryPrefixIndex, RedisPrefixIndex
 from services.prefix_index.engines_index import EnginesPrefixIndex

@@ -24,6 +24,7 @@ from services import LLM, SamplingParams
 from services import cli
 from services.common.config import SchedulerConfig, ServeConfig
 from services.common.engine_output import EngineCoreRequest
+from services.common.processes import ChildSpec, Supervisor, grpc_serving
 from services.engine.engine_core import EngineCore
 from services.engine.executor import GroupWorkerClient
 from services.worker.client import GrpcWorkerClient
@@ -130,11 +131,11 @@ def test_the_supervisor_restarts_an_engine_with_all_its_workers(model_path: Path
     rank 0 only), which is enough to check what the supervisor does."""
     ports = {name: free_port() for name in ("worker-r0", "worker-r1", "engine")}
     group = cli.Group(("worker-r0", "worker-r1"), "engine")
-    supervisor = cli.Supervisor(internal_grace=2.0)
+    supervisor = Supervisor(internal_grace=2.0)
 
-    def spec(name: str, argv: list[str]) -> cli.ChildSpec:
+    def spec(name: str, argv: list[str]) -> ChildSpec:
         address = f"127.0.0.1:{ports[name]}"
-        return cli.ChildSpec(name, [*argv, "--port", str(ports[name])], address, lambda: cli.grpc_serving(address))
+        return ChildSpec(name, [*argv, "--port", str(ports[name])], address, lambda: grpc_serving(address))
 
     workers = [spec(name, worker_flags(model_path, "16MiB")) for name in group.workers]
     engine = spec("engine", ["--worker-address", f"127.0.0.1:{ports['worker-r0']}", "--max-num-seqs", "4",

@@ -7,9 +7,9 @@ import random
 import pytest
 
 from services.common.hashing import hash_token_blocks
+from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot, KVCacheEvent
 from services.engine.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from services.engine.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot, KVCacheEvent,
-                                       KVEventQueue)
+from services.engine.kv_event_queue import KVEventQueue
 
 BLOCK_SIZE = 4
 

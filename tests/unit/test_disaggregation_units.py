@@ -12,8 +12,9 @@ import pytest
 from services import cli
 from services.common.config import DisaggregationConfig, ServeConfig
 from services.common.flags import build
+from services.common.kv_events import BlockStored
 from services.engine.kv_cache_manager import KVCacheManager, TransferBlocks
-from services.engine.kv_events import BlockStored, KVEventQueue
+from services.engine.kv_event_queue import KVEventQueue
 from services.engine.request import RequestStatus
 from services.engine.scheduler import Scheduler
 from services.processor.prefill_decider import outcome_of

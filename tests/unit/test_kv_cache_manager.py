@@ -12,11 +12,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from services.common.clients import WorkerInfo
 from services.common.config import SchedulerConfig
+from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from services.common.sampling_params import SamplingParams
 from services.engine.engine_core import EngineCore
 from services.engine.block_pool import KVCacheBlock
 from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventQueue
+from services.engine.kv_event_queue import KVEventQueue
 from services.engine.request import Request
 
 B = 4  # block size

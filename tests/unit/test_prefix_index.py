@@ -19,7 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.common.hashing import BlockHash
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot
+from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot
 from services.prefix_index import (
     EngineLoad,
     EngineState,

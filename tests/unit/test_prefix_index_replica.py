@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aioredis
 
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot
+from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CacheSnapshot
 from services.prefix_index import EngineLoad, RedisPrefixIndex
 from services.prefix_index.replica import PrefixIndexReplica
 from tests.redis_server import RedisServer

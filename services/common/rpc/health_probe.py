@@ -15,10 +15,11 @@ import sys
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from services.common.config import SecurityConfig
 from services.common.flags import add_flags, build
+from services.common.rpc.client import health_status
 from services.common.rpc.security import RpcSecurity
 from services.common.rpc.server import SERVING
 from services.common.unix_socket import unix_address
@@ -37,13 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     address = unix_address(args.unix_socket) if args.unix_socket is not None else f"127.0.0.1:{args.port}"
     with security.channel(address, []) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
-                                                              timeout=args.timeout)
+            status = health_status(channel, args.timeout, args.service)
         except grpc.RpcError as error:
             print(f"health check failed: {error.code().name}: {error.details()}", file=sys.stderr)
             return 1
-    if reply.status != SERVING:
-        print(f"not serving: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}", file=sys.stderr)
+    if status != SERVING:
+        print(f"not serving: {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}", file=sys.stderr)
         return 1
     return 0
 

@@ -48,11 +48,9 @@ def test_a_small_chat_is_served_while_a_request_of_many_sequences_runs(serve: Se
     big: dict[str, float] = {}
 
     def run_big() -> None:
-        big["start"] = time.monotonic()
         response = client.completions.create(model=model, prompt=["Once upon a time", "The sea", "In 1900", "Dear"],
                                              n=MAX_SEQUENCES // 4, max_tokens=BIG_TOKENS, temperature=1.0,
                                              extra_body={"ignore_eos": True})
-        big["end"] = time.monotonic()
         big["choices"] = len(response.choices)
 
     thread = threading.Thread(target=run_big)
@@ -61,15 +59,16 @@ def test_a_small_chat_is_served_while_a_request_of_many_sequences_runs(serve: Se
     while serve.engine_stats().num_running < MAX_NUM_SEQS:  # the big one fills the engine
         assert time.monotonic() < deadline and thread.is_alive()
         time.sleep(0.05)
-    chat_start = time.monotonic()
     reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
                                            temperature=0, extra_body={"ignore_eos": True})
-    chat_end = time.monotonic()
+    left = serve.engine_stats().num_waiting  # the big request's sequences not yet started
     thread.join(600)
     assert big["choices"] == MAX_SEQUENCES and reply.usage.completion_tokens == 8
-    big_took, chat_took = big["end"] - big["start"], chat_end - chat_start
-    # Fair turns: the chat waits for about one running sequence to finish, not for the 28 queued.
-    assert chat_took < big_took / 3, f"the chat took {chat_took:.1f}s, the big request {big_took:.1f}s"
+    # Fair turns: the chat went in when the first running sequences finished, ahead of the 28 queued
+    # (without turns it would have waited for every one of them to start: none left). Counted in
+    # sequences, not seconds, so a loaded machine cannot blur it.
+    queued = MAX_SEQUENCES - MAX_NUM_SEQS
+    assert left >= queued // 2, f"{left} of the {queued} queued sequences were still waiting when the chat ended"
     serve.wait_until_engine_idle()
 
 

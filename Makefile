@@ -34,10 +34,10 @@ TEST_ENV := OMP_WAIT_POLICY=PASSIVE
 test: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q --durations=25 tests
 
-# Units and model truth: everything but the tests that start service processes (marker `services`)
-# and the long end-to-end runs (`slow`); see docs/development/testing.md.
+# The tiers that start no service process (tests/conftest.py marks each test with its directory),
+# the long runs (`slow`) left out; see docs/development/testing.md.
 test-fast: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q --durations=25 -m "not services and not slow" tests
+	$(TEST_ENV) $(PY) -m pytest -q --durations=25 -m "not services and not faults and not slow" tests
 
 bench: $(STAMP)
 	$(PY) loadtests/offline_throughput.py

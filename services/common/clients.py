@@ -1,7 +1,7 @@
 """The interfaces between services. Each has an in-process implementation (the core itself, or a
 thin async wrapper of it) and a gRPC implementation (a client of the next service's server), so
 the offline API, the tests and the pods run the same cores. Both raise the same exceptions for the
-same faults (services/common/errors.py; tests/services/test_client_contract.py).
+same faults (services/common/errors.py; tests/unit/test_client_contract.py).
 
     gateway --ProcessorClient--> processor --EngineClient--> engine --WorkerClient--> worker
 """

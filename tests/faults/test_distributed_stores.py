@@ -62,7 +62,6 @@ def test_the_loopback_address_names_the_loopback_interface():
     assert interface_of("localhost") == "lo"
 
 
-@pytest.mark.services
 @pytest.mark.slow
 def test_ranks_with_the_token_form_a_group_that_listens_on_loopback_only():
     ranks = run_group(("token", "token"))
@@ -72,7 +71,6 @@ def test_ranks_with_the_token_form_a_group_that_listens_on_loopback_only():
         assert r["listening"] and all(ip == "127.0.0.1" for ip in r["listening"]), r["listening"]
 
 
-@pytest.mark.services
 @pytest.mark.slow
 def test_a_rank_without_the_token_never_joins_the_group():
     assert [r["joined"] for r in run_group(("token", ""))] == [False, False]

@@ -20,7 +20,7 @@ import pytest
 from services.common.config import Limits
 from tests.services.procs import Serve, client_for, serving
 
-pytestmark = [pytest.mark.services, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 LIMITS = Limits()
 VOCAB = 49152  # smollm2's

@@ -49,8 +49,6 @@ from services.worker.client import SESSION_METADATA_KEY, GrpcWorkerClient
 from services.worker.step_channel import HANDSHAKE_TIMEOUT, StepChannel
 from tests.services.procs import PYTHON, REPO_ROOT, ServiceProcess, free_port, grpc_health_status, start_service
 
-pytestmark = pytest.mark.services
-
 TOKEN = "the-internal-token-of-this-test"
 KV_BYTES = 64 * 2**20
 OWNER_LEASE = 2.0  # seconds; the TLS worker's, short so that a take-over is quick to show

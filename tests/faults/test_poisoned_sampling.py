@@ -19,8 +19,6 @@ from services.common.sampling_params import SamplingParams
 from services.inprocess import AsyncStack
 from services.worker.sampler import Sampler
 
-pytestmark = pytest.mark.services
-
 GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
 POISONED = SamplingParams(temperature=1.0, min_p=0.5, max_tokens=8)
 

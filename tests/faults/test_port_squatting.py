@@ -27,7 +27,7 @@ from services.common.unix_socket import socket_path
 from tests.services.procs import (PYTHON, REPO_ROOT, Serve, client_for, gone, grpc_health_status, running_serve,
                                   serve_child_pid)
 
-pytestmark = [pytest.mark.services, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 INTERNAL = ("worker", "engine", "processor")
 SERVING = health_pb2.HealthCheckResponse.SERVING

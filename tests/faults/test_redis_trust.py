@@ -39,7 +39,7 @@ from services.processor.client import GrpcProcessorClient
 from services.processor.index_engines import AllowList
 from tests.services.procs import PYTHON, REPO_ROOT, ServiceProcess, free_port, start_service
 
-pytestmark = [pytest.mark.services, pytest.mark.anyio]
+pytestmark = pytest.mark.anyio
 
 NAMESPACE = "kvmesh:pi"
 USER = "kvmesh"

@@ -25,7 +25,7 @@ import pytest
 
 from tests.services.procs import Serve, serving
 
-pytestmark = [pytest.mark.services, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 SEND_TIMEOUT = 3.0
 

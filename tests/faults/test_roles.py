@@ -36,7 +36,7 @@ from services.worker.step_channel import StepChannel
 from tests.faults.test_internal_auth import OPEN_METHODS, call_raw
 from tests.services.procs import PYTHON, ServiceProcess, free_port, grpc_health_status, start_service
 
-pytestmark = [pytest.mark.services, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 KV_BYTES = 64 * 2**20
 OWNER_LEASE = 2.0  # seconds: the worker's; its engine idles for several of them

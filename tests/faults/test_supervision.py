@@ -32,7 +32,7 @@ from services.common.sampling_params import SamplingParams
 from services.engine.client import GrpcEngineClient
 from tests.services.procs import PYTHON, free_port, grpc_health_status, start_service
 from tests.services.procs import Serve, gone, serve_child_pid, serving, start_serve
-from tests.services.test_metrics import samples
+from tests.unit.test_metrics import samples
 
 pytestmark = pytest.mark.slow
 

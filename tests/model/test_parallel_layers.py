@@ -14,7 +14,7 @@ from services.worker.layers.linear import MergedLinear, RowParallelLinear, Shard
 from services.worker.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from services.worker.parallel_group import GroupError, TensorParallelGroup, free_loopback_address, split_evenly
 
-pytestmark = pytest.mark.services
+pytestmark = pytest.mark.slow  # torch.distributed groups of worker processes
 
 SIZE = 3
 HIDDEN, ROWS, COLS, VOCAB = 5, 10, 7, 11

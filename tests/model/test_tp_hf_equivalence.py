@@ -40,7 +40,7 @@ from tests.model.hf_reference import HFReference
 from tests.model.prompts import conversations, long_text, raw_prompts
 from tests.services.procs import PYTHON, ServiceProcess, free_port, start_service
 
-pytestmark = pytest.mark.services
+pytestmark = pytest.mark.slow  # torch.distributed groups of worker processes
 
 MAX_NEW_TOKENS = 24
 LOGPROB_TOL = 1e-3

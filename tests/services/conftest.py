@@ -18,19 +18,7 @@ from pathlib import Path
 import pytest
 
 from services import LLM
-from services.processor.tokenizer import load_tokenizer
 from tests.services.procs import SERVE_KV_BYTES, SHARED_MAX_MODEL_LEN, Serve, running_serve
-
-
-@pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    """The services run on asyncio; module scope lets module-scoped async fixtures use it."""
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path: Path):
-    return load_tokenizer(model_path)
 
 
 @pytest.fixture(scope="session")

@@ -34,8 +34,6 @@ from services.worker.kv_transfer import KVTransferEndpoint
 from tests.services.procs import Serve, client_for, gone, running_serve
 from tests.services.test_router_processes import metric
 
-pytestmark = pytest.mark.services
-
 THRESHOLD = 128  # prompts longer than this (uncached) are prefilled on the prefill engine
 LEASE = 3.0  # seconds the prefill engine holds blocks nobody released
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

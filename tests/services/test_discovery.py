@@ -361,7 +361,6 @@ def wait_for_health(address: str, status: int, timeout: float = WAIT) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.services
 def test_processor_follows_its_engine_through_the_api(stack: Stack):
     tokens = generate(stack.processor.address, "discovered-0")
     assert len(tokens) == 4

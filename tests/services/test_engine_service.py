@@ -23,8 +23,6 @@ from services.common.errors import EngineDeadError
 from services.engine.client import GrpcEngineClient
 from tests.services.procs import PYTHON, ServiceProcess, free_port, grpc_health_status, start_service
 
-pytestmark = pytest.mark.services
-
 KV_BYTES = 64 * 2**20
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time, in a small village by the sea,",
            "import numpy as np\n\ndef softmax(x):"]

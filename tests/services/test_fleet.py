@@ -27,8 +27,6 @@ from services.engine.client import GrpcEngineClient
 from tests.redis_server import RedisServer
 from tests.services.procs import Serve, client_for, gone, running_serve
 
-pytestmark = pytest.mark.services
-
 NAMESPACE = "kvmesh:pi"  # the default
 HEARTBEAT_TTL = 2.0
 KV_CACHE = "48MiB"  # a few 600-token prompts per engine: the fourth evicts the first

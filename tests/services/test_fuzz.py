@@ -31,8 +31,6 @@ from services.common.rpc.server import GRPC_OPTIONS
 from tests.services.procs import (PYTHON, Serve, ServiceProcess, client_for, free_port, gone, grpc_health_status,
                                   running_service)
 
-pytestmark = pytest.mark.services
-
 API_KEY = "sk-fuzz"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GATEWAY_LIMITS = ["--max-tokens-limit", "4", "--max-n", "2", "--max-prompts", "2"]

@@ -29,7 +29,7 @@ from services.processor.async_processor import AsyncProcessor
 from services.processor.processor import Processor
 from services.processor.tokenizer import load_tokenizer
 from tests.services.procs import free_port, running_service
-from tests.services.test_gateway import MAX_MODEL_LEN, MODEL, ScriptedEngine
+from tests.unit.test_gateway import MAX_MODEL_LEN, MODEL, ScriptedEngine
 
 KEYS = ["sk-first-key", "sk-second-key"]
 AUTH = {"Authorization": f"Bearer {KEYS[0]}"}

@@ -3,7 +3,7 @@ is exactly what its block pool caches, after evictions, a random workload, a que
 restart and a sweep; and the engine service publishes, names itself in GetInfo and clears itself at
 SIGTERM.
 
-The in-process tests drive an AsyncEngine over tests/services/test_async_engine.py's scripted worker
+The in-process tests drive an AsyncEngine over tests/unit/test_async_engine.py's scripted worker
 (its block pool, scheduler and the publisher are the real ones; the model does not matter to what is
 cached). Each compares once the engine is idle, when its pool does not change.
 """
@@ -39,9 +39,9 @@ from services.engine.server import EngineServiceArgs, engine_identity, start_eng
 from services.prefix_index import RedisPrefixIndex
 from tests.redis_server import RedisServer
 from tests.services.procs import PYTHON, free_port, start_service
-from tests.services.test_async_engine import ScriptedWorker, until
+from tests.unit.test_async_engine import ScriptedWorker, until
 
-pytestmark = [pytest.mark.services, pytest.mark.anyio]
+pytestmark = pytest.mark.anyio
 
 ENGINE_ID = "127.0.0.1:7001"
 BLOCK_SIZE = 4  # the scripted worker's

@@ -22,9 +22,7 @@ import pytest
 
 from tests.deploy.dashboards import dashboard_metric_names
 from tests.services.procs import SHARED_MAX_MODEL_LEN, Serve, client_for, free_port
-from tests.services.test_metrics import assert_valid_exposition, samples
-
-pytestmark = pytest.mark.services
+from tests.unit.test_metrics import assert_valid_exposition, samples
 
 # The series vLLM's example Grafana dashboard queries (../shared/reference/vllm-metrics.md).
 VLLM_DASHBOARD_NAMES = {

@@ -23,7 +23,7 @@ from services.processor.engine_set import EngineSet
 from services.processor.processor import Processor
 from tests.services.procs import PYTHON, ServiceProcess, free_port, start_service
 
-pytestmark = [pytest.mark.services, pytest.mark.anyio]
+pytestmark = pytest.mark.anyio
 
 KV_BYTES = 64 * 2**20
 MAX_MODEL_LEN = 512

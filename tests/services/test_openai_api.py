@@ -19,8 +19,6 @@ import pytest
 from tests.services.procs import SHARED_MAX_MODEL_LEN as MAX_MODEL_LEN
 from tests.services.procs import Serve
 
-pytestmark = pytest.mark.services
-
 PROMPT = "The capital of France is"
 GREEDY = {"temperature": 0, "max_tokens": 8}
 CHAT = [{"role": "user", "content": "Name three colours."}]

@@ -24,8 +24,6 @@ from services.engine.scheduler import Scheduler
 from tests.services.procs import PYTHON, ServiceProcess, free_port, start_service
 from tests.unit.test_scheduler import BLOCK, make_request, step
 
-pytestmark = pytest.mark.services
-
 KV_BYTES = 64 * 2**20
 MAX_TOKENS = 64  # a few seconds of decoding on 2 CPU cores: every request arrives while the first runs
 SLOW = {"prompt": "Tell me a long story about the sea.", "max_tokens": MAX_TOKENS, "temperature": 0,

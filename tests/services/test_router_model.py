@@ -23,9 +23,9 @@ from services.processor.engine_set import EngineSet
 from services.processor.metrics import RouterMetrics
 from services.processor.processor import Processor
 from services.processor.router import prompt_chain
-from tests.services.test_router import A, B, ClosableEngine, bucket, decisions, sample
+from tests.unit.test_router import A, B, ClosableEngine, bucket, decisions, sample
 
-pytestmark = [pytest.mark.services, pytest.mark.anyio]
+pytestmark = pytest.mark.anyio
 
 MAX_MODEL_LEN = 512
 FIRST = "What is two plus two? Explain the arithmetic step by step, as you would to a child of six."

@@ -18,8 +18,6 @@ from services.common.sampling_params import SamplingParams
 from services.processor.client import GrpcProcessorClient
 from tests.services.procs import PYTHON, free_port, start_service
 
-pytestmark = pytest.mark.services
-
 KV_BYTES = 32 * 2**20
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 8
 

@@ -21,8 +21,6 @@ import pytest
 from services import LLM, SamplingParams
 from tests.services.procs import Serve, client_for, gone, running_serve
 
-pytestmark = pytest.mark.services
-
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time, in a small village by the sea,"]
 CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
          [{"role": "user", "content": "Write a haiku about the sea."}]]

@@ -18,9 +18,7 @@ from grpc_health.v1 import health_pb2
 
 from services.common.metrics import fetch_page
 from tests.services.procs import Serve, client_for, gone, grpc_health_status, serve_child_pid, serving
-from tests.services.test_metrics import samples
-
-pytestmark = pytest.mark.services
+from tests.unit.test_metrics import samples
 
 PAIRS = (("worker-0", "engine-0"), ("worker-1", "engine-1"))
 # A dead worker is noticed in about a second (the defaults are 1 s / 5 s / 1 s).

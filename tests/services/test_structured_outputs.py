@@ -16,10 +16,8 @@ import pytest
 
 from loadtests.json_schemas import JSON_SCHEMAS
 from tests.services.test_openai_api import client, http, model  # noqa: F401 (the same fixtures)
-from tests.services.test_metrics import samples
+from tests.unit.test_metrics import samples
 from tests.services.test_metrics_serve import fetch, total
-
-pytestmark = pytest.mark.services
 
 MAX_TOKENS = 80  # enough for every schema of loadtests/json_schemas.py on this model (the longest ~45)
 GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS}

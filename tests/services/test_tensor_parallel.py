@@ -44,8 +44,6 @@ from tests.services.procs import (
 )
 from tests.services.test_serve_fleet import LIVENESS, RECOVERY_SECONDS, argv_of, flag_values
 
-pytestmark = pytest.mark.services
-
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

@@ -16,8 +16,6 @@ import pytest
 
 from tests.services.procs import PYTHON, REPO_ROOT, free_port, running_service
 
-pytestmark = pytest.mark.services
-
 PROCESSOR_CORE = """
 import json, sys
 from pathlib import Path

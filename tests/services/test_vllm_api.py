@@ -15,8 +15,6 @@ import pytest
 
 from tests.services.test_openai_api import CHAT, PROMPT, client, http, model  # noqa: F401 (the same fixtures)
 
-pytestmark = pytest.mark.services
-
 GREEDY = {"temperature": 0, "max_tokens": 6}
 IDS = {"return_token_ids": True}
 

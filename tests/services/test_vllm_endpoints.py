@@ -18,8 +18,6 @@ import pytest
 
 from tests.services.procs import Serve, client_for
 
-pytestmark = pytest.mark.services
-
 CONVERSATIONS = [[{"role": "user", "content": "Name three colours."}],
                  [{"role": "user", "content": "What is two plus two?"}]]
 GREEDY = {"temperature": 0, "max_tokens": 5}

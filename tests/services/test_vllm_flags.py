@@ -18,8 +18,6 @@ import pytest
 from services.processor.tokenizer import load_tokenizer
 from tests.services.procs import PYTHON, REPO_ROOT, SHARED_MAX_MODEL_LEN, Serve, client_for, serving
 
-pytestmark = pytest.mark.services
-
 ROOT_PATH = "/kvmesh"
 CHAT = [{"role": "user", "content": "Name a colour."}]
 

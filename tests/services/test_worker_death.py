@@ -17,8 +17,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tests.services.procs import PYTHON, free_port, grpc_health_status, start_service
 
-pytestmark = pytest.mark.services
-
 KV_BYTES = 128 * 2**20
 ENDLESS = {"prompt": "Tell me a long story.", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
 PROCESSOR = "kvmesh.v1.Processor"

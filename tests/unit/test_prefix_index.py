@@ -30,7 +30,7 @@ from services.prefix_index import (
 )
 from tests.redis_server import RedisServer
 
-pytestmark = [pytest.mark.services, pytest.mark.anyio]
+pytestmark = pytest.mark.anyio
 
 BLOCK_SIZE = 16
 H = [hashlib.sha256(b"block %d" % i).digest() for i in range(12)]

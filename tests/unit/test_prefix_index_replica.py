@@ -25,7 +25,7 @@ from services.prefix_index import EngineLoad, RedisPrefixIndex
 from services.prefix_index.replica import PrefixIndexReplica
 from tests.redis_server import RedisServer
 
-pytestmark = [pytest.mark.services, pytest.mark.anyio]
+pytestmark = pytest.mark.anyio
 
 H = [hashlib.sha256(b"block %d" % i).digest() for i in range(10)]
 LOAD = EngineLoad(1, 0, 100, 0.1)

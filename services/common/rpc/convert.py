@@ -1,7 +1,7 @@
 """Proto <-> core conversions: the one place they live. Servicers and gRPC clients only call these.
 
 Each pair is `<noun>_to_proto(core) -> message` and `<noun>_from_proto(message) -> core`;
-`x_from_proto(x_to_proto(v)) == v` for every value the core produces (tests/services/test_convert.py).
+`x_from_proto(x_to_proto(v)) == v` for every value the core produces (tests/unit/test_convert.py).
 Building a core object from the wire validates it (SamplingParams checks its ranges), so a bad
 message raises ValueError, which servers answer with INVALID_ARGUMENT.
 """

@@ -1,7 +1,7 @@
 """Regenerate the committed gRPC stubs from every `.proto` file under `proto/`.
 
     python -m services.common.rpc.generate            # into services/common/rpc/
-    python -m services.common.rpc.generate --out DIR  # elsewhere (tests/services/test_proto_stubs.py)
+    python -m services.common.rpc.generate --out DIR  # elsewhere (tests/unit/test_proto_stubs.py)
 
 grpc_tools names a proto import after its path (`import "kvmesh/v1/common.proto"` becomes
 `from kvmesh.v1 import common_pb2`); the stubs live inside our package, so those imports are

@@ -19,7 +19,7 @@ from services.common.config import Limits
 from services.common.flags import to_argv
 from services.processor.async_processor import AsyncProcessor
 from services.processor.processor import Processor
-from tests.services.test_gateway import MAX_MODEL_LEN, MODEL, ScriptedEngine, assert_openai_error
+from tests.unit.test_gateway import MAX_MODEL_LEN, MODEL, ScriptedEngine, assert_openai_error
 
 pytestmark = pytest.mark.anyio
 

@@ -17,7 +17,7 @@ from services.engine.async_engine import AsyncEngine
 from services.gateway.app import ApiOptions, create_app
 from services.inprocess import AsyncStack
 
-from tests.services.test_gateway import RawClient, sse_events
+from tests.unit.test_gateway import RawClient, sse_events
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

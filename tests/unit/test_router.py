@@ -32,9 +32,9 @@ from services.processor.engine_set import EngineSet
 from services.processor.metrics import RouterMetrics
 from services.processor.router import REASONS, predicted_cached_tokens, prompt_chain, session_score
 from tests.redis_server import RedisServer
-from tests.services.test_async_engine import ScriptedWorker
+from tests.unit.test_async_engine import ScriptedWorker
 
-pytestmark = [pytest.mark.services, pytest.mark.anyio]
+pytestmark = pytest.mark.anyio
 
 A, B = "127.0.0.1:1", "127.0.0.1:2"  # the engines' names (never dialled: the engines are in-process)
 BLOCK_SIZE = 4  # ScriptedWorker's

@@ -10,7 +10,7 @@
      backend's `forward` is timed inside the step (the CPU runs it synchronously), and the decode
      steps report median step time, attention time (all layers) and their quotient.
 
-    .venv/bin/python -m loadtests.attention_bench                                  # the issue's numbers
+    .venv/bin/python -m loadtests.attention_bench                                  # the published numbers
     .venv/bin/python -m loadtests.attention_bench --batch 8 --context 256 --output-len 4 --backends torch
 """
 

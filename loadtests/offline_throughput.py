@@ -1,5 +1,5 @@
 """Offline throughput of `LLM.chat` against transformers `generate` run one request at a time, and
-against this machine's matmul roofline (the engine-core issue's benchmark).
+against this machine's matmul roofline.
 
 For each dtype:
   1. kvmesh: build `LLM`, warm up with a tiny generate, empty the prefix cache, then time one
@@ -19,7 +19,7 @@ better dtype.
 
 Run from the repository root:
 
-    .venv/bin/python -m loadtests.offline_throughput                          # the issue's numbers
+    .venv/bin/python -m loadtests.offline_throughput                          # the published numbers
     .venv/bin/python -m loadtests.offline_throughput --num-prompts 4 --output-len 8 --baseline-prompts 1
     .venv/bin/python -m loadtests.offline_throughput --dtype bfloat16 --baseline-prompts 0 --profile
 
@@ -28,7 +28,7 @@ prefix cache, after the timed run, so the timing stays clean) under `torch.profi
 top 25 ops by self CPU time. The KV cache is sized to hold every request at once (no preemption)
 unless `--kv-cache-gib` says otherwise. All three parts run at the same `torch.get_num_threads()`;
 on a machine shared with other jobs, `--threads 1` avoids the stalls of an OpenMP team waiting for a
-descheduled thread (which make small matmuls tens of times slower), but the issue's numbers are for a
+descheduled thread (which make small matmuls tens of times slower), but the published numbers are for a
 quiet machine at torch's default thread count.
 """
 

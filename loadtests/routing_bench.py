@@ -26,12 +26,12 @@ Columns, per policy:
                         policy that predicts (kv-aware) has it
     decisions           kvmesh_router_decisions_total over the run, by reason
 
-Targets (the issue's), printed met or not: kv-aware TTFT p50 at least 2x better than round-robin's on
+Targets (the project's), printed met or not: kv-aware TTFT p50 at least 2x better than round-robin's on
 multi-turn; routing p99 under 2 ms with Redis on loopback; predictions within one block for >= 95 % of
 requests. A processor without the router's metrics gets "n/a" in those columns. Bounded: --timeout per
 request, --max-duration per run, --startup-timeout per `kvmesh serve`.
 
-    .venv/bin/python -m loadtests.routing_bench --json routing.json   # the issue's numbers (a quiet machine)
+    .venv/bin/python -m loadtests.routing_bench --json routing.json   # the published numbers (a quiet machine)
     .venv/bin/python -m loadtests.routing_bench --num-requests 4 --turns 2 --max-tokens 8 --warmup 1 \\
         --system-prompts 2 --document-tokens 200 --system-prompt-tokens 100 --concurrency 2 --threads 1  # smoke
 """

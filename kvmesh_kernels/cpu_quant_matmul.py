@@ -1,6 +1,8 @@
 """`y = x @ W^T` on the CPU with W kept in a GGUF file's blocks (kvmesh_kernels/cpu/quant_matmul.c): the
-weights stay as the file holds them (Q4_1: 0.625 bytes a weight, Q8_0: 1.06, F16: 2, against
-float32's 4) and are dequantized exactly, a panel at a time, next to a float32 matmul.
+weights stay as the file holds them (Q4_K: 0.5625 bytes a weight, Q4_1: 0.625, Q5_K: 0.6875,
+Q6_K: 0.82, Q8_0: 1.06, F16: 2, against float32's 4) and are dequantized exactly, a panel at a
+time, next to a float32 matmul. The K-quants hold 256 weights a super-block: their rows are
+multiples of 256 (`block_weights`).
 
   matmul      the native tiles: each weight read and dequantized once per call (decode, small M)
   dequantize  the whole weight to float32 (for a large M, where torch's GEMM over it is faster)
@@ -37,7 +39,8 @@ import torch.nn.functional as F
 from kvmesh_kernels import native
 from kvmesh_kernels.native import FAST_MATH
 
-BLOCK = 32  # weights per block of every type here; a row's length must be a multiple
+BLOCK = 32  # weights per block of every type but the K-quants; a row's length must be a multiple
+K_BLOCK = 256  # weights per K-quant super-block (Q4_K, Q5_K, Q6_K)
 _BASE_FLAGS = ("-O3", *FAST_MATH, "-fopenmp")
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _NAME = "quant_matmul"
@@ -59,21 +62,33 @@ class QuantType(IntEnum):
     F16 = 1
     Q4_1 = 3
     Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
     BF16 = 30  # `--dtype auto`'s copies only (above): a file's BF16 tensors are dequantized at load
     Q4_1_I8 = 1003  # not GGML's: `--dtype auto`'s copies where there is no BF16 dot product (`to_i8_blocks`)
     Q8_0_I8 = 1004  # the same for Q8_0 weights (the LM head's)
 
 
-BLOCK_BYTES = {QuantType.F16: 64, QuantType.Q4_1: 20, QuantType.Q8_0: 34, QuantType.BF16: 64, QuantType.Q4_1_I8: 24,
-               QuantType.Q8_0_I8: 36}
-FILE_TYPES = (QuantType.F16, QuantType.Q4_1, QuantType.Q8_0)  # the blocks kept as a GGUF file holds them
+# Bytes of a block (a K-quant's: of a super-block).
+BLOCK_BYTES = {QuantType.F16: 64, QuantType.Q4_1: 20, QuantType.Q8_0: 34, QuantType.Q4_K: 144, QuantType.Q5_K: 176,
+               QuantType.Q6_K: 210, QuantType.BF16: 64, QuantType.Q4_1_I8: 24, QuantType.Q8_0_I8: 36}
+K_TYPES = (QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K)
+# The blocks kept as a GGUF file holds them; a file's other types are dequantized at load.
+FILE_TYPES = (QuantType.F16, QuantType.Q4_1, QuantType.Q8_0, *K_TYPES)
+
+
+def block_weights(qtype: QuantType) -> int:
+    """Weights per block of `qtype` (a K-quant's super-block): a row's length is a multiple."""
+    return K_BLOCK if qtype in K_TYPES else BLOCK
 
 
 def row_bytes(qtype: QuantType, k: int) -> int:
-    """Bytes of one row of `k` weights (a multiple of BLOCK) in `qtype`'s blocks."""
-    if k % BLOCK:
-        raise ValueError(f"a row of {k} weights is not a whole number of {BLOCK}-weight blocks")
-    return k // BLOCK * BLOCK_BYTES[qtype]
+    """Bytes of one row of `k` weights (a multiple of `block_weights`) in `qtype`'s blocks."""
+    size = block_weights(qtype)
+    if k % size:
+        raise ValueError(f"a row of {k} weights is not a whole number of {size}-weight {qtype.name} blocks")
+    return k // size * BLOCK_BYTES[qtype]
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:

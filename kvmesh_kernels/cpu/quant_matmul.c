@@ -9,6 +9,9 @@
  *   F16  (type 1, 64 bytes)  32 f16                          w[j] = (float) h[j]
  *   BF16 (type 30, 64 bytes) 32 bf16                         w[j] = (float) h[j]
  *
+ * The K-quants hold 256 weights a super-block, eight sub-blocks of 32 ("K-quants" below): a row's
+ * K is then a multiple of 256, and its 32-weight block b is sub-block b % 8 of super-block b / 8.
+ *
  * d * q is exact in float32 (an 11-bit mantissa times at most 8 bits), so d * q + m rounds once,
  * whether by an FMA or by a multiply and an add: the weights used are bit for bit those of gguf's
  * `dequantize` (what transformers converts a GGUF with). Only the order of the sum over K differs
@@ -43,8 +46,11 @@
 /* A read-ahead hint (no fault, whatever the address). */
 #define PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
 
-enum { TYPE_F16 = 1, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_BF16 = 30, TYPE_Q4_1_I8 = 1003, TYPE_Q8_0_I8 = 1004 /* not GGML's: below */ };
-#define QK 32 /* weights per block, all three types */
+enum { TYPE_F16 = 1, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14, TYPE_BF16 = 30,
+       TYPE_Q4_1_I8 = 1003, TYPE_Q8_0_I8 = 1004 /* not GGML's: below */ };
+#define QK 32 /* weights per block (a K-quant's sub-block) */
+#define QK_K 256 /* weights per K-quant super-block */
+#define IS_K(type) ((type) == TYPE_Q4_K || (type) == TYPE_Q5_K || (type) == TYPE_Q6_K)
 #define NR 4  /* output rows per panel */
 /* Panels ahead that a thread prefetches its weights (2.9 KB of Q4_1, 4.9 KB of Q8_0 at K = 576):
  * the hardware prefetchers alone left the tiles waiting on memory (the Q8_0 LM head at one row:
@@ -126,6 +132,9 @@ int64_t quant_block_bytes(int type) {
     case TYPE_BF16: return 2 * QK;
     case TYPE_Q4_1: return 4 + QK / 2;
     case TYPE_Q8_0: return 2 + QK;
+    case TYPE_Q4_K: return 144; /* a super-block's */
+    case TYPE_Q5_K: return 176;
+    case TYPE_Q6_K: return 210;
     case TYPE_Q4_1_I8: return 24; /* a row's share of its group's blocks */
     case TYPE_Q8_0_I8: return 36;
     default: return 0;
@@ -204,6 +213,161 @@ static inline __attribute__((always_inline)) void load_block(vec out[NV], const 
     }
 }
 
+/* ------------------------------------------------------------------------------ K-quants
+ *
+ * A super-block of 256 weights, eight sub-blocks s of 32 (ggml's layouts, gguf-py's dequantizers):
+ *
+ *   Q4_K (type 12, 144 bytes)  f16 d | f16 dmin | 12 bytes scales | 128 bytes qs
+ *       w = (d * sc[s]) * q - dmin * m[s], 6-bit sc and m packed in scales (`k_scales`);
+ *       q = qs[32 * (s / 2) + j] >> (4 * (s % 2)) & 15
+ *   Q5_K (type 13, 176 bytes)  f16 d | f16 dmin | 12 bytes scales | 32 bytes qh | 128 bytes qs
+ *       as Q4_K, q gaining bit 4 from qh[j] >> s & 1
+ *   Q6_K (type 14, 210 bytes)  128 bytes ql | 64 bytes qh | 16 int8 scales | f16 d
+ *       w = (d * scales[2s + j / 16]) * (q - 32), q of 6 bits: with h = s / 4, t = s % 4,
+ *       ql[64h + 32 (t % 2) + j] >> (4 (t / 2)) & 15 | (qh[32h + j] >> 2t & 3) << 4
+ *
+ * Every product is exact in float32 (d's 11 bits times at most 6 + 5, or 7 + 5 bits), so the one
+ * rounding is Q4_K's and Q5_K's subtraction, whether fused or not: gguf's weights bit for bit. */
+
+/* A super-block's scales, decoded once for its eight sub-blocks: Q4_K's and Q5_K's d * sc[s] and
+ * dmin * m[s] (s < 8), Q6_K's d * scales[i] (i < 16, a scale per 16 weights; dm unused). */
+static inline __attribute__((always_inline)) void k_scales(const uint8_t *sb, const int type, float dsc[16], float dm[8]) {
+    if (type == TYPE_Q6_K) {
+        const float d = f16_to_f32(read_u16(sb + 208));
+#if ISA
+        const __m256 vd = _mm256_set1_ps(d);
+        for (int i = 0; i < 2; i++)
+            _mm256_storeu_ps(dsc + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(sb + 192 + 8 * i)))), vd));
+#else
+        const int8_t *scales = (const int8_t *)(sb + 192);
+        for (int i = 0; i < 16; i++) dsc[i] = d * (float)scales[i];
+#endif
+        return;
+    }
+    /* The twelve bytes as llama.cpp unpacks them: u[0..1] the eight 6-bit scales, u[2..3] the mins. */
+    uint32_t u[4];
+    memcpy(u, sb + 4, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const uint32_t mins_low = u[1] & 0x3f3f3f3fu;
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = mins_low;
+    u[0] &= 0x3f3f3f3fu;
+    const float d = f16_to_f32(read_u16(sb)), dmin = f16_to_f32(read_u16(sb + 2));
+#if ISA
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)u);
+    _mm256_storeu_ps(dsc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), _mm256_set1_ps(d)));
+    _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))),
+                                       _mm256_set1_ps(dmin)));
+#else
+    uint8_t b[16];
+    memcpy(b, u, sizeof b);
+    for (int s = 0; s < 8; s++) {
+        dsc[s] = d * (float)b[s];
+        dm[s] = dmin * (float)b[8 + s];
+    }
+#endif
+}
+
+/* Sub-block s of super-block `sb` of type `type` as NV vectors of floats, in order, given the
+ * super-block's `k_scales`. */
+static inline __attribute__((always_inline)) void load_kblock(vec out[NV], const uint8_t *sb, int s, const int type,
+                                                              const float *scales, const float *mins) {
+    if (type == TYPE_Q6_K) {
+        const int h = s >> 2, t = s & 3, lshift = 4 * (t >> 1), hshift = 2 * t;
+        const uint8_t *ql = sb + 64 * h + 32 * (t & 1), *qh = sb + 128 + 32 * h;
+        const float *dsc = scales + 2 * s; /* weights j < 16, j >= 16 */
+#if ISA == 512
+        const __m128i lc = _mm_cvtsi32_si128(lshift), hc = _mm_cvtsi32_si128(hshift);
+        for (int i = 0; i < 2; i++) {
+            const __m512i l = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 16 * i)));
+            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16 * i)));
+            const __m512i q = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(l, lc), _mm512_set1_epi32(15)),
+                                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(u, hc), _mm512_set1_epi32(3)), 4));
+            out[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(32))), _mm512_set1_ps(dsc[i]));
+        }
+#elif ISA == 256
+        const __m128i lc = _mm_cvtsi32_si128(lshift), hc = _mm_cvtsi32_si128(hshift);
+        for (int i = 0; i < 4; i++) {
+            const __m256i l = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 8 * i)));
+            const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 8 * i)));
+            const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi32(l, lc), _mm256_set1_epi32(15)),
+                                              _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(u, hc), _mm256_set1_epi32(3)), 4));
+            out[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(32))), _mm256_set1_ps(dsc[i >> 1]));
+        }
+#else
+        for (int j = 0; j < QK; j++) {
+            const int q = ((ql[j] >> lshift) & 15) | (((qh[j] >> hshift) & 3) << 4);
+            out[j / VL].v[j % VL] = dsc[j >> 4] * (float)(q - 32);
+        }
+#endif
+        return;
+    }
+#if !ISA
+    /* Q4_K, Q5_K: the portable path (the vector ones take two sub-blocks at once, `load_kpair`) */
+    const float dsc = scales[s], dm = mins[s];
+    const int shift = 4 * (s & 1), with_high = type == TYPE_Q5_K;
+    const uint8_t *qh = sb + 16, *qs = sb + (with_high ? 48 : 16) + 32 * (s >> 1);
+    for (int j = 0; j < QK; j++) {
+        const int q = ((qs[j] >> shift) & 15) | (with_high ? ((qh[j] >> s) & 1) << 4 : 0);
+        out[j / VL].v[j % VL] = dsc * (float)q - dm;
+    }
+#else
+    (void)mins; /* here only Q6_K's sub-blocks come one at a time */
+#endif
+}
+
+/* Sub-blocks 2p and 2p + 1 of super-block `sb` as 2 NV vectors, in order: Q4_K's and Q5_K's share
+ * their 32 bytes of nibbles (low, then high), loaded and widened once. */
+static inline __attribute__((always_inline)) void load_kpair(vec out[2 * NV], const uint8_t *sb, int p, const int type,
+                                                             const float *scales, const float *mins) {
+    if (type == TYPE_Q6_K) {
+        load_kblock(out, sb, 2 * p, type, scales, mins);
+        load_kblock(out + NV, sb, 2 * p + 1, type, scales, mins);
+        return;
+    }
+#if ISA
+    const int with_high = type == TYPE_Q5_K;
+    const uint8_t *qh = sb + 16, *qs = sb + (with_high ? 48 : 16) + 32 * p;
+#endif
+#if ISA == 512
+    const __m128i hc = _mm_cvtsi32_si128(2 * p);
+    const __m512 d0 = _mm512_set1_ps(scales[2 * p]), m0 = _mm512_set1_ps(-mins[2 * p]);
+    const __m512 d1 = _mm512_set1_ps(scales[2 * p + 1]), m1 = _mm512_set1_ps(-mins[2 * p + 1]);
+    const __m512i low = _mm512_set1_epi32(15), one = _mm512_set1_epi32(1);
+    for (int i = 0; i < 2; i++) {
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16 * i)));
+        __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_srli_epi32(bytes, 4);
+        if (with_high) {
+            const __m512i h = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16 * i))), hc);
+            lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(h, one), 4));
+            hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 1), one), 4));
+        }
+        out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d0, m0);
+        out[NV + i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d1, m1);
+    }
+#elif ISA == 256
+    const __m128i hc = _mm_cvtsi32_si128(2 * p);
+    const __m256 d0 = _mm256_set1_ps(scales[2 * p]), m0 = _mm256_set1_ps(-mins[2 * p]);
+    const __m256 d1 = _mm256_set1_ps(scales[2 * p + 1]), m1 = _mm256_set1_ps(-mins[2 * p + 1]);
+    const __m256i low = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+    for (int i = 0; i < 4; i++) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * i)));
+        __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_srli_epi32(bytes, 4);
+        if (with_high) {
+            const __m256i h = _mm256_srl_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 8 * i))), hc);
+            lo = _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(h, one), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 1), one), 4));
+        }
+        out[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), d0, m0);
+        out[NV + i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), d1, m1);
+    }
+#else
+    load_kblock(out, sb, 2 * p, type, scales, mins);
+    load_kblock(out + NV, sb, 2 * p + 1, type, scales, mins);
+#endif
+}
+
 /* Keeps v in a register: the compiler would otherwise fold its load into every FMA that reads it
  * (vfmadd231ps mem), loading the same vector once per row of x. */
 #if ISA
@@ -224,6 +388,18 @@ static inline void vstore(float *p, vec v) {
 
 static inline __attribute__((always_inline)) void dequantize_row_t(float *dst, const uint8_t *src, int64_t k,
                                                                    const int type, const int64_t block_bytes) {
+    if (IS_K(type)) { /* block_bytes: a super-block's */
+        for (int64_t sb = 0; sb < k / QK_K; sb++) {
+            float scales[16], mins[8];
+            k_scales(src + sb * block_bytes, type, scales, mins);
+            for (int p = 0; p < 4; p++) {
+                vec v[2 * NV];
+                load_kpair(v, src + sb * block_bytes, p, type, scales, mins);
+                for (int i = 0; i < 2 * NV; i++) vstore(dst + sb * QK_K + p * 2 * QK + i * VL, v[i]);
+            }
+        }
+        return;
+    }
     for (int64_t b = 0; b < k / QK; b++) {
         vec v[NV];
         load_block(v, src + b * block_bytes, type);
@@ -237,6 +413,9 @@ static void dequantize_row(float *dst, const uint8_t *src, int64_t k, int type) 
     case TYPE_Q8_0: dequantize_row_t(dst, src, k, TYPE_Q8_0, 34); break;
     case TYPE_F16: dequantize_row_t(dst, src, k, TYPE_F16, 64); break;
     case TYPE_BF16: dequantize_row_t(dst, src, k, TYPE_BF16, 64); break;
+    case TYPE_Q4_K: dequantize_row_t(dst, src, k, TYPE_Q4_K, 144); break;
+    case TYPE_Q5_K: dequantize_row_t(dst, src, k, TYPE_Q5_K, 176); break;
+    case TYPE_Q6_K: dequantize_row_t(dst, src, k, TYPE_Q6_K, 210); break;
     }
 }
 
@@ -290,6 +469,36 @@ static inline __attribute__((always_inline)) void tile(
         store_sums(y + r * ldy, acc[r], nr);
 }
 
+/* tile_blocks for the K-quants (block_bytes: a super-block's): two sub-blocks a step, a super-block's
+ * scales decoded once per row, then the same sums in the same order as `tile` over `dequantize_row`. */
+static inline __attribute__((always_inline)) void tile_kblocks(
+    float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t k,
+    const int mr, const int nr, const int type, const int64_t block_bytes, const uint8_t *pf)
+{
+    vec acc[MR][NR];
+    float scales[NR][16], mins[NR][8];
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nr; c++) acc[r][c] = VZERO();
+    for (int64_t sb = 0; sb < k / QK_K; sb++) {
+        for (int64_t o = 0; o < NR * block_bytes; o += 64) PREFETCH(pf + sb * NR * block_bytes + o);
+        for (int c = 0; c < nr; c++) k_scales(w + c * row_bytes + sb * block_bytes, type, scales[c], mins[c]);
+        for (int p = 0; p < 4; p++) {
+            const float *xp = x + sb * QK_K + p * 2 * QK;
+            /* unrolled, so that acc stays in registers (GCC otherwise keeps this larger body rolled and
+             * the accumulators on the stack) */
+#pragma GCC unroll 4
+            for (int c = 0; c < nr; c++) {
+                vec wv[2 * NV];
+                load_kpair(wv, w + c * row_bytes + sb * block_bytes, p, type, scales[c], mins[c]);
+                for (int i = 0; i < 2 * NV; i++)
+                    for (int r = 0; r < mr; r++) acc[r][c] = VFMA(VLOAD(xp + r * ldx + i * VL), wv[i], acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        store_sums(y + r * ldy, acc[r], nr);
+}
+
 /* The same tile straight from the blocks (rows row_bytes apart), each block dequantized in
  * registers: for M <= MR, where a panel's weights serve one tile only and a buffer would be a
  * store and a load more per weight. Same sum order as `tile`. While it reads block b of its rows,
@@ -298,6 +507,10 @@ static inline __attribute__((always_inline)) void tile_blocks(
     float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t k,
     const int mr, const int nr, const int type, const int64_t block_bytes, const uint8_t *pf)
 {
+    if (IS_K(type)) {
+        tile_kblocks(y, ldy, x, ldx, w, row_bytes, k, mr, nr, type, block_bytes, pf);
+        return;
+    }
     vec acc[MR][NR];
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < nr; c++) acc[r][c] = VZERO();
@@ -375,6 +588,9 @@ static void tile_blocks_any(float *y, int64_t ldy, const float *x, int64_t ldx, 
     case TYPE_Q8_0: BLOCKS_MR(TYPE_Q8_0, 34); break;
     case TYPE_F16: BLOCKS_MR(TYPE_F16, 64); break;
     case TYPE_BF16: BLOCKS_MR(TYPE_BF16, 64); break;
+    case TYPE_Q4_K: BLOCKS_MR(TYPE_Q4_K, 144); break;
+    case TYPE_Q5_K: BLOCKS_MR(TYPE_Q5_K, 176); break;
+    case TYPE_Q6_K: BLOCKS_MR(TYPE_Q6_K, 210); break;
     }
 }
 

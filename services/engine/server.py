@@ -188,7 +188,7 @@ async def start_engine(worker: GroupWorkerClient, args: EngineServiceArgs, metri
         engine = await AsyncEngine.create(
             worker, args.scheduler, lambda core: EngineMetrics.for_core(metrics.registry, labels(core), core),
             args.service.worker_liveness_interval, kv_events=kv_events, identity=identity,
-            grammar_limits=args.grammar_limits)
+            grammar_limits=args.grammar_limits, model_name=args.model.served_model_name or "")
     except BaseException:
         if index is not None:
             await index.close()

@@ -74,7 +74,7 @@ T = TypeVar("T")
 S = TypeVar("S", bound=SamplingRequest)
 
 
-def create_app(processor: ProcessorClient, served_model_name: str, health_timeout: float = 5.0,
+def create_app(processor: ProcessorClient, served_model_name: str | Sequence[str], health_timeout: float = 5.0,
                limits: Limits = Limits(), api_keys: Sequence[str] = (), priority_api_keys: Sequence[str] = (),
                metrics: GatewayMetrics | None = None, *, session_header: str = DEFAULT_SESSION_HEADER,
                options: ApiOptions | None = None, grammar_limits: GrammarLimits = GrammarLimits()) -> FastAPI:
@@ -82,8 +82,10 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
     with `api_keys`, every path but the public ones needs one of them (services/gateway/auth.py).
     /metrics serves `metrics` (default: a registry of this app's own). The `session_header`'s value
     becomes the requests' session id (the processor's `session` routing). `options`: vLLM's server
-    flags the app honours (GatewayConfig)."""
+    flags the app honours (GatewayConfig). `served_model_name`: the model's name, or each served model's
+    (the first is the model of requests that name none)."""
     options = options or ApiOptions()
+    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
     app = FastAPI(title="kvmesh", version=_version(), docs_url=None, redoc_url=None, responses=OPENAPI_ERRORS)
     # Outermost last: request id, then the key (no body of an unauthenticated client is read), then
     # the body's size, then any error of ours answered, then routing.
@@ -100,7 +102,7 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
     # goes to Starlette's last-resort handler too (a 500 in our shape, and a logged traceback).
     for kind in (*ANSWERED_ERRORS, Exception):
         app.add_exception_handler(kind, _error)
-    api = app.state.api = _API(processor, served_model_name, limits, session_header, options, grammar_limits)
+    api = app.state.api = _API(processor, names, limits, session_header, options, grammar_limits)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics_page() -> Response:
@@ -127,10 +129,10 @@ def create_app(processor: ProcessorClient, served_model_name: str, health_timeou
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        info = await processor.model_info()
+        lengths = await asyncio.gather(*(api.context_length(name) for name in names))
         # root names the model as served, not where its files lie on the engines' disks.
-        return ModelList(data=[ModelCard(id=served_model_name, root=served_model_name,
-                                         max_model_len=info.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=length)
+                               for name, length in zip(names, lengths)])
 
     @app.post("/v1/completions", responses=STREAMED)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -206,16 +208,17 @@ def _set_tenant(requests: list[GenerateRequest], request: Request, body: Samplin
 class _API:
     """The generating endpoints: request → processor requests → a response or an SSE stream."""
 
-    def __init__(self, processor: ProcessorClient, served_model_name: str, limits: Limits,
+    def __init__(self, processor: ProcessorClient, served_model_names: Sequence[str], limits: Limits,
                  session_header: str = DEFAULT_SESSION_HEADER, options: ApiOptions | None = None,
                  grammar_limits: GrammarLimits = GrammarLimits()) -> None:
+        assert served_model_names, "a gateway serves at least one model"
         self.processor = processor
-        self.served_model_name = served_model_name
+        self.served_model_names = tuple(served_model_names)  # the first: the model of requests naming none
         self.limits = limits
         self.grammar_limits = grammar_limits
         self.session_header = session_header
         self.options = options or ApiOptions()
-        self.max_model_len: int | None = None  # the model's context length, once asked
+        self.max_model_lens: dict[str, int] = {}  # each model's context length, once asked
         # In flight, from their first delta to their last byte: /load's count (vLLM's server_load).
         self.generations: set[Generation] = set()
 
@@ -241,15 +244,17 @@ class _API:
         return await route(parsed, request)
 
     async def batch_chat_completions(self, body: BatchChatCompletionRequest, request: Request) -> Response:
-        params = await self._params(body)
-        await self._check_sizes(PromptSize(0, len(c)) for c in body.messages)  # before converting them
+        model = self._served(body.model)
+        params = await self._params(body, model)
+        await self._check_sizes(model, (PromptSize(0, len(c)) for c in body.messages))  # before converting them
         response_id, engine_id = _ids("chatcmpl", request, body.request_id)
-        requests = batch_generate_requests(body, engine_id, params)
+        requests = _for_model(batch_generate_requests(body, engine_id, params), model)
         self._set_session(requests, request, body)
         _set_tenant(requests, request, body, self.options.cache_salt_per_api_key)
-        await self._check_sizes(prompt_size(None, r.messages, r.chat_template_kwargs.values()) for r in requests)
+        await self._check_sizes(model, (prompt_size(None, r.messages, r.chat_template_kwargs.values())
+                                        for r in requests))
         return await self._respond(request, requests, False, _no_stream,
-                                   lambda g: batch_chat_response(g, body, response_id, self.served_model_name,
+                                   lambda g: batch_chat_response(g, body, response_id, model,
                                                                  self.options.tool_call_parser))
 
     def _with_usage(self, body: S) -> S:
@@ -262,29 +267,32 @@ class _API:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         body = self._with_usage(body)
-        params = await self._params(body)
-        await self._check_sizes(prompt_size(p, None) for p in body.prompts() if isinstance(p, str))
+        model = self._served(body.model)
+        params = await self._params(body, model)
+        await self._check_sizes(model, (prompt_size(p, None) for p in body.prompts() if isinstance(p, str)))
         response_id, engine_id = _ids("cmpl", request, body.request_id)
-        requests = generate_requests(body, engine_id, params)
+        requests = _for_model(generate_requests(body, engine_id, params), model)
         self._set_session(requests, request, body)
         _set_tenant(requests, request, body, self.options.cache_salt_per_api_key)
         return await self._respond(request, requests, body.stream,
-                                   lambda g: completion_chunks(g, body, response_id, self.served_model_name),
-                                   lambda g: completion_response(g, body, response_id, self.served_model_name))
+                                   lambda g: completion_chunks(g, body, response_id, model),
+                                   lambda g: completion_response(g, body, response_id, model))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         body = self._with_usage(body)
-        params = await self._params(body)
-        await self._check_sizes([PromptSize(0, len(body.messages))])  # before converting each of them
+        model = self._served(body.model)
+        params = await self._params(body, model)
+        await self._check_sizes(model, [PromptSize(0, len(body.messages))])  # before converting each of them
         response_id, engine_id = _ids("chatcmpl", request, body.request_id)
-        requests = [generate_request(body, engine_id, params)]
+        requests = _for_model([generate_request(body, engine_id, params)], model)
         parser = self.options.tool_call_parser
         self._set_session(requests, request, body)
         _set_tenant(requests, request, body, self.options.cache_salt_per_api_key)
-        await self._check_sizes([prompt_size(None, requests[0].messages, requests[0].chat_template_kwargs.values())])
+        await self._check_sizes(model, [prompt_size(None, requests[0].messages,
+                                                    requests[0].chat_template_kwargs.values())])
         return await self._respond(request, requests, body.stream,
-                                   lambda g: chat_chunks(g, body, response_id, self.served_model_name, parser),
-                                   lambda g: chat_response(g, body, response_id, self.served_model_name, parser))
+                                   lambda g: chat_chunks(g, body, response_id, model, parser),
+                                   lambda g: chat_response(g, body, response_id, model, parser))
 
     def _set_session(self, requests: list[GenerateRequest], request: Request, body: SamplingRequest) -> None:
         """The session header's value, if sent, else the body's session_id (vLLM's field), as every
@@ -300,8 +308,7 @@ class _API:
         for r in requests:
             r.session_id = session_id or None
 
-    async def _params(self, body: SamplingRequest) -> SamplingParams:
-        self._check_model(body.model)
+    async def _params(self, body: SamplingRequest, model: str) -> SamplingParams:
         asked = unsupported_asks(body, auto_tools=self.options.tool_call_parser is not None)
         if asked:
             raise bad_request("; ".join(a.message for a in asked), asked[0].field)
@@ -309,39 +316,46 @@ class _API:
             body.return_tokens_as_token_ids = self.options.return_tokens_as_token_ids
         check_token_id_lists(self.limits, body)
         params = check_limits(self.limits, body, to_sampling_params(body, self.grammar_limits),
-                              await self._context_length())
+                              await self.context_length(model))
         await validate_structured_outputs(body, params.structured_outputs, self.grammar_limits)  # off the loop
         return params
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+    def _served(self, model: str | None) -> str:
+        """The served model a request names (none: the first); 404 model_not_found for another."""
+        if model is None:
+            return self.served_model_names[0]
+        if model not in self.served_model_names:
             raise model_not_found(model)
+        return model
 
-    async def _context_length(self) -> int:
-        if self.max_model_len is None:  # asked once
-            self.max_model_len = (await self.processor.model_info()).max_model_len
-        return self.max_model_len
+    async def context_length(self, model: str) -> int:
+        """`model`'s context length, asked of the processor once."""
+        if model not in self.max_model_lens:
+            self.max_model_lens[model] = (await self.processor.model_info(model)).max_model_len
+        return self.max_model_lens[model]
 
-    async def _check_sizes(self, sizes: Iterable[PromptSize]) -> None:
+    async def _check_sizes(self, model: str, sizes: Iterable[PromptSize]) -> None:
         """400 for a prompt too long to fit the context, before it travels to be tokenized."""
-        check_prompt_sizes(self.limits, sizes, await self._context_length())
+        check_prompt_sizes(self.limits, sizes, await self.context_length(model))
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
-        self._check_model(body.model)
-        await self._check_sizes([PromptSize(0, len(body.messages or ()))])  # before converting each of them
+        model = self._served(body.model)
+        await self._check_sizes(model, [PromptSize(0, len(body.messages or ()))])  # before converting each of them
         request = to_tokenize_request(body)
-        await self._check_sizes([prompt_size(request.prompt, request.messages, request.chat_template_kwargs.values())])
+        request.model = model
+        await self._check_sizes(model, [prompt_size(request.prompt, request.messages,
+                                                    request.chat_template_kwargs.values())])
         tokenized = await self.processor.tokenize(request)
         return TokenizeResponse(count=len(tokenized.token_ids), max_model_len=tokenized.max_model_len,
                                 tokens=tokenized.token_ids, token_strs=tokenized.token_strs)
 
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
-        self._check_model(body.model)
+        model = self._served(body.model)
         # Ids count like a prompt: no more than the context holds, as each may decode to many bytes.
-        if len(body.tokens) > await self._context_length():
+        if len(body.tokens) > (context_length := await self.context_length(model)):
             raise APIError(400, f"{len(body.tokens)} tokens is over the model's context length of "
-                                f"{self.max_model_len} tokens", "invalid_request_error", "tokens", "limit_exceeded")
-        return DetokenizeResponse(prompt=await self.processor.detokenize(body.tokens))
+                                f"{context_length} tokens", "invalid_request_error", "tokens", "limit_exceeded")
+        return DetokenizeResponse(prompt=await self.processor.detokenize(body.tokens, model))
 
     async def _respond(
         self,
@@ -384,6 +398,13 @@ class _API:
         for generation in self.generations:
             generation.end(APIError(503, reason, "service_unavailable", code="service_unavailable"))
         return len(self.generations)
+
+
+def _for_model(requests: list[GenerateRequest], model: str) -> list[GenerateRequest]:
+    """`requests`, each for the served model `model` (the processor routes it to that model's engines)."""
+    for r in requests:
+        r.model = model
+    return requests
 
 
 def _no_stream(generation: Generation) -> AsyncIterator:

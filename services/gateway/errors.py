@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from services.common.errors import EngineDeadError, EngineOverloadedError, InternalError
+from services.common.errors import EngineDeadError, EngineOverloadedError, InternalError, ModelNotFoundError
 from services.gateway.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -44,8 +44,8 @@ def model_not_found(model: str) -> APIError:
 # What a request can meet (api_error_of answers each): the app's handlers for these answer and keep
 # the connection; anything else is a bug of ours, for Starlette's last-resort handler.
 ANSWERED_ERRORS: tuple[type[Exception], ...] = (
-    APIError, HTTPException, EngineOverloadedError, EngineDeadError, InternalError, ValueError, ConnectionError,
-    TimeoutError)
+    APIError, HTTPException, EngineOverloadedError, EngineDeadError, InternalError, ModelNotFoundError, ValueError,
+    ConnectionError, TimeoutError)
 
 
 def error_of(exc: BaseException) -> tuple[int, ErrorResponse]:
@@ -63,6 +63,8 @@ def api_error_of(exc: BaseException) -> APIError:
     without a word about it."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, ModelNotFoundError):  # a processor that serves fewer models than this gateway names
+        return model_not_found(str(exc))
     if isinstance(exc, EngineOverloadedError):
         return APIError(503, f"the model is overloaded, try again later: {exc}", "service_unavailable",
                         code="overloaded", headers={"Retry-After": str(RETRY_AFTER)})

@@ -22,7 +22,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from services.common.config import (GRAMMAR_COMPILE_FIELDS, GatewayConfig, GrammarLimits, Limits, ModelConfig,
+from services.common.config import (GRAMMAR_COMPILE_FIELDS, GatewayConfig, GrammarLimits, Limits, FleetConfig,
                                     SecurityConfig, ServingConfig)
 from services.common.flags import add_flags, build
 from services.common.metrics import GrpcMetrics
@@ -69,7 +69,7 @@ class GatewayServer(uvicorn.Server):
             logger.warning("ended %d request(s) still running at shutdown", count)
 
 
-async def serve(gateway: GatewayConfig, served_model_name: str, serving: ServingConfig, limits: Limits = Limits(),
+async def serve(gateway: GatewayConfig, served_model_name: str | Sequence[str], serving: ServingConfig, limits: Limits = Limits(),
                 api_keys: Sequence[str] = (), security: RpcSecurity = RpcSecurity(),
                 grammar_limits: GrammarLimits = GrammarLimits()) -> None:
     """`security`: the internal token (and mTLS) of the calls to the processor."""
@@ -96,7 +96,7 @@ async def serve(gateway: GatewayConfig, served_model_name: str, serving: Serving
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh gateway", description="The kvmesh OpenAI-compatible gateway.")
     add_flags(parser, GatewayConfig, ENV_PREFIX)
-    add_flags(parser, ModelConfig, ENV_PREFIX, only=["served_model_name"])
+    add_flags(parser, FleetConfig, ENV_PREFIX, only=["served_model_name"])
     add_flags(parser, Limits, ENV_PREFIX)
     add_flags(parser, GrammarLimits, ENV_PREFIX, exclude=GRAMMAR_COMPILE_FIELDS)
     add_flags(parser, ServingConfig, ENV_PREFIX, only=["host", "port", "grace"], defaults={"port": DEFAULT_PORT})
@@ -112,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         api_keys = api_keys_from(gateway.api_key, path=gateway.api_key_file)  # read once: rotate by restarting
     except (OSError, ValueError) as exc:
         parser.error(f"--api-key-file: {exc}")
-    asyncio.run(serve(gateway, build(parser, ModelConfig, args).name, build(parser, ServingConfig, args),
+    # The gateway takes the names alone (the processor has the models): each name stands for its model.
+    names = args.served_model_name or args._default_served_model_name or FleetConfig().names
+    fleet = build(parser, FleetConfig, args, model=tuple(names))
+    asyncio.run(serve(gateway, fleet.names, build(parser, ServingConfig, args),
                       build(parser, Limits, args), api_keys,
                       RpcSecurity.load(build(parser, SecurityConfig, args), GATEWAY), build(parser, GrammarLimits, args)))
     return 0

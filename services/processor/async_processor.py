@@ -66,7 +66,8 @@ class AsyncProcessor:
         """Lets the tokenizer threads go (work already started finishes)."""
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def model_info(self) -> EngineInfo:
+    async def model_info(self, model: str = "") -> EngineInfo:
+        """Its engine's info; `model` is for ProcessorClient's sake (ModelProcessors picks by it)."""
         return await self.engine.info()
 
     async def is_healthy(self) -> bool:
@@ -78,10 +79,10 @@ class AsyncProcessor:
         strs = await self._off_loop(self.processor.token_strs, token_ids) if request.return_token_strs else None
         return Tokenized(token_ids, self.processor.max_model_len, strs)
 
-    async def tokenizer_info(self) -> dict[str, Any]:
+    async def tokenizer_info(self, model: str = "") -> dict[str, Any]:
         return self.processor.tokenizer_config()
 
-    async def detokenize(self, token_ids: Sequence[int]) -> str:
+    async def detokenize(self, token_ids: Sequence[int], model: str = "") -> str:
         return await self._off_loop(self.processor.detokenize, token_ids)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:

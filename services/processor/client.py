@@ -50,18 +50,19 @@ class GrpcProcessorClient(AsyncGrpcClient):
             reply = await self._stub.Tokenize(convert.tokenize_request_to_proto(request), timeout=self.timeout)
         return convert.tokenized_from_proto(reply)
 
-    async def detokenize(self, token_ids: Sequence[int]) -> str:
+    async def detokenize(self, token_ids: Sequence[int], model: str = "") -> str:
         with raising_errors():
-            reply = await self._stub.Detokenize(processor_pb2.DetokenizeRequest(token_ids=token_ids),
+            reply = await self._stub.Detokenize(processor_pb2.DetokenizeRequest(token_ids=token_ids, model=model),
                                                 timeout=self.timeout)
         return reply.text
 
-    async def tokenizer_info(self) -> dict[str, Any]:
+    async def tokenizer_info(self, model: str = "") -> dict[str, Any]:
         with raising_errors():
-            reply = await self._stub.GetTokenizerInfo(processor_pb2.GetTokenizerInfoRequest(), timeout=self.timeout)
+            reply = await self._stub.GetTokenizerInfo(processor_pb2.GetTokenizerInfoRequest(model=model),
+                                                      timeout=self.timeout)
         return json.loads(reply.config_json)
 
-    async def model_info(self) -> EngineInfo:
+    async def model_info(self, model: str = "") -> EngineInfo:
         with raising_errors():
-            reply = await self._stub.GetModelInfo(processor_pb2.GetModelInfoRequest(), timeout=self.timeout)
+            reply = await self._stub.GetModelInfo(processor_pb2.GetModelInfoRequest(model=model), timeout=self.timeout)
         return convert.engine_info_from_proto(reply)

@@ -11,7 +11,7 @@ router predicted it would find cached.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from prometheus_client import Counter, Histogram
 
@@ -61,8 +61,34 @@ class RouterMetrics:
 
 
 class ProcessorMetrics:
-    def __init__(self, service: ServiceMetrics, model_name: str, max_model_len: int) -> None:
+    """One model's view of the processor's metrics; a processor of several models makes one per model
+    over the same families (for_models)."""
+
+    def __init__(self, service: ServiceMetrics, model_name: str, max_model_len: int,
+                 families: ProcessorFamilies | None = None) -> None:
+        families = families if families is not None else ProcessorFamilies(service, max_model_len)
         self.service = service
+        self.tokenize_seconds = families.tokenize_seconds
+        self.detokenize_seconds = families.detokenize_seconds
+        self.params_n = families.params_n.labels(model_name)
+        self.max_num_generation_tokens = families.max_num_generation_tokens.labels(model_name)
+
+    @classmethod
+    def for_models(cls, service: ServiceMetrics, max_model_lens: Mapping[str, int]) -> dict[str, ProcessorMetrics]:
+        """Each model's metrics by its name; the token buckets reach the longest context of them."""
+        families = ProcessorFamilies(service, max(max_model_lens.values()))
+        return {name: cls(service, name, length, families) for name, length in max_model_lens.items()}
+
+    def observe_finished(self, num_generation_tokens: Sequence[int]) -> None:
+        """A request whose choices all finished, with the tokens each generated."""
+        self.params_n.observe(len(num_generation_tokens))
+        self.max_num_generation_tokens.observe(max(num_generation_tokens))
+
+
+class ProcessorFamilies:
+    """The processor's metric families, registered once per registry; vLLM's are labelled by model_name."""
+
+    def __init__(self, service: ServiceMetrics, max_model_len: int) -> None:
         registry, component = service.registry, service.grpc.component
         self.tokenize_seconds = Histogram("kvmesh_processor_tokenize_seconds",
                                           "Chat template and tokenization of one prompt", [COMPONENT],
@@ -71,15 +97,10 @@ class ProcessorMetrics:
                                             "Incremental detokenization and stop strings, per engine output",
                                             [COMPONENT], buckets=TOKENIZER_BUCKETS, registry=registry).labels(component)
         self.params_n = Histogram("vllm:request_params_n", "Histogram of the n request parameter.", ["model_name"],
-                                  buckets=PARAMS_N_BUCKETS, registry=registry).labels(model_name)
+                                  buckets=PARAMS_N_BUCKETS, registry=registry)
         self.max_num_generation_tokens = Histogram(
             "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
-            ["model_name"], buckets=build_1_2_5_buckets(max_model_len), registry=registry).labels(model_name)
-
-    def observe_finished(self, num_generation_tokens: Sequence[int]) -> None:
-        """A request whose choices all finished, with the tokens each generated."""
-        self.params_n.observe(len(num_generation_tokens))
-        self.max_num_generation_tokens.observe(max(num_generation_tokens))
+            ["model_name"], buckets=build_1_2_5_buckets(max_model_len), registry=registry)
 
 
 class DeciderMetrics:

@@ -46,9 +46,11 @@ def _json_ready(value: Any) -> Any:
 
 class Processor:
     @classmethod
-    def load(cls, model_path: str | os.PathLike[str], max_model_len: int) -> Processor:
-        """The processor of a local model folder (its tokenizer, chat template and eos ids)."""
-        return cls.for_tokenizer(load_tokenizer(model_path), model_path, max_model_len)
+    def load(cls, model_path: str | os.PathLike[str], max_model_len: int,
+             chat_template: str | None = None) -> Processor:
+        """The processor of a local model folder (its tokenizer, chat template and eos ids);
+        `chat_template` (`--chat-template`) in place of the model's own."""
+        return cls.for_tokenizer(load_tokenizer(model_path, chat_template), model_path, max_model_len)
 
     @classmethod
     def for_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, model_path: str | os.PathLike[str],
@@ -79,7 +81,8 @@ class Processor:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         if not self.info.has_chat_template:
-            raise ValueError("this model's tokenizer has no chat template; send a completion prompt instead")
+            raise ValueError("messages need a chat template and this model has none (a base model): send a prompt "
+                             "to /v1/completions instead, or serve the model with --chat-template")
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt, continue_final_message,

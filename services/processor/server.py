@@ -17,6 +17,10 @@ EngineSet routes each request by --routing (services/processor/router.py), readi
 Redis index of --prefix-index (and sweeping its expired engines every --heartbeat-ttl), else asking
 the engines; the
 processor is SERVING while at least one engine is ready and healthy.
+
+Several models (--model A --model B, --served-model-name once per model): one tokenizer and one
+EngineSet per model; each engine found joins the set of the model it reports (EnginePools), and each
+request goes to its model's (ModelProcessors).
 """
 
 from __future__ import annotations
@@ -27,15 +31,19 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, NamedTuple
+
+from transformers import PreTrainedTokenizerBase
 
 from services.common.clients import EngineClient, EngineInfo, ProcessorClient
 from services.common.config import (
     GRAMMAR_COMPILE_FIELDS,
     DisaggregationConfig,
+    FleetConfig,
     GrammarLimits,
     PROCESSOR_MODEL_FIELDS,
     ModelConfig,
@@ -57,12 +65,14 @@ from services.common.rpc.security import PROCESSOR, RpcSecurity
 from services.common.rpc.server import RpcServer, service_name
 from services.engine.client import GrpcEngineClient
 from services.processor.async_processor import DEFAULT_TOKENIZER_THREADS, AsyncProcessor
+from services.processor.engine_pools import EnginePools
 from services.processor.engine_set import EngineSet
 from services.processor.index_engines import IndexEngines
 from services.prefix_index.index import PrefixIndex
 from services.prefix_index.redis_index import RedisAccess
 from services.prefix_index.replica import PrefixIndexReplica
 from services.processor.metrics import DeciderMetrics, ProcessorMetrics, RouterMetrics
+from services.processor.model_processors import ModelProcessors
 from services.processor.prefill_decider import OUTCOMES, PrefillDecider
 from services.common.rpc.convert import generate_delta_to_proto, generate_request_from_proto
 from services.processor.processor import Processor
@@ -100,15 +110,16 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
 
     @answers_with_status
     async def Detokenize(self, request: processor_pb2.DetokenizeRequest, context):
-        return processor_pb2.DetokenizeResponse(text=await self.processor.detokenize(list(request.token_ids)))
+        return processor_pb2.DetokenizeResponse(text=await self.processor.detokenize(list(request.token_ids),
+                                                                                    request.model))
 
     @answers_with_status
     async def GetTokenizerInfo(self, request: processor_pb2.GetTokenizerInfoRequest, context):
-        return processor_pb2.TokenizerInfo(config_json=json.dumps(await self.processor.tokenizer_info()))
+        return processor_pb2.TokenizerInfo(config_json=json.dumps(await self.processor.tokenizer_info(request.model)))
 
     @answers_with_status
     async def GetModelInfo(self, request: processor_pb2.GetModelInfoRequest, context):
-        return convert.engine_info_to_proto(await self.processor.model_info())
+        return convert.engine_info_to_proto(await self.processor.model_info(request.model))
 
 
 async def wait_for_engine(engine: EngineClient, timeout: float) -> EngineInfo:
@@ -141,20 +152,10 @@ async def open_engines(config: ProcessorServiceConfig, metrics: GrpcMetrics | No
     """The one engine at --engine-address, or an EngineSet over several, over the ready engines of
     --engine-service as they come and go, or over the index's live engines; every connection carries
     `security`'s token (and mTLS). With --prefix-index, its expired engines are swept meanwhile."""
-    def connect(address: str) -> GrpcEngineClient:
-        return GrpcEngineClient(address, timeout=config.engine_timeout, metrics=metrics, security=security)
-
-    addresses = config.engine_address or ((DEFAULT_ENGINE_ADDRESS,) if config.engine_service is None
-                                          and not config.engines_from_index else ())
-    index = open_index(routing.index)
-    if config.engines_from_index and index is None:
-        raise ValueError("--engines-from-index needs --prefix-index")
+    connect = engine_connector(config, metrics, security)
+    addresses = engine_addresses(config)
     async with AsyncExitStack() as stack:
-        if index is not None:
-            stack.push_async_callback(index.close)
-            await index.check_access(RedisAccess(routing.index.prefix_index).redacted_url)
-            index.start()
-            await stack.enter_async_context(background(sweep_index(index, routing.index.heartbeat_ttl)))
+        index = await open_routing_index(stack, config, routing.index)
         if len(addresses) == 1:
             engine = connect(addresses[0])
             stack.push_async_callback(engine.close)
@@ -163,18 +164,88 @@ async def open_engines(config: ProcessorServiceConfig, metrics: GrpcMetrics | No
         engines = EngineSet(config.engine_service or "engines", connect, routing.config, index,
                             routing.index.prefix_index_timeout, routing.metrics)
         stack.push_async_callback(engines.close)
-        if config.engine_service is not None:
-            watcher = EndpointWatcher(config.engine_service, kube_configuration(), config.namespace)
-            watcher.subscribe(engines.update)
-            watcher.start()
-            stack.push_async_callback(watcher.close)
-        elif config.engines_from_index:
-            vouch = IndexEngines(config.engine_allowed_address, config.trust_index_engines, security,
-                                 config.engine_timeout)
-            await stack.enter_async_context(background(follow_index_engines(index, engines, vouch=vouch)))
-        else:
-            engines.update(frozenset(Endpoint(address) for address in addresses))
+        await follow_engines(stack, config, index, engines.update, security)
         yield decide_prefill(engines, routing)
+
+
+@asynccontextmanager
+async def open_model_engines(config: ProcessorServiceConfig, models: Sequence[str], metrics: GrpcMetrics | None = None,
+                             security: RpcSecurity = RpcSecurity(),
+                             routing: Routing = Routing()) -> AsyncIterator[dict[str, EngineClient]]:
+    """Each served model's engines by its name. One model: open_engines (every engine found is its).
+    Several: an EngineSet per model over the one discovery, each engine in the pool of the model it
+    says it serves (services/processor/engine_pools.py)."""
+    if len(models) == 1:
+        async with open_engines(config, metrics, security, routing) as engine:
+            yield {models[0]: engine}
+        return
+    if routing.disaggregation.prefill_engine_address:
+        raise ValueError("disaggregated prefill/decode serves one model: give one --model with "
+                         "--prefill-engine-address")
+    connect = engine_connector(config, metrics, security)
+    async with AsyncExitStack() as stack:
+        index = await open_routing_index(stack, config, routing.index)
+        pools = EnginePools({model: EngineSet(f"{config.engine_service or 'engines'} of {model}", connect,
+                                              routing.config, index, routing.index.prefix_index_timeout,
+                                              routing.metrics)
+                             for model in models}, lambda address: ask_model_name(connect, address))
+        stack.push_async_callback(pools.close)
+        await follow_engines(stack, config, index, pools.update, security)
+        yield dict(pools.pools)
+
+
+async def ask_model_name(connect: Callable[[str], EngineClient], address: str) -> str:
+    """The model name the engine at `address` serves, asked on a channel of its own."""
+    engine = connect(address)
+    try:
+        return (await engine.info()).model_name
+    finally:
+        await engine.close()
+
+
+def engine_connector(config: ProcessorServiceConfig, metrics: GrpcMetrics | None,
+                     security: RpcSecurity) -> Callable[[str], GrpcEngineClient]:
+    def connect(address: str) -> GrpcEngineClient:
+        return GrpcEngineClient(address, timeout=config.engine_timeout, metrics=metrics, security=security)
+    return connect
+
+
+def engine_addresses(config: ProcessorServiceConfig) -> tuple[str, ...]:
+    """--engine-address, else the default address when no other source of engines is given."""
+    if config.engine_address or config.engine_service is not None or config.engines_from_index:
+        return config.engine_address
+    return (DEFAULT_ENGINE_ADDRESS,)
+
+
+async def open_routing_index(stack: AsyncExitStack, config: ProcessorServiceConfig,
+                             index_config: PrefixIndexConfig) -> PrefixIndexReplica | None:
+    """The replica of --prefix-index, started and swept until `stack` closes; None without one."""
+    index = open_index(index_config)
+    if config.engines_from_index and index is None:
+        raise ValueError("--engines-from-index needs --prefix-index")
+    if index is not None:
+        stack.push_async_callback(index.close)
+        await index.check_access(RedisAccess(index_config.prefix_index).redacted_url)
+        index.start()
+        await stack.enter_async_context(background(sweep_index(index, index_config.heartbeat_ttl)))
+    return index
+
+
+async def follow_engines(stack: AsyncExitStack, config: ProcessorServiceConfig, index: PrefixIndex | None,
+                         update: Callable[[frozenset[Endpoint]], None], security: RpcSecurity) -> None:
+    """Hands `update` the engines found: --engine-service's ready endpoints as they change, the index's
+    live engines (polled), or the --engine-address list once; followed until `stack` closes."""
+    if config.engine_service is not None:
+        watcher = EndpointWatcher(config.engine_service, kube_configuration(), config.namespace)
+        watcher.subscribe(update)
+        watcher.start()
+        stack.push_async_callback(watcher.close)
+    elif config.engines_from_index:
+        assert index is not None
+        vouch = IndexEngines(config.engine_allowed_address, config.trust_index_engines, security, config.engine_timeout)
+        await stack.enter_async_context(background(follow_index_engines(index, update, vouch=vouch)))
+    else:
+        update(frozenset(Endpoint(address) for address in engine_addresses(config)))
 
 
 def decide_prefill(decode: EngineClient, routing: Routing) -> EngineClient:
@@ -218,12 +289,12 @@ async def sweep_index(index: PrefixIndex, interval: float) -> None:
             logger.debug("prefix index sweep failed: %s", e)
 
 
-async def follow_index_engines(index: PrefixIndex, engines: EngineSet,
+async def follow_index_engines(index: PrefixIndex, update: Callable[[frozenset[Endpoint]], None],
                                interval: float = ENGINES_FROM_INDEX_INTERVAL, *,
                                vouch: IndexEngines | None = None) -> None:
-    """The index's live engines (their ids are their addresses) become the EngineSet's members, every
-    `interval` s, those `vouch` vouches for only (None: all, for an index in this process); while
-    the index is unreachable the engines known stay."""
+    """The index's live engines (their ids are their addresses) go to `update` (an EngineSet's, or
+    EnginePools'), every `interval` s, those `vouch` vouches for only (None: all, for an index in this
+    process); while the index is unreachable the engines known stay."""
     while True:
         try:
             live = await index.engines()
@@ -231,7 +302,7 @@ async def follow_index_engines(index: PrefixIndex, engines: EngineSet,
             logger.debug("prefix index unreachable, keeping the engines known: %s", e)
         else:
             ids = frozenset(live) if vouch is None else await vouch.vouched(live)
-            engines.update(frozenset(Endpoint(engine_id) for engine_id in ids))
+            update(frozenset(Endpoint(engine_id) for engine_id in ids))
         await asyncio.sleep(interval)
 
 
@@ -247,25 +318,30 @@ async def follow_engine_health(processor: AsyncProcessor, server: RpcServer, int
             serving = healthy
 
 
-async def serve(model: ModelConfig, engine: EngineClient, serving: ServingConfig, startup_timeout: float = 300.0,
-                metrics: Callable[[int], ProcessorMetrics] | None = None,
+async def serve(models: Sequence[ModelConfig], engines: Mapping[str, EngineClient], serving: ServingConfig,
+                startup_timeout: float = 300.0,
+                metrics: Callable[[Mapping[str, int]], Mapping[str, ProcessorMetrics]] | None = None,
                 security: RpcSecurity = RpcSecurity(),
                 tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
                 grammar_limits: GrammarLimits = GrammarLimits()) -> None:
-    """Serve until SIGTERM/SIGINT. The model is resolved for its tokenizer only; no weights load.
-    The caller owns `engine` (open_engines). `metrics` makes this processor's metrics once the
-    engine's context length (their token buckets' top) is known."""
-    model_path = resolve_tokenizer(model.model, model.cache_dir)
-    tokenizer = load_tokenizer(model_path)  # before waiting for an engine: a bad model fails at once
-    engine_info = await wait_for_engine(engine, startup_timeout)
-    if engine_info.model_id != model_id_of(model_path):
-        logger.warning("the engine serves %s, this processor tokenizes for %s", engine_info.model_id,
-                       model_id_of(model_path))
-    processor_metrics = metrics(engine_info.max_model_len) if metrics is not None else None
-    processor = AsyncProcessor(Processor.for_tokenizer(tokenizer, model_path, engine_info.max_model_len,
-                                                       grammar_limits),
-                               engine, processor_metrics, tokenizer_threads)
-    interceptors = [processor_metrics.service.grpc.server_interceptor()] if processor_metrics is not None else []
+    """Serve until SIGTERM/SIGINT. Each model is resolved for its tokenizer only; no weights load.
+    The caller owns `engines` (open_model_engines: each served name's engines). `metrics` makes
+    each model's metrics once its engines' context lengths (their token buckets' top) are known."""
+    # Before waiting for an engine: a bad model or --chat-template fails at once.
+    tokenizers = {m.name: load_model_tokenizer(m) for m in models}
+    infos = dict(zip([m.name for m in models],
+                     await asyncio.gather(*(wait_for_engine(engines[m.name], startup_timeout) for m in models))))
+    for name, (_, path) in tokenizers.items():
+        if infos[name].model_id != model_id_of(path):
+            logger.warning("the engine of %s serves %s, this processor tokenizes for %s", name, infos[name].model_id,
+                           model_id_of(path))
+    model_metrics = metrics({name: info.max_model_len for name, info in infos.items()}) if metrics is not None else {}
+    processor = ModelProcessors({
+        name: AsyncProcessor(Processor.for_tokenizer(tokenizer, path, infos[name].max_model_len, grammar_limits),
+                             engines[name], model_metrics.get(name), tokenizer_threads)
+        for name, (tokenizer, path) in tokenizers.items()})
+    service_metrics = next(iter(model_metrics.values())).service if model_metrics else None
+    interceptors = [service_metrics.grpc.server_interceptor()] if service_metrics is not None else []
     server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors, security, serving.unix_socket)
     processor_pb2_grpc.add_ProcessorServicer_to_server(ProcessorServicer(processor), server.server)
     await server.start()
@@ -276,11 +352,18 @@ async def serve(model: ModelConfig, engine: EngineClient, serving: ServingConfig
     processor.close()
 
 
+def load_model_tokenizer(model: ModelConfig) -> tuple[PreTrainedTokenizerBase, Path]:
+    """`model`'s tokenizer (with --chat-template, if given) and the folder it came from."""
+    path = resolve_tokenizer(model.model, model.cache_dir)
+    return load_tokenizer(path, model.chat_template), path
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh processor", description="The kvmesh processor service.")
     add_flags(parser, ProcessorServiceConfig, ENV_PREFIX)
     add_flags(parser, RoutingConfig, ENV_PREFIX)
     add_flags(parser, PrefixIndexConfig, ENV_PREFIX)
+    add_flags(parser, FleetConfig, ENV_PREFIX)
     add_flags(parser, ModelConfig, ENV_PREFIX, only=PROCESSOR_MODEL_FIELDS)
     add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})
     add_flags(parser, SecurityConfig, ENV_PREFIX)
@@ -291,13 +374,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 class ProcessorArgs(NamedTuple):
     service: ProcessorServiceConfig
-    model: ModelConfig
+    model: ModelConfig  # the first model's (the others differ in model and served name only)
     serving: ServingConfig
     security: SecurityConfig = SecurityConfig()
     routing: RoutingConfig = RoutingConfig()
     prefix_index: PrefixIndexConfig = PrefixIndexConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     grammar_limits: GrammarLimits = GrammarLimits()
+    fleet: FleetConfig = FleetConfig()
+
+    @property
+    def models(self) -> tuple[ModelConfig, ...]:
+        return self.fleet.model_configs(self.model)
 
 
 def parse_args(argv: list[str] | None = None) -> ProcessorArgs:
@@ -309,29 +397,35 @@ def parse_args(argv: list[str] | None = None) -> ProcessorArgs:
         parser.error("--engines-from-index needs --prefix-index")
     if service.engine_service is None and not service.engine_address and not service.engines_from_index:
         service = replace(service, engine_address=(DEFAULT_ENGINE_ADDRESS,))
-    return ProcessorArgs(service, build(parser, ModelConfig, args), build(parser, ServingConfig, args),
+    fleet = build(parser, FleetConfig, args)
+    disaggregation = build(parser, DisaggregationConfig, args)
+    if len(fleet.model) > 1 and disaggregation.prefill_engine_address:
+        parser.error("--prefill-engine-address serves one model: give one --model")
+    model = fleet.model_configs(build(parser, ModelConfig, args))[0]
+    return ProcessorArgs(service, model, build(parser, ServingConfig, args),
                          build(parser, SecurityConfig, args), build(parser, RoutingConfig, args), prefix_index,
-                         build(parser, DisaggregationConfig, args), build(parser, GrammarLimits, args))
+                         disaggregation, build(parser, GrammarLimits, args), fleet)
 
 
 def main(argv: list[str] | None = None) -> int:
-    service, model, serving, security_config, routing, prefix_index, disaggregation, grammar_limits = parse_args(argv)
+    parsed = parse_args(argv)
+    service, _, serving, security_config, routing, prefix_index, disaggregation, grammar_limits, fleet = parsed
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s processor: %(message)s")
     security = RpcSecurity.load(security_config, PROCESSOR)  # the processor's own port and its calls to engines
     service_metrics = ServiceMetrics.create("processor")
     security.refusals.register(service_metrics.registry)
 
-    def metrics(max_model_len: int) -> ProcessorMetrics:
-        return ProcessorMetrics(service_metrics, model.name, max_model_len)
+    def metrics(max_model_lens: Mapping[str, int]) -> dict[str, ProcessorMetrics]:
+        return ProcessorMetrics.for_models(service_metrics, max_model_lens)
 
     async def run() -> None:
         router_metrics = RouterMetrics(service_metrics, routing.routing, REASONS[routing.routing])
         decider_metrics = DeciderMetrics(service_metrics, OUTCOMES) if disaggregation.prefill_engine_address else None
-        async with open_engines(service, service_metrics.grpc, security,
-                                Routing(routing, prefix_index, router_metrics, disaggregation,
-                                        decider_metrics)) as engine:
-            await serve(model, engine, serving, service.startup_timeout, metrics, security, service.tokenizer_threads,
-                        grammar_limits)
+        async with open_model_engines(service, fleet.names, service_metrics.grpc, security,
+                                      Routing(routing, prefix_index, router_metrics, disaggregation,
+                                              decider_metrics)) as engines:
+            await serve(parsed.models, engines, serving, service.startup_timeout, metrics, security,
+                        service.tokenizer_threads, grammar_limits)
 
     endpoint = MetricsEndpoint.start(service_metrics.registry, serving.host, serving.metrics_port)
     try:

@@ -18,21 +18,43 @@ from services.common.model_files import TOKENIZER_FILE, gguf_tokenizer
 GENERATION_CONFIG_NAME = "generation_config.json"
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str | os.PathLike[str], chat_template: str | None = None) -> PreTrainedTokenizerBase:
     """Loads the tokenizer of a local model: a Hugging Face folder with a tokenizer.json, or a single
-    `.gguf` file (built from its metadata, nothing cached). Never imports torch.
+    `.gguf` file (built from its metadata, nothing cached). Never imports torch. `chat_template`
+    (`--chat-template`: Jinja text or a file holding it) replaces the model's own.
 
     Only local paths: a hub id is refused here, so a typo never turns into a download. Not
     AutoTokenizer: it imports torch (through the model configs), and the processor must not.
     """
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        return gguf_tokenizer(path)
-    if not path.is_dir():
+        tokenizer = gguf_tokenizer(path)
+    elif not path.is_dir():
         raise FileNotFoundError(f"no tokenizer at {path}: expected a model folder or a .gguf file")
-    if not (path / TOKENIZER_FILE).is_file():
+    elif not (path / TOKENIZER_FILE).is_file():
         raise FileNotFoundError(f"model folder {path} has no {TOKENIZER_FILE}: only fast tokenizers are supported")
-    return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    else:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    if chat_template is not None:
+        tokenizer.chat_template = load_chat_template(chat_template)
+    return tokenizer
+
+
+def load_chat_template(template: str) -> str:
+    """`--chat-template`'s Jinja text: the value itself when it reads as a template (vLLM's rule: it
+    holds a brace or a newline), else the file it names. ValueError for a file that cannot be read or
+    a template that does not parse, so that a bad flag fails at start-up, not at the first chat."""
+    if not any(c in template for c in "{}\n"):
+        try:
+            template = Path(template).expanduser().read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"--chat-template {template!r} is neither a Jinja template nor a readable file: "
+                             f"{e.strerror}") from None
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template does not parse as Jinja (line {e.lineno}): {e.message}") from None
+    return template
 
 
 def apply_chat_template(

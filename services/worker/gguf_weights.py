@@ -28,7 +28,7 @@ from kvmesh_kernels import cpu_quant_matmul
 from kvmesh_kernels.cpu_quant_matmul import QuantType
 from kvmesh_kernels.native import NativeKernelUnavailable, cpu_has
 from services.common.gguf_file import GGUFFile
-from services.common.model_files import locate_model
+from services.common.model_files import is_gguf_model, locate_model
 from services.worker.layers.linear import WeightSource, shape_of
 from services.worker.layers.quantized_weight import GGUFBlocks
 
@@ -37,8 +37,9 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --quantization -> the blocks a checkpoint's weights are quantized to at load.
 _AT_LOAD = {"int8": QuantType.Q8_0, "f16": QuantType.F16}
-# GGUF architecture -> whether its q and k rows are permuted (see the module's docstring).
-_ARCHITECTURES = {"llama": True, "qwen2": False}
+# GGUF architecture -> whether its q and k rows are permuted (see the module's docstring). Gemma 3's
+# norm weights are stored plus one (transformers subtracts it); norms are 1-D, never kept in blocks.
+_ARCHITECTURES = {"llama": True, "qwen2": False, "gemma3": False}
 
 
 class NotQuantizable(ValueError):
@@ -60,6 +61,12 @@ class GGUFWeights:
         self.tensors = self.file.tensors
         self.num_heads = self.file.field(f"{self.architecture}.attention.head_count")
         self.num_kv_heads = self.file.field(f"{self.architecture}.attention.head_count_kv")
+        dequantized = sorted({gguf.GGMLQuantizationType(t.tensor_type).name for t in self.tensors.values()
+                              if len(t.shape) == 2 and t.tensor_type != gguf.GGMLQuantizationType.F32
+                              and t.tensor_type not in cpu_quant_matmul.FILE_TYPES})
+        if dequantized:
+            logger.info("%s: %s weights dequantized to float32 at load (the kernel keeps %s blocks)", path.name,
+                        ", ".join(dequantized), ", ".join(t.name for t in cpu_quant_matmul.FILE_TYPES))
 
     def blocks(self, name: str) -> GGUFBlocks | None:
         """The blocks of checkpoint tensor `name` (a Hugging Face name), or None where it is no 2-D
@@ -77,7 +84,7 @@ class GGUFWeights:
             return None
         cols, rows = (int(n) for n in tensor.shape)  # GGUF lists the fastest dimension first
         data = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
-        if cols % cpu_quant_matmul.BLOCK or data.shape[1] != cpu_quant_matmul.row_bytes(qtype, cols):
+        if cols % cpu_quant_matmul.block_weights(qtype) or data.shape[1] != cpu_quant_matmul.row_bytes(qtype, cols):
             return None
         order = self._row_order(gguf_name, rows)
         return GGUFBlocks(qtype, data if order is None else data[order], cols)
@@ -135,7 +142,7 @@ def resolve_dtype(dtype: str, quantization: str, model: str, device: torch.devic
         return _DTYPES[dtype]
     if device.type != "cpu":
         return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float16
-    in_blocks = quantization in _AT_LOAD or (quantization in ("auto", "gguf") and locate_model(model).is_file())
+    in_blocks = quantization in _AT_LOAD or (quantization in ("auto", "gguf") and is_gguf_model(model))
     if not in_blocks and (cpu_has("avx512_bf16") or cpu_has("amx_bf16")):
         return torch.bfloat16
     return torch.float32
@@ -172,10 +179,10 @@ def gguf_weights_for(quantization: str, model: str, device: torch.device, dtype:
         if quantization in _AT_LOAD:
             _check_kernel(device, dtype, cache_dir, vector_build=False)
             return LoadQuantizedWeights(_AT_LOAD[quantization])
-        if not locate_model(model).is_file():
+        if not locate_model(model, cache_dir).is_file():
             raise NotQuantizable("the model is not a .gguf file")
         _check_kernel(device, dtype, cache_dir, vector_build=quantization == "auto")
-        return GGUFWeights(locate_model(model))
+        return GGUFWeights(locate_model(model, cache_dir))
     except NotQuantizable as exc:
         if quantization != "auto":
             raise NotQuantizable(f"--quantization {quantization}: {exc}") from exc

@@ -29,7 +29,7 @@ FULL_MODEL_SUFFIX = ""  # the whole model converted from a GGUF: `<stem>-<size>-
 
 def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
     """Return a local Hugging Face folder for `model`, converting a GGUF file on first use."""
-    path = locate_model(model)
+    path = locate_model(model, cache_dir)
     if path.is_file():
         return cached_conversion(path, cache_dir, FULL_MODEL_SUFFIX, "config.json", convert_gguf)
     return path

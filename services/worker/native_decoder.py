@@ -2,9 +2,9 @@
 the steps where Python's per-layer glue is a large share: fewer tokens than the quantized matmul's
 GEMM threshold, so every linear layer is the native kernel's (decodes, short chunks).
 
-It takes a model whose every linear layer keeps its weight in GGUF blocks (the CPU default for a
-GGUF model; `--quantization int8|f16` too), in float32, at tensor-parallel size 1, with the native
-attention plan; any other model or step goes through the layers' modules. Both paths call the same
+It takes a Llama-family model whose every linear layer keeps its weight in GGUF blocks (the CPU
+default for a GGUF model; `--quantization int8|f16` too), in float32, at tensor-parallel size 1,
+with the native attention plan; any other model or step goes through the layers' modules. Both paths call the same
 kernels in the same order, so they agree bit for bit (tests/model/test_native_decoder.py). Under
 `--dtype auto` the steps from `LOW_PRECISION_GEMM_ROWS` tokens take the layers' bfloat16 or int8
 copies, as the modules do.
@@ -19,6 +19,7 @@ import torch
 from kvmesh_kernels import cpu_decoder, cpu_quant_matmul
 from services.worker.attention.torch_backend import NativeAttentionPlan
 from services.worker.forward_context import get_forward_context
+from services.worker.models.llama import LlamaModel
 
 
 class NativeDecoder:
@@ -43,8 +44,10 @@ class NativeDecoder:
 
     @staticmethod
     def supports(model) -> bool:
-        """Whether `model`'s layers can run natively (see the module's docstring)."""
-        if cpu_decoder.ops() is None:
+        """Whether `model`'s layers can run natively (see the module's docstring). The kernel computes
+        Llama's layer (two norms, SiLU): another layout (Gemma 3: four norms, QK-norm, GELU) runs its
+        modules even with every weight in blocks."""
+        if cpu_decoder.ops() is None or type(model) is not LlamaModel:
             return False
         for layer in model.layers:
             attn = layer.self_attn

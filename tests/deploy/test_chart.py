@@ -23,8 +23,8 @@ from kubernetes_validate.utils import schema_contents
 
 from services.cli import SERVICES
 from services.engine import server as engine_server
-from services.common.config import (DisaggregationConfig, EngineServiceConfig, GatewayConfig, PrefixIndexConfig,
-                                   RoutingConfig)
+from services.common.config import (DisaggregationConfig, EngineServiceConfig, FleetConfig, GatewayConfig,
+                                   PrefixIndexConfig, RoutingConfig)
 from services.common.flags import build
 from services.prefix_index.redis_index import REDIS_ACL_COMMANDS
 from tests.deploy.chart import CHART_DIR, EXAMPLES, GOLDEN_DIR, NAMESPACE, example_values, find, golden_manifest, manifest, objects, render
@@ -127,60 +127,103 @@ def has_role(workload: dict[str, Any], role: str | None) -> bool:
     return label in (None, "decode") if role is None else label == role
 
 
+# The label of a model's engines and workers when the chart serves several (`models`).
+MODEL_LABEL = "kvmesh.io/model"
+
+
+def pools(objs: list[dict[str, Any]], component: str, role: str | None = None) -> list[dict[str, Any]]:
+    """A component's workloads (of `role`, see has_role): one, or for engines and workers with
+    `models` one per model (a tensor-parallel model: one worker StatefulSet per engine)."""
+    return [o for o in objs if o["kind"] in ("Deployment", "StatefulSet")
+            and o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == component
+            and has_role(o, role)]
+
+
+def model_of(workload: dict[str, Any]) -> str | None:
+    return workload["spec"]["selector"]["matchLabels"].get(MODEL_LABEL)
+
+
 def pod_spec(objs: list[dict[str, Any]], component: str, role: str | None = None) -> dict[str, Any]:
-    [workload] = [o for o in objs if o["kind"] in ("Deployment", "StatefulSet")
-                  and o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == component
-                  and has_role(o, role)]
+    [workload] = pools(objs, component, role)
     return workload["spec"]["template"]["spec"]
+
+
+def workload_args(workload: dict[str, Any]) -> dict[str, str]:
+    """A workload's `--flag=value` arguments (bare flags map to ""; a repeated flag to its last value)."""
+    args = workload["spec"]["template"]["spec"]["containers"][0]["args"]
+    # The image's entry point is `kvmesh`: the first argument picks the service.
+    assert args[0] == workload["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
+    return dict(a.removeprefix("--").partition("=")[::2] for a in args[1:])
 
 
 def args_of(objs: list[dict[str, Any]], component: str, role: str | None = None) -> dict[str, str]:
     """A service's `--flag=value` arguments (bare flags map to "")."""
-    args = pod_spec(objs, component, role)["containers"][0]["args"]
-    assert args[0] == component  # the image's entry point is `kvmesh`: the first argument picks the service
-    return dict(a.removeprefix("--").partition("=")[::2] for a in args[1:])
+    [workload] = pools(objs, component, role)
+    return workload_args(workload)
+
+
+def repeated(objs: list[dict[str, Any]], component: str, flag: str) -> list[str]:
+    """Every value of a repeatable flag of a service, in order."""
+    args = pod_spec(objs, component)["containers"][0]["args"]
+    return [a.partition("=")[2] for a in args if a.startswith(f"--{flag}=")]
+
+
+def pod_names(statefulsets: list[dict[str, Any]]) -> set[str]:
+    """The pods StatefulSets create: <name>-<ordinal>."""
+    return {f"{o['metadata']['name']}-{i}" for o in statefulsets for i in range(o["spec"].get("replicas", 1))}
 
 
 def worker_pod_names(objs: list[dict[str, Any]], role: str | None = None) -> set[str]:
     """The pods the worker StatefulSets (of `role`, see has_role) create: <name>-<ordinal>."""
-    return {f"{o['metadata']['name']}-{i}" for o in objs if o["kind"] == "StatefulSet"
-            and o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "worker" and has_role(o, role)
-            for i in range(o["spec"].get("replicas", 1))}
+    return pod_names([o for o in pools(objs, "worker", role) if o["kind"] == "StatefulSet"])
+
+
+def selects(service: dict[str, Any], workload: dict[str, Any]) -> bool:
+    return service["spec"]["selector"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
 
 
 def test_engine_finds_its_worker(example: tuple[str, dict[str, str]]) -> None:
     """engine-<i> looks for the workers whose hostnames are its own with -engine- -> -worker- (and
-    -<rank> appended for a tensor-parallel group), in the worker Service's EndpointSlices: the
-    names, the headless Service and the replica counts must line up for that."""
+    -<rank> appended for a tensor-parallel group), in its worker Service's EndpointSlices: the
+    names, the headless Service and the replica counts must line up for that, in each model's pool.
+    The processors' one engine Service selects every engine."""
     _, rendered = example
     objs = objects(rendered)
-    engine = find(objs, "StatefulSet", "kvmesh-engine")
-    workers = [o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"].startswith("kvmesh-worker")
-               and has_role(o, None)]
-    engine_args = args_of(objs, "engine")
-    size = int(engine_args.get("tensor-parallel-size", "1"))
-    hostnames = [h for i in range(engine["spec"].get("replicas", 1))
-                 for h in engine_server.paired_worker_hostnames(f"kvmesh-engine-{i}", size)]
-    if engine["spec"].get("replicas") is not None:  # KEDA leaves both counts to the scaler
-        assert sorted(hostnames) == sorted(worker_pod_names(objs))
-    for worker in workers:
-        assert engine_args["worker-service"] == worker["spec"]["serviceName"]
-    assert find(objs, "Service", engine_args["worker-service"])["spec"]["clusterIP"] == "None"
-    assert args_of(objs, "processor")["engine-service"] == engine["spec"]["serviceName"]
-    engine_ports = find(objs, "Service", engine["spec"]["serviceName"])["spec"]["ports"]
-    assert "grpc" in [p["name"] for p in engine_ports]
-    assert "block-size" not in args_of(objs, "engine")  # the engine takes its worker's
+    engine_service = find(objs, "Service", args_of(objs, "processor")["engine-service"])
+    assert "grpc" in [p["name"] for p in engine_service["spec"]["ports"]]
+    assert pools(objs, "engine")
+    for engine in pools(objs, "engine"):
+        workers = [w for w in pools(objs, "worker") if model_of(w) == model_of(engine)]
+        engine_args = workload_args(engine)
+        size = int(engine_args.get("tensor-parallel-size", "1"))
+        hostnames = [h for i in range(engine["spec"].get("replicas", 1))
+                     for h in engine_server.paired_worker_hostnames(f"{engine['metadata']['name']}-{i}", size)]
+        if engine["spec"].get("replicas") is not None:  # KEDA leaves both counts to the scaler
+            assert sorted(hostnames) == sorted(pod_names(workers))
+        # A pod's hostname is in a Service's EndpointSlices when its StatefulSet names that Service.
+        worker_service = find(objs, "Service", engine_args["worker-service"])
+        for worker in workers:
+            assert engine_args["worker-service"] == worker["spec"]["serviceName"] and selects(worker_service, worker)
+        assert worker_service["spec"]["clusterIP"] == "None"
+        assert engine["spec"]["serviceName"] == engine_service["metadata"]["name"] and selects(engine_service, engine)
+        assert "block-size" not in engine_args  # the engine takes its worker's
 
 
 def test_every_service_reports_the_served_model_name(example: tuple[str, dict[str, str]]) -> None:
-    """model_name on the metrics is what clients send, everywhere: the dashboards and KEDA filter on it."""
+    """model_name on the metrics is what clients send, everywhere: the dashboards and KEDA filter on
+    it. The gateway and the processor serve every model; each engine and worker serves one."""
     _, rendered = example
     objs = objects(rendered)
-    served = args_of(objs, "gateway")["served-model-name"]
-    assert [args_of(objs, c)["served-model-name"] for c in ("processor", "engine", "worker")] == [served] * 3
+    served = repeated(objs, "gateway", "served-model-name")
+    assert repeated(objs, "processor", "served-model-name") == served
+    assert len(repeated(objs, "processor", "model")) == len(served)
+    for component in ("engine", "worker"):
+        assert {workload_args(w)["served-model-name"] for w in pools(objs, component)} == set(served)
     for o in objs:
         if o["kind"] == "ScaledObject":
-            assert f'model_name="{served}"' in o["spec"]["triggers"][0]["metadata"]["query"]
+            target = find(objs, "StatefulSet", o["spec"]["scaleTargetRef"]["name"])
+            model_name = workload_args(target)["served-model-name"]
+            assert f'model_name="{model_name}"' in o["spec"]["triggers"][0]["metadata"]["query"]
 
 
 def test_probes_use_grpc_health_and_the_configured_ports() -> None:
@@ -302,23 +345,24 @@ def test_the_services_accept_the_chart_arguments(example: tuple[str, dict[str, s
     _, rendered = example
     objs = objects(rendered)
     for component in COMPONENTS:
-        container = pod_spec(objs, component)["containers"][0]
-        env = env_of(container)
-        prefix = f"KVMESH_{component.upper()}_"
-        with monkeypatch.context() as patch:
+        for workload in pools(objs, component):
+            container = workload["spec"]["template"]["spec"]["containers"][0]
+            env = env_of(container)
+            prefix = f"KVMESH_{component.upper()}_"
+            with monkeypatch.context() as patch:
+                for name, value in env.items():
+                    patch.setenv(name, value)
+                parser = importlib.import_module(SERVICES[component]).build_parser()
+                parsed = parser.parse_args(container["args"][1:])
+            assert parsed.port == int(workload_args(workload)["port"])
             for name, value in env.items():
-                patch.setenv(name, value)
-            parser = importlib.import_module(SERVICES[component]).build_parser()
-            parsed = parser.parse_args(container["args"][1:])
-        assert parsed.port == int(args_of(objs, component)["port"])
-        for name, value in env.items():
-            if name.startswith(prefix):  # a variable the service reads: it must name one of its flags
-                dest = name.removeprefix(prefix).lower()
-                assert dest in vars(parsed), f"{component} has no flag for ${name}"
-                for config_class in (PrefixIndexConfig, RoutingConfig, EngineServiceConfig):
-                    if dest in {f.name for f in fields(config_class)}:
-                        built = getattr(build(parser, config_class, parsed), dest)
-                        assert built == type(built)(value), name
+                if name.startswith(prefix):  # a variable the service reads: it must name one of its flags
+                    dest = name.removeprefix(prefix).lower()
+                    assert dest in vars(parsed), f"{component} has no flag for ${name}"
+                    for config_class in (PrefixIndexConfig, RoutingConfig, EngineServiceConfig):
+                        if dest in {f.name for f in fields(config_class)}:
+                            built = getattr(build(parser, config_class, parsed), dest)
+                            assert built == type(built)(value), name
 
 
 POD_IP = "10.1.2.3"
@@ -642,6 +686,148 @@ def test_disaggregation_refuses_tensor_parallelism_and_keda() -> None:
     for values in ({"worker": {"tensorParallelSize": 2}}, {"keda": {"enabled": True}}):
         with pytest.raises(helm.HelmRenderError, match="disaggregation.enabled goes with"):
             render({**values, "disaggregation": {"enabled": True}})
+
+
+# ----------------------------------------------------------------------------- several models
+
+
+def matches(selector: dict[str, str], workload: dict[str, Any]) -> bool:
+    """Whether a label selector picks a workload's pods."""
+    return selector.items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+
+
+def fleet_of(objs: list[dict[str, Any]], component: str) -> FleetConfig:
+    """The models a service's command line serves, as its own parser reads them."""
+    parser = importlib.import_module(SERVICES[component]).build_parser()
+    args = parser.parse_args(pod_spec(objs, component)["containers"][0]["args"][1:])
+    if component == "gateway":  # it takes the served names only, as services/gateway/server.py builds them
+        return build(parser, FleetConfig, args, model=tuple(args.served_model_name))
+    return build(parser, FleetConfig, args)
+
+
+def test_the_models_example_runs_each_model_on_pools_of_its_own() -> None:
+    """values-models.yaml: each model's engines and workers are StatefulSets of their own that select
+    only their own pods, with the entry's replicas and worker settings; the gateway and the processor
+    serve both; each engine's worker Service and network policies reach its own model's workers only,
+    and the processors reach every engine."""
+    objs = objects(render(example_values("models")))
+    keys = ("smollm2", "gemma3-270m")
+    statefulsets = {o["metadata"]["name"]: o for o in objs if o["kind"] == "StatefulSet"}
+    assert set(statefulsets) == {f"kvmesh-{c}-{key}" for c in ("engine", "worker") for key in keys}
+    for a in statefulsets.values():
+        for b in statefulsets.values():
+            assert matches(a["spec"]["selector"]["matchLabels"], b) == (a is b), (a["metadata"]["name"], b["metadata"]["name"])
+    assert fleet_of(objs, "processor") == FleetConfig(model=keys, served_model_name=keys)
+    assert fleet_of(objs, "gateway").names == keys
+    policies = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "NetworkPolicy"}
+    [to_engines] = [r for r in policies["kvmesh-processor-egress"]["egress"]
+                    if r.get("to", [{}])[0].get("podSelector", {}).get("matchLabels", {}).get(
+                        "app.kubernetes.io/component") == "engine"]
+    for key, other, replicas, kv_cache, memory in (("smollm2", "gemma3-270m", 2, "268435456", "2Gi"),
+                                                   ("gemma3-270m", "smollm2", 1, "134217728", "3Gi")):
+        engine, worker = statefulsets[f"kvmesh-engine-{key}"], statefulsets[f"kvmesh-worker-{key}"]
+        assert engine["spec"]["replicas"] == worker["spec"]["replicas"] == replicas
+        args = workload_args(worker)
+        assert (args["model"], args["served-model-name"], args["kv-cache-memory"]) == (key, key, kv_cache)
+        assert worker["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"] == memory
+        worker_service = find(objs, "Service", workload_args(engine)["worker-service"])
+        assert selects(worker_service, worker) and not selects(worker_service, statefulsets[f"kvmesh-worker-{other}"])
+        # Network policies: the processors reach the engine; the engine, and only it, its workers.
+        assert matches(to_engines["to"][0]["podSelector"]["matchLabels"], engine)
+        processor = find(objs, "Deployment", "kvmesh-processor")
+        assert matches(policies[f"kvmesh-engine-{key}"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"],
+                       processor)
+        worker_ingress = policies[f"kvmesh-worker-{key}"]
+        assert matches(worker_ingress["podSelector"]["matchLabels"], worker)
+        callers = worker_ingress["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+        assert matches(callers, engine) and not matches(callers, statefulsets[f"kvmesh-engine-{other}"])
+        [to_workers] = [r for r in policies[f"kvmesh-engine-{key}-egress"]["egress"]
+                        if {"port": "step"} in r.get("ports", [])]
+        workers = to_workers["to"][0]["podSelector"]["matchLabels"]
+        assert matches(workers, worker) and not matches(workers, statefulsets[f"kvmesh-worker-{other}"])
+
+
+def test_each_model_brings_its_own_parallelism_scaling_gpus_and_storage() -> None:
+    """An entry's engine, worker and keda keys replace the top-level ones (a zero or false too): one
+    model tensor parallel on CPUs with two engines, the other on a GPU scaled by KEDA on its own
+    queue, from a claim of its own that the processor mounts beside the release's volume."""
+    storage = {"type": "pvc", "mountPath": "/big", "cacheDir": "/big/.kvmesh-cache",
+               "pvc": {"existingClaim": "", "size": "100Gi", "accessModes": ["ReadWriteMany"]}}
+    values = {"worker": {"gpus": 1}, "models": [
+        {"name": "small", "model": "smollm2", "engine": {"replicas": 2, "pdb": {"enabled": False, "maxUnavailable": 1}},
+         "worker": {"gpus": 0, "tensorParallelSize": 2}},
+        {"name": "big", "model": "/big/Qwen2.5-7B-Instruct", "servedModelName": "qwen2.5-7b-instruct",
+         "maxModelLen": 8192, "keda": {"enabled": True}, "storage": storage}]}
+    objs = objects(render(values))
+    for obj in objs:
+        if obj["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(obj, KUBE_VERSIONS[0], strict=True)
+    assert fleet_of(objs, "processor") == FleetConfig(model=("smollm2", "/big/Qwen2.5-7B-Instruct"),
+                                                      served_model_name=("small", "qwen2.5-7b-instruct"))
+    small = [w for w in pools(objs, "worker") if model_of(w) == "small"]
+    engines = find(objs, "StatefulSet", "kvmesh-engine-small")
+    assert int(workload_args(engines)["tensor-parallel-size"]) == 2
+    assert pod_names(small) == {h for i in range(2) for h in engine_server.paired_worker_hostnames(
+        f"kvmesh-engine-small-{i}", 2)} == {"kvmesh-worker-small-0-0", "kvmesh-worker-small-0-1",
+                                            "kvmesh-worker-small-1-0", "kvmesh-worker-small-1-1"}
+    for group in (0, 1):
+        args = workload_args(find(objs, "StatefulSet", f"kvmesh-worker-small-{group}"))
+        assert args["device"] == "cpu" and "max-model-len" not in args
+        host = args["distributed-address"].rsplit(":", 1)[0]
+        assert find(objs, "Service", host)["spec"]["selector"]["statefulset.kubernetes.io/pod-name"] == \
+            f"kvmesh-worker-small-{group}-0"
+    big = find(objs, "StatefulSet", "kvmesh-worker-big")
+    container = big["spec"]["template"]["spec"]["containers"][0]
+    args = workload_args(big)
+    assert (args["device"], args["max-model-len"], container["resources"]["limits"]["nvidia.com/gpu"]) == \
+        ("cuda", "8192", 1)
+    # KEDA scales the big model's pair only, on its own queue; the small one keeps its replicas.
+    scaled = {o["spec"]["scaleTargetRef"]["name"]: o for o in objs if o["kind"] == "ScaledObject"}
+    assert set(scaled) == {"kvmesh-engine-big", "kvmesh-worker-big"}
+    assert all('model_name="qwen2.5-7b-instruct"' in o["spec"]["triggers"][0]["metadata"]["query"]
+               for o in scaled.values())
+    assert "replicas" not in big["spec"] and engines["spec"]["replicas"] == 2
+    pdbs = {o["metadata"]["name"] for o in objs if o["kind"] == "PodDisruptionBudget"}
+    assert {name for name in pdbs if "-engine-" in name or "-worker-" in name} == \
+        {"kvmesh-engine-big", "kvmesh-worker-small", "kvmesh-worker-big"}
+    # Storage: the big model's claim, on its engine, its worker and the processor (beside /models).
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "PersistentVolumeClaim"] == ["kvmesh-models-big"]
+    for pod in (big["spec"]["template"]["spec"], find(objs, "StatefulSet", "kvmesh-engine-big")["spec"]["template"]["spec"],
+                pod_spec(objs, "processor")):
+        volume = volume_mounted_at(pod, "/big")
+        assert volume["persistentVolumeClaim"] == {"claimName": "kvmesh-models-big"}
+    assert "emptyDir" in volume_mounted_at(pod_spec(objs, "processor"), "/models")
+    assert "emptyDir" in volume_mounted_at(small[0]["spec"]["template"]["spec"], "/models")
+
+
+def volume_mounted_at(pod: dict[str, Any], path: str) -> dict[str, Any]:
+    [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == path]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return volume
+
+
+@pytest.mark.parametrize("models, error, message", [
+    ([{"name": "Qwen", "model": "x"}], helm.HelmValuesError, "does not match pattern"),
+    ([{"name": "a" * 31, "model": "x"}], helm.HelmValuesError, "maxLength"),
+    ([{"name": "a"}], helm.HelmValuesError, "missing property 'model'"),
+    ([{"name": "a", "model": "x", "engine": {"port": 1}}], helm.HelmValuesError, "'port' not allowed"),
+    ([{"name": "a", "model": "x"}, {"name": "a", "model": "y"}], helm.HelmRenderError, 'two entries are named "a"'),
+    ([{"name": "a", "model": "x", "servedModelName": "s"}, {"name": "b", "model": "y", "servedModelName": "s"}],
+     helm.HelmRenderError, 'two entries are served as "s"'),
+    ([{"name": "a-engine", "model": "x"}], helm.HelmRenderError, "must not contain"),
+    ([{"name": "a-1", "model": "x"}, {"name": "a", "model": "y"}], helm.HelmRenderError, "would name the same objects"),
+    ([{"name": "a", "model": "x", "storage": {"type": "emptyDir", "mountPath": "/models", "cacheDir": "/models/c"}}],
+     helm.HelmRenderError, "mountPath of its own"),
+], ids=["upper-case", "long", "no-model", "port", "same-name", "same-served-name", "engine-in-name", "group-name",
+        "same-mount"])
+def test_a_bad_models_entry_fails_with_a_clear_message(models: list[dict[str, Any]], error: type, message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        render({"models": models})
+
+
+def test_several_models_refuse_disaggregation() -> None:
+    with pytest.raises(helm.HelmRenderError, match="disaggregation.enabled serves one model"):
+        render({"models": [{"name": "a", "model": "x"}], "disaggregation": {"enabled": True}})
 
 
 # ----------------------------------------------------------------------------- pod hardening, egress, Redis

@@ -73,6 +73,27 @@ def test_model_labelled_selectors_follow_the_model_variable() -> None:
                 assert 'model_name=~"$model_name"' in matchers, f"{query.dashboard}: {query.where}: {name}"
 
 
+AGGREGATION = re.compile(r"\b(sum|max|min|avg|count)\s*(?:by\s*\(([^)]*)\))?\s*\(")
+
+
+def test_panels_split_by_model() -> None:
+    """With several models served, each graph and stat shows one series per model: every aggregation
+    over a model-labelled metric keeps model_name, and its legend names the model."""
+    checked = 0
+    for name, dashboard in dashboards().items():
+        for panel in panels(dashboard):
+            if panel["type"] not in ("timeseries", "stat"):
+                continue
+            for target in panel["targets"]:
+                if not any(MODEL_LABELLED.match(n) for n in metric_names(target["expr"])):
+                    continue
+                for _, labels in AGGREGATION.findall(target["expr"]):
+                    assert "model_name" in [label.strip() for label in labels.split(",")], (name, panel["title"])
+                assert "{{model_name}}" in target["legendFormat"], (name, panel["title"])
+                checked += 1
+    assert checked > 50
+
+
 def test_promtool_accepts_every_expression(tmp_path: Path) -> None:
     exprs = [substitute_variables(q.expr) for q in queries()]
     assert len(exprs) > 50 and not any("$" in e for e in exprs)

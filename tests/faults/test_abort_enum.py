@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -23,16 +21,11 @@ from services.common.engine_output import EngineCoreRequest
 from services.common.rpc.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.common.rpc.server import GRPC_OPTIONS
 from services.engine.client import GrpcEngineClient
-from tests.services.procs import Serve, client_for, grpc_health_status, serving
+from tests.services.procs import Serve, client_for, grpc_health_status
 
 pytestmark = pytest.mark.slow
 
 UNKNOWN_REASONS = ("bogus", "error", "length", "x" * 10_000, "abort\n")
-
-
-@pytest.fixture(scope="module")
-def serve(model_path: Path) -> Iterator[Serve]:
-    yield from serving(model_path)
 
 
 def abort_with(serve: Serve, request_ids: list[str], reason: str) -> grpc.RpcError | None:

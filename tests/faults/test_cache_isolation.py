@@ -9,12 +9,11 @@ prefixes (the default, which the docs say).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
 
-from tests.services.procs import Serve, serving
+from tests.services.procs import Serve, gateway_over
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +23,9 @@ PROMPT = ("The quarterly report of the secret project lists these figures: " + "
 
 
 @pytest.fixture(scope="module")
-def serve(model_path: Path) -> Iterator[Serve]:
-    yield from serving(model_path, extra_args=[*(a for key in KEYS for a in ("--api-key", key)),
-                                               "--cache-salt-per-api-key", "--served-model-name", "smollm2"])
+def serve(serve: Serve) -> Iterator[Serve]:
+    with gateway_over(serve, [*(a for key in KEYS for a in ("--api-key", key)), "--cache-salt-per-api-key"]) as gateway:
+        yield gateway
 
 
 def cached_tokens(serve: Serve, key: str, prompt: str, **extra) -> int:

@@ -24,7 +24,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.services.procs import Serve, serving
+from tests.services.procs import Serve, gateway_over, serving
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +34,14 @@ BIG_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def serve(model_path: Path) -> Iterator[Serve]:
+def roomy(model_path: Path) -> Iterator[Serve]:
+    """Room for a few sequences at once: a stack of its own."""
     yield from serving(model_path, ["--max-num-seqs", str(MAX_NUM_SEQS),
                                     "--max-sequences-per-request", str(MAX_SEQUENCES)])
 
 
-def test_a_small_chat_is_served_while_a_request_of_many_sequences_runs(serve: Serve):
+def test_a_small_chat_is_served_while_a_request_of_many_sequences_runs(roomy: Serve):
+    serve = roomy
     client = openai.OpenAI(base_url=serve.api, api_key="unused", timeout=600, max_retries=0)
     model = client.models.list().data[0].id
     with pytest.raises(openai.BadRequestError, match="max-sequences-per-request"):
@@ -83,15 +85,16 @@ BURST = 5
 
 
 @pytest.fixture(scope="module")
-def guarded(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    """One sequence at a time (the queue's order decides who goes next), two tenants' keys and one
-    that may set priority, and small connection and body caps."""
+def guarded(serve: Serve, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    """The shared stack (one sequence at a time under the priority policy: the queue's order decides
+    who goes next) behind a gateway with two tenants' keys and one that may set priority, and small
+    connection and body caps."""
     key_file = tmp_path_factory.mktemp("keys") / "priority-keys"
     key_file.write_text(f"# keys that may set priority\n{PRIORITY_KEY}\n")
-    yield from serving(model_path, ["--api-key", KEYS[0], "--api-key", KEYS[1], "--priority-api-key-file",
-                                    str(key_file), "--scheduling-policy", "priority", "--max-num-seqs", "1",
-                                    "--max-connections-per-client", str(PER_CLIENT), "--trusted-proxy", PROXY,
-                                    "--max-buffered-body-bytes", str(BODY_BUDGET), "--max-model-len", "256"])
+    with gateway_over(serve, ["--api-key", KEYS[0], "--api-key", KEYS[1], "--priority-api-key-file", str(key_file),
+                              "--max-connections-per-client", str(PER_CLIENT), "--trusted-proxy", PROXY,
+                              "--max-buffered-body-bytes", str(BODY_BUDGET)]) as gateway:
+        yield gateway
 
 
 def connection(serve: Serve, source: str) -> http.client.HTTPConnection:

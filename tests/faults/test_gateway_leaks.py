@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services.procs import PYTHON, REPO_ROOT, Serve, free_port, serving
+from tests.services.procs import PYTHON, REPO_ROOT, Serve, free_port, gateway_over
 
 pytestmark = pytest.mark.slow
 
@@ -29,9 +29,9 @@ AUTH = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"
 
 
 @pytest.fixture(scope="module")
-def serve(model_path: Path) -> Iterator[Serve]:
-    yield from serving(model_path, extra_args=["--root-path", ROOT_PATH, "--api-key", API_KEY,
-                                                "--served-model-name", "smollm2"])
+def serve(serve: Serve) -> Iterator[Serve]:
+    with gateway_over(serve, ["--root-path", ROOT_PATH, "--api-key", API_KEY]) as gateway:
+        yield gateway
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import random
 import string
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -27,16 +26,11 @@ import pytest
 from services.common.clients import GenerateRequest
 from services.common.sampling_params import SamplingParams
 from services.processor.client import GrpcProcessorClient
-from tests.services.procs import Serve, serving
+from tests.services.procs import Serve
 
 pytestmark = pytest.mark.slow
 
 STALL_BOUND = 6.0  # seconds: the longest pause a running stream may see while the huge inputs are refused
-
-
-@pytest.fixture(scope="module")
-def serve(model_path: Path) -> Iterator[Serve]:
-    yield from serving(model_path)
 
 
 def _post(conn: http.client.HTTPConnection, path: str, body: str | dict) -> tuple[int, dict]:

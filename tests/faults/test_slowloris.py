@@ -11,11 +11,10 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.services.procs import Serve, serving
+from tests.services.procs import Serve, gateway_over
 
 pytestmark = pytest.mark.slow
 
@@ -26,12 +25,13 @@ SLOWLORIS = 300
 
 
 @pytest.fixture(scope="module")
-def serve(model_path: Path) -> Iterator[Serve]:
+def serve(serve: Serve) -> Iterator[Serve]:
     # Every socket here comes from 127.0.0.1: the cap per client address (tests/faults/test_fairness.py)
     # is lifted to the global one, so that these deadlines and that cap are what meet them.
-    yield from serving(model_path, ["--header-timeout", str(HEADER_TIMEOUT), "--body-timeout",
-                                    str(BODY_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS),
-                                    "--max-connections-per-client", str(MAX_CONNECTIONS)])
+    with gateway_over(serve, ["--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
+                              "--max-connections", str(MAX_CONNECTIONS),
+                              "--max-connections-per-client", str(MAX_CONNECTIONS)]) as gateway:
+        yield gateway
 
 
 def _fds(serve: Serve) -> int:

@@ -1,8 +1,8 @@
 """Kernel tests: on the CPU under Triton's interpreter, on a CUDA device for real.
 
 `@triton.jit` chooses compiled or interpreted when a kernel's module is imported, so the choice
-is made here, when pytest loads this file and before any test module imports the kernels: without
-a CUDA device, TRITON_INTERPRET=1 (unless the environment already says otherwise).
+is made in tests/conftest.py, before anything imports the kernels: without a CUDA device,
+TRITON_INTERPRET=1 (unless the environment already says otherwise).
 """
 
 from __future__ import annotations
@@ -14,9 +14,6 @@ import pytest
 import torch
 
 from kvmesh_kernels import native
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def kernels_device() -> torch.device:

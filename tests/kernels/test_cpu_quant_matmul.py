@@ -23,8 +23,9 @@ from kvmesh_kernels.cpu_quant_matmul import QuantType
 from services.common.config import default_cache_dir
 
 
-# The types whose rows are blocks of their own (the I8 copies hold their rows in groups: their own tests below).
-ROW_TYPES = [qtype for qtype in QuantType if qtype not in qm.I8_TYPES]
+# The types whose rows are blocks of their own and that gguf quantizes (the I8 copies hold their rows in
+# groups: their own tests below; the K-quants: tests/kernels/test_cpu_kquant_matmul.py).
+ROW_TYPES = [qtype for qtype in QuantType if qtype not in qm.I8_TYPES and qtype not in qm.K_TYPES]
 # The builds with tiles of their own; the portable one leaves its tiles to the compiler's vectorizer
 # and its linear to torch, and is never probed for packing (its own tests say so).
 VECTOR_BUILDS = [isa for isa in native.ISA_FLAGS if isa != "scalar"]

@@ -1,6 +1,6 @@
 """The engine end to end with the Triton attention backend (compiled on a CUDA device, under the
 interpreter on the CPU; scripts/gpu_check.py runs it on the GPU): greedy tokens identical to the torch backend's and to Hugging Face transformers' generate(), top-5
-logprobs close to the torch backend's. A short case: four prompts, eight new tokens, and a small
+logprobs close to the torch backend's. A short case: four prompts, four new tokens, and a small
 token budget so that prompts are prefilled in chunks next to other requests' decodes."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.kernels.conftest import kernels_device
 from tests.model.hf_reference import HFReference
 from tests.model.prompts import CHAT_QUESTIONS, RAW_PROMPTS, long_text
 
-MAX_NEW_TOKENS = 8
+MAX_NEW_TOKENS = 4
 LOGPROB_TOL = 1e-3
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
 ENGINE_ARGS = dict(kv_cache_memory=64 * 2**20, max_num_batched_tokens=64)

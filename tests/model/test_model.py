@@ -296,6 +296,6 @@ def test_resolve_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM, MistralForCausalLM, "
-                                         "Qwen2ForCausalLM"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: Gemma3ForCausalLM, LlamaForCausalLM, "
+                                         "MistralForCausalLM, Qwen2ForCausalLM"):
         load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"))

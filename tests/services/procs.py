@@ -10,7 +10,7 @@ HTTP GET (default `/health`) until 200. A process that exits while starting fail
 the tail of its log.
 
 `start_serve` runs the whole `kvmesh serve` as a user does (`--print-addresses`), for the session's
-shared stack (tests/services/conftest.py) and for the tests that stop or kill one of their own.
+shared stack (tests/conftest.py) and for the tests that stop or kill one of their own.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 SERVE_KV_CACHE = "128MiB"
 SERVE_KV_BYTES = 128 * 2**20
-SHARED_MAX_MODEL_LEN = 256  # the context of the session's shared `kvmesh serve` (conftest.py)
+SHARED_MAX_MODEL_LEN = 256  # the context of the session's shared `kvmesh serve` (tests/conftest.py)
+SHARED_MODEL_NAME = "smollm2"  # the name it serves its model under
 
 
 def free_port() -> int:
@@ -136,6 +137,11 @@ class Serve:
         return self.stderr_path.read_text(errors="replace")[-tail:]
 
     @property
+    def url(self) -> str:
+        """The API's root: /health, /metrics, /openapi.json."""
+        return self.api.removesuffix("/v1")
+
+    @property
     def port(self) -> int:
         """The API's port."""
         return int(self.api.rsplit(":", 1)[1].split("/")[0])
@@ -211,6 +217,21 @@ def serving(model_path: Path, extra_args: Sequence[str] = ()) -> Iterator[Serve]
     """`kvmesh serve` for a module-scoped fixture (`yield from serving(...)`), killed at its end."""
     with running_serve(model_path, extra_args=extra_args) as serve:
         yield serve
+
+
+@contextlib.contextmanager
+def gateway_over(serve: Serve, extra_args: Sequence[str] = ()) -> Iterator[Serve]:
+    """A gateway of its own, with `extra_args`, in front of `serve`'s processor: for a module that
+    changes only gateway flags, in seconds instead of a whole stack. What it yields is `serve` seen
+    through that gateway: its API, its pid under "gateway", its log."""
+    port = free_port()
+    argv = [PYTHON, "-m", "services.cli", "gateway", "--processor-address", serve.services["processor"]["address"],
+            "--gateway-token-file", str(serve.token_file), "--served-model-name", SHARED_MODEL_NAME,
+            "--host", "127.0.0.1", "--port", str(port), *extra_args]
+    with running_service(argv, port, health="http", http_path="/health") as gateway:
+        services = {**serve.services, "gateway": {"address": gateway.address, "pid": gateway.proc.pid,
+                                                  "metrics": f"{gateway.url}/metrics"}}
+        yield Serve(serve.proc, f"{gateway.url}/v1", services, gateway.log_path)
 
 
 def child_processes(parent: int) -> list[tuple[int, list[str]]]:

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import openai
 import pytest
 import redis
 
@@ -29,9 +28,9 @@ from tests.services.procs import Serve, client_for, gone, running_serve
 
 NAMESPACE = "kvmesh:pi"  # the default
 HEARTBEAT_TTL = 2.0
-KV_CACHE = "48MiB"  # a few 600-token prompts per engine: the fourth evicts the first
-PROMPT_TOKENS = 600
-SHARED_TOKENS = 500
+KV_CACHE = "24MiB"  # 34 blocks an engine: two 304-token prompts fit, the third evicts
+PROMPT_TOKENS = 304
+SHARED_TOKENS = 256
 
 
 def wait_for(condition: Callable[[], object], timeout: float, what: str | Callable[[], str]) -> object:
@@ -108,7 +107,7 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture(scope="module")
 def fleet(model_path: Path, redis_server: RedisServer) -> Iterator[Fleet]:
     args = ["--num-engines", "2", "--prefix-index", redis_server.url, "--routing", "kv-aware",
-            "--heartbeat-ttl", str(HEARTBEAT_TTL), "--kv-cache-memory", KV_CACHE, "--max-model-len", "1024",
+            "--heartbeat-ttl", str(HEARTBEAT_TTL), "--kv-cache-memory", KV_CACHE, "--max-model-len", "512",
             "--restart-backoff", "4"]
     with running_serve(model_path, extra_args=args) as serve:
         yield Fleet(serve, redis_server)
@@ -116,7 +115,7 @@ def fleet(model_path: Path, redis_server: RedisServer) -> Iterator[Fleet]:
 
 def test_index_holds_the_prompt_blocks_and_routes_the_shared_prefix_there(fleet: Fleet):
     """Acceptance 1: the index holds exactly the prompt's full blocks, for the engine that served it;
-    a second request sharing 500 tokens goes there and reports >= 480 cached tokens."""
+    a second request sharing 256 tokens goes there and reports them all cached."""
     rng = random.Random(1)
     prompt = random_prompt(rng, PROMPT_TOKENS)
     chain = fleet.chain(prompt)
@@ -132,8 +131,8 @@ def test_index_holds_the_prompt_blocks_and_routes_the_shared_prefix_there(fleet:
     hits_before = {e: fleet.stats(e).prefix_cache_hits for e in fleet.engines}
     second = random_prompt(rng, PROMPT_TOKENS, prompt[:SHARED_TOKENS])
     response = fleet.complete(second)
-    assert response.usage.prompt_tokens_details.cached_tokens >= 480
-    assert fleet.stats(served).prefix_cache_hits - hits_before[served] >= 480
+    assert response.usage.prompt_tokens_details.cached_tokens >= SHARED_TOKENS
+    assert fleet.stats(served).prefix_cache_hits - hits_before[served] >= SHARED_TOKENS
     assert fleet.stats(other).prefix_cache_hits == hits_before[other]
     fleet.wait_idle()
 
@@ -178,13 +177,13 @@ def test_redis_down_routes_by_load_and_prefix_routing_resumes(fleet: Fleet):
         chain = set(fleet.chain(prompt))
         wait_for(lambda: any(fleet.indexed(e) >= chain for e in fleet.engines), 15,
                  lambda: f"the engines republished into the restarted Redis:\n{fleet.serve.log()}")
-    for _ in range(3):  # one at a time: a few 600-token prompts fill an engine's cache
+    for _ in range(3):  # one at a time: a few prompts fill an engine's cache
         prompt = random_prompt(rng, PROMPT_TOKENS)
         chain = set(fleet.chain(prompt))
         fleet.complete(prompt)
         wait_for(lambda: any(fleet.indexed(e) >= chain for e in fleet.engines), 10, "the prompt indexed")
         response = fleet.complete(random_prompt(rng, PROMPT_TOKENS, prompt[:SHARED_TOKENS]))
-        assert response.usage.prompt_tokens_details.cached_tokens >= 480
+        assert response.usage.prompt_tokens_details.cached_tokens >= SHARED_TOKENS
     fleet.wait_idle()
 
 
@@ -238,8 +237,7 @@ def session_fleet(model_path: Path) -> Iterator[Fleet]:
         yield Fleet(serve, None)
 
 
-STORIES = [f"Write a story about {thing}." for thing in
-           ("a lighthouse", "a red fox", "the moon", "a bakery", "a sailing ship", "a robot", "a garden", "a river")]
+STORIES = [f"Write a story about {thing}." for thing in ("a lighthouse", "a red fox", "the moon", "a bakery")]
 
 
 def stream_text(fleet: Fleet, prompt: str, max_tokens: int, chunks: list[str], **kwargs) -> str:
@@ -252,10 +250,10 @@ def stream_text(fleet: Fleet, prompt: str, max_tokens: int, chunks: list[str], *
 
 
 def test_streams_survive_the_death_of_their_engine(session_fleet: Fleet):
-    """Acceptance 5: SIGKILL the engine while 8 greedy streams run on it: every stream completes,
+    """Acceptance 5: SIGKILL the engine while 4 greedy streams run on it: every stream completes,
     token-identical to a run without the kill; the survivor holds no blocks once they end."""
     fleet = session_fleet
-    max_tokens = 96
+    max_tokens = 48
     expected = [stream_text(fleet, p, max_tokens, []) for p in STORIES]
     fleet.wait_idle()
 

@@ -28,8 +28,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 from services.common.rpc.kvmesh.v1 import engine_pb2, processor_pb2, worker_pb2
 from services.common.rpc.security import ANY, callers_of
 from services.common.rpc.server import GRPC_OPTIONS
-from tests.services.procs import (PYTHON, Serve, ServiceProcess, client_for, free_port, gone, grpc_health_status,
-                                  running_service)
+from tests.services.procs import Serve, client_for, gateway_over, gone, grpc_health_status
 
 API_KEY = "sk-fuzz"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -38,17 +37,12 @@ MAX_EXAMPLES = 40  # per operation and mode (valid, invalid data): about 30 s on
 
 
 @pytest.fixture(scope="module")
-def gateway(serve: Serve) -> Iterator[ServiceProcess]:
-    port = free_port()
-    with running_service([PYTHON, "-m", "services.cli", "gateway", "--processor-address",
-                          serve.services["processor"]["address"], "--served-model-name", "smollm2",
-                          "--api-key", API_KEY, "--no-access-log", *GATEWAY_LIMITS, "--port", str(port),
-                          "--internal-token-file", str(serve.token_file)],
-                         port, health="http") as gateway:
+def gateway(serve: Serve) -> Iterator[Serve]:
+    with gateway_over(serve, ["--api-key", API_KEY, "--no-access-log", *GATEWAY_LIMITS]) as gateway:
         yield gateway
 
 
-def test_every_operation_answers_without_a_5xx_and_as_declared(gateway: ServiceProcess):
+def test_every_operation_answers_without_a_5xx_and_as_declared(gateway: Serve):
     config = SchemathesisConfig.from_dict({"headers": AUTH})
     schema = schemathesis.openapi.from_url(f"{gateway.url}/openapi.json", headers=AUTH, config=config)
     operations = [result.ok() for result in schema.get_all_operations()]
@@ -70,7 +64,7 @@ def test_every_operation_answers_without_a_5xx_and_as_declared(gateway: ServiceP
             call()
 
 
-def test_after_fuzzing_the_engine_holds_nothing(serve: Serve, gateway: ServiceProcess):
+def test_after_fuzzing_the_engine_holds_nothing(serve: Serve, gateway: Serve):
     serve.wait_until_engine_idle()
 
 

@@ -188,7 +188,7 @@ async def test_the_index_holds_exactly_the_pools_blocks_and_loses_the_evicted(re
 
 
 async def test_a_random_workload_leaves_index_and_pool_in_exact_agreement(redis_server, start_fleet):
-    """Acceptance 4 of #12: shared prefixes, concurrent requests, aborts and evictions."""
+    """Shared prefixes, concurrent requests, aborts and evictions."""
     rng = random.Random(12)
     fleet = await start_fleet(redis_server.url, num_blocks=40)
     prefixes = [prompt(100 + i, rng.randrange(8, 24)) for i in range(4)]

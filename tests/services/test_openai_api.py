@@ -1,7 +1,7 @@
 """Every endpoint and parameter of the OpenAI API, driven by the official `openai` client against
 `kvmesh serve` (gateway, processor, engine and worker as real processes on loopback).
 
-On the session's shared stack (`serve`, tests/services/conftest.py): a 256-token context (so that
+On the session's shared stack (`serve`, tests/conftest.py): a 256-token context (so that
 "longer than the context" is cheap), one running sequence at a time under the priority policy (so
 that priorities decide the order in which queued requests run); small max_tokens throughout.
 """

@@ -3,12 +3,11 @@ the in-process LLM, clients that go away free their KV blocks in the engine, SIG
 traffic stops every process within 15 s, and killing `kvmesh serve` itself stops its children (a dead
 service is restarted: tests/faults/test_supervision.py).
 
-The first tests talk to the session's shared stack (`serve`, tests/services/conftest.py); those
+The first tests talk to the session's shared stack (`serve`, tests/conftest.py); those
 that stop or kill `kvmesh serve` or one of its services start their own."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import threading

@@ -1,5 +1,5 @@
 """Structured outputs and tool calling through the whole split, with the official `openai`
-client against the session's shared `kvmesh serve` (tests/services/conftest.py): every output of a
+client against the session's shared `kvmesh serve` (tests/conftest.py): every output of a
 JSON schema parses and validates, regex and choice outputs match, forced tool calls parse and their
 arguments validate, streamed pieces reassemble into the non-streamed answer, and bad constraints
 are 400s naming their field."""

@@ -1,18 +1,12 @@
 """The engine's side of tensor parallelism: the GroupWorkerClient over real worker
-processes, `kvmesh serve`'s supervisor restarting an engine with all its workers, the offline
-`LLM` with worker processes, and the end-to-end TP=2 checks.
-
-Until the worker side of #13 lands (process group, sharded layers), a worker only runs alone
-(tensor-parallel size 1): the group client is checked here over such workers, each a whole model
-(they compute the same steps, so rank 0's output is the truth), and the tests that need real TP=2
-workers are marked `slow` and fail until then.
+processes, the offline `LLM` with worker processes, and `kvmesh serve --tensor-parallel-size 2`
+end to end, whose supervisor restarts an engine with all its workers when one rank dies.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,10 +15,8 @@ import openai
 import pytest
 
 from services import LLM, SamplingParams
-from services import cli
-from services.common.config import SchedulerConfig, ServeConfig
+from services.common.config import SchedulerConfig
 from services.common.engine_output import EngineCoreRequest
-from services.common.processes import ChildSpec, Supervisor, grpc_serving
 from services.engine.engine_core import EngineCore
 from services.engine.executor import GroupWorkerClient
 from services.worker.client import GrpcWorkerClient
@@ -123,47 +115,6 @@ def test_a_group_refuses_to_be_empty():
         GroupWorkerClient([])
 
 
-def test_the_supervisor_restarts_an_engine_with_all_its_workers(model_path: Path):
-    """A group of two workers and an engine, one rank killed: all three come back on the same
-    ports. The ranks are workers of size 1 until the worker side of #13 lands (the engine drives
-    rank 0 only), which is enough to check what the supervisor does."""
-    ports = {name: free_port() for name in ("worker-r0", "worker-r1", "engine")}
-    group = cli.Group(("worker-r0", "worker-r1"), "engine")
-    supervisor = Supervisor(internal_grace=2.0)
-
-    def spec(name: str, argv: list[str]) -> ChildSpec:
-        address = f"127.0.0.1:{ports[name]}"
-        return ChildSpec(name, [*argv, "--port", str(ports[name])], address, lambda: grpc_serving(address))
-
-    workers = [spec(name, worker_flags(model_path, "16MiB")) for name in group.workers]
-    engine = spec("engine", ["--worker-address", f"127.0.0.1:{ports['worker-r0']}", "--max-num-seqs", "4",
-                             "--worker-liveness-interval", "0.5", "--exit-grace", "0.5"])
-    config = ServeConfig(restart_backoff=0.2, startup_timeout=180)
-    thread = None
-    try:
-        assert supervisor.start(workers, 180) and supervisor.start([engine], 180)
-        before = {c.name: c.proc.pid for c in supervisor.children}
-        thread = threading.Thread(target=cli.supervise, args=(supervisor, config, (group,)), daemon=True)
-        thread.start()
-        os.kill(before["worker-r1"], signal.SIGKILL)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            now = {c.name: c.proc.pid for c in supervisor.children}
-            if all(now[n] != before[n] for n in group.names) and all(c.ready() for c in supervisor.children):
-                break
-            time.sleep(0.5)
-        now = {c.name: c.proc.pid for c in supervisor.children}
-        assert all(now[n] != before[n] for n in group.names), (before, now)
-        assert all(gone(pid) for pid in before.values())
-        assert all(c.ready() for c in supervisor.children)
-    finally:
-        supervisor.stop_requested = True
-        if thread is not None:
-            thread.join(30)
-        supervisor.stop()
-    assert all(c.proc.poll() is not None for c in supervisor.children)
-
-
 def worker_children() -> set[int]:
     """This process's `kvmesh worker` children."""
     return {pid for pid, argv in child_processes(os.getpid()) if argv[2:4] == ["services.cli", "worker"]}
@@ -181,7 +132,7 @@ def test_an_llm_whose_workers_fail_to_start_raises_and_leaves_none_behind(tmp_pa
 
 @pytest.mark.slow
 def test_llm_with_two_worker_processes_matches_one(model_path: Path, offline: LLM):
-    """Fails until the worker side of #13 (`kvmesh worker --rank`) lands."""
+    """`LLM(tensor_parallel_size=2)`: two worker processes give the greedy tokens of one."""
     truth = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY)]
     with LLM(model=str(model_path), dtype="float32", tensor_parallel_size=2, kv_cache_memory=offline.args.cache.kv_cache_memory,
              max_model_len=SHARED_MAX_MODEL_LEN) as llm:
@@ -211,7 +162,7 @@ def assert_matches(serve: Serve, truth: list[list[int]]) -> None:
 @pytest.mark.slow
 def test_serve_with_tensor_parallel_size_2_matches_one(tp2: Serve, offline: LLM):
     """`kvmesh serve --tensor-parallel-size 2` with the openai client: the greedy tokens of the
-    in-process TP=1 stack. Fails until the worker side of #13 lands."""
+    in-process TP=1 stack."""
     assert set(tp2.services) == {*GROUP, "processor", "gateway"}
     engine_argv = argv_of(serve_child_pid(tp2, "engine"))
     assert flag_values(engine_argv, "--worker-address") == [tp2.services[w]["address"] for w in GROUP[:2]]

@@ -3,7 +3,7 @@ the fields kvmesh refuses), through `kvmesh serve` with the official `openai` cl
 `extra_body`) or raw HTTP where the client cannot say it. Field names and shapes are vLLM's
 (vllm/entrypoints/openai/{completion,chat_completion}/protocol.py); docs/serving/vllm_api.md lists them all.
 
-On the session's shared stack (`serve`, tests/services/conftest.py); small max_tokens throughout.
+On the session's shared stack (`serve`, tests/conftest.py); small max_tokens throughout.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ routers poll) and /v1/chat/completions/batch, through `kvmesh serve` with raw HT
 client has no method for them) and compared with what the `openai` client gets from the routes
 they stand for.
 
-On the session's shared stack (`serve`, tests/services/conftest.py).
+On the session's shared stack (`serve`, tests/conftest.py).
 """
 
 from __future__ import annotations

@@ -16,17 +16,18 @@ import openai
 import pytest
 
 from services.processor.tokenizer import load_tokenizer
-from tests.services.procs import PYTHON, REPO_ROOT, SHARED_MAX_MODEL_LEN, Serve, client_for, serving
+from tests.services.procs import PYTHON, REPO_ROOT, Serve, client_for, gateway_over
 
 ROOT_PATH = "/kvmesh"
 CHAT = [{"role": "user", "content": "Name a colour."}]
 
 
 @pytest.fixture(scope="module")
-def flagged(model_path: Path) -> Iterator[Serve]:
-    yield from serving(model_path, ["--max-model-len", str(SHARED_MAX_MODEL_LEN), "--root-path", ROOT_PATH,
-                                    "--enable-request-id-headers", "--enable-force-include-usage",
-                                    "--enable-tokenizer-info-endpoint", "--max-logprobs", "-1"])
+def flagged(serve: Serve) -> Iterator[Serve]:
+    """A gateway with the flags, in front of the shared stack: all of them are the gateway's."""
+    with gateway_over(serve, ["--root-path", ROOT_PATH, "--enable-request-id-headers", "--enable-force-include-usage",
+                              "--enable-tokenizer-info-endpoint", "--max-logprobs", "-1"]) as gateway:
+        yield gateway
 
 
 @pytest.fixture(scope="module")

@@ -132,7 +132,7 @@ def test_the_decider_sends_only_long_uncached_prompts_to_a_prefill_engine(num_to
 def test_serve_lays_out_prefill_and_decode_groups_and_their_flags():
     parser = cli.build_serve_parser()
     args = parser.parse_args(["--prefill-engines", "1", "--decode-engines", "2", "--prefill-threshold", "64"])
-    spec = cli.ServeSpec(*(build(parser, c, args) for c, _ in cli.SERVE_FLAGS))
+    spec = cli.serve_spec(parser, args)
     groups = cli.groups_for(spec.serve)
     assert [(g.workers, g.engine, g.role) for g in groups] == [
         (("worker-prefill-0",), "engine-prefill-0", "prefill"), (("worker-decode-0",), "engine-decode-0", "decode"),

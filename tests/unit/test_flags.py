@@ -119,7 +119,7 @@ def test_serve_hands_each_child_exactly_its_configs():
             "--scheduling-policy", "priority", "--attention-backend", "torch", "--max-n", "2", "--api-key", "k",
             "--api-key-file", "/run/keys", "--port", "8123", "--block-size", "32", "--return-tokens-as-token-ids"]
     args = parser.parse_args(argv)
-    spec = cli.ServeSpec(*(build(parser, c, args) for c, _ in cli.SERVE_FLAGS))
+    spec = cli.serve_spec(parser, args)
     layout = cli.Layout(cli.groups_of(1), SOCKETS, {"worker": 4, "engine": 5, "processor": 6})
     argvs = cli.service_argvs(spec, layout)
     model = replace(spec.model, served_model_name="/m")
@@ -160,7 +160,7 @@ def test_serve_with_two_engines_hands_each_pair_its_own_sockets():
     parser = cli.build_serve_parser()
     args = parser.parse_args(["--num-engines", "2", "--prefix-index", "redis://127.0.0.1:7/1", "--heartbeat-ttl", "3",
                               "--routing", "least-load", "--max-migrations", "1"])
-    spec = cli.ServeSpec(*(build(parser, c, args) for c, _ in cli.SERVE_FLAGS))
+    spec = cli.serve_spec(parser, args)
     assert spec.serve.num_engines == 2
     names = ["worker-0", "engine-0", "worker-1", "engine-1", "processor"]
     layout = cli.Layout(cli.groups_of(2), SOCKETS, dict(zip(names, range(11, 16))))
@@ -197,7 +197,7 @@ def test_serve_with_tensor_parallel_groups_hands_each_rank_its_place():
     each group rendezvouses on a port of its own, and a worker alone gets no parallel flags."""
     parser = cli.build_serve_parser()
     args = parser.parse_args(["--num-engines", "2", "--tensor-parallel-size", "2", "--distributed-timeout", "4"])
-    spec = cli.ServeSpec(*(build(parser, c, args) for c, _ in cli.SERVE_FLAGS))
+    spec = cli.serve_spec(parser, args)
     groups = cli.groups_of(2, 2)
     assert groups == (cli.Group(("worker-0-r0", "worker-0-r1"), "engine-0"),
                       cli.Group(("worker-1-r0", "worker-1-r1"), "engine-1"))
@@ -221,7 +221,7 @@ def test_serve_with_tensor_parallel_groups_hands_each_rank_its_place():
                 worker_parser = worker_server.build_parser()
                 assert build(worker_parser, ParallelConfig, worker_parser.parse_args(argvs[worker])) == parallel
 
-    one = cli.service_argvs(cli.ServeSpec(*(build(parser, c, parser.parse_args([])) for c, _ in cli.SERVE_FLAGS)),
+    one = cli.service_argvs(cli.serve_spec(parser, parser.parse_args([])),
                             cli.Layout(cli.groups_of(1), SOCKETS, {"worker": 4, "engine": 5, "processor": 6}))
     assert not any(flag.startswith(("--rank", "--tensor-parallel-size", "--distributed")) for flag in one["worker"])
     assert cli.Layout.allocate(SOCKETS, 2, 2).distributed_ports.keys() == {"engine-0", "engine-1"}

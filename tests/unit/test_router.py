@@ -380,7 +380,7 @@ async def test_engines_from_the_index_heartbeats(engines) -> None:
     """--engines-from-index: the index's live engines are the members, followed as they come and go."""
     index = MemoryPrefixIndex(heartbeat_ttl_s=30)
     members = EngineSet("engines", engines.__getitem__, RoutingConfig(), index)
-    follow = asyncio.create_task(processor_server.follow_index_engines(index, members, interval=0.01))
+    follow = asyncio.create_task(processor_server.follow_index_engines(index, members.update, interval=0.01))
 
     async def members_become(expected: set[str]) -> None:
         async with asyncio.timeout(5):

@@ -354,7 +354,7 @@ def generate_request_to_proto(r: GenerateRequest) -> processor_pb2.GenerateReque
         add_generation_prompt=r.add_generation_prompt, continue_final_message=r.continue_final_message,
         add_special_tokens=r.add_special_tokens, priority=r.priority, cache_salt=r.cache_salt,
         truncate_prompt_tokens=r.truncate_prompt_tokens, echo=r.echo, group_id=r.group_id,
-        session_id=r.session_id, tenant_id=r.tenant_id,
+        session_id=r.session_id, tenant_id=r.tenant_id, model=r.model,
     )
     if r.prompt is not None:
         msg.text = r.prompt
@@ -393,6 +393,7 @@ def generate_request_from_proto(m: processor_pb2.GenerateRequest) -> GenerateReq
         group_id=m.group_id if m.HasField("group_id") else None,
         session_id=m.session_id if m.HasField("session_id") else None,
         tenant_id=_tenant_id(m),
+        model=m.model,
     )
 
 
@@ -459,7 +460,7 @@ def generate_delta_from_proto(m: processor_pb2.GenerateResponse) -> GenerateDelt
 def tokenize_request_to_proto(r: TokenizeRequest) -> processor_pb2.TokenizeRequest:
     msg = processor_pb2.TokenizeRequest(
         add_special_tokens=r.add_special_tokens, add_generation_prompt=r.add_generation_prompt,
-        continue_final_message=r.continue_final_message, return_token_strs=r.return_token_strs,
+        continue_final_message=r.continue_final_message, return_token_strs=r.return_token_strs, model=r.model,
     )
     if r.prompt is not None:
         msg.text = r.prompt
@@ -483,6 +484,7 @@ def tokenize_request_from_proto(m: processor_pb2.TokenizeRequest) -> TokenizeReq
         continue_final_message=m.continue_final_message,
         chat_template_kwargs=json_format.MessageToDict(m.chat_template_kwargs),
         return_token_strs=m.return_token_strs,
+        model=m.model,
     )
 
 

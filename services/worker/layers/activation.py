@@ -1,4 +1,4 @@
-"""SiLU(gate) * up over a fused gate|up projection."""
+"""Gated activations over a fused gate|up projection: SiLU(gate) * up, GELU(gate) * up."""
 
 from __future__ import annotations
 
@@ -18,3 +18,12 @@ class SiluAndMul(nn.Module):
             return cpu_fused_ops.silu_and_mul(x.contiguous())
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """GELU(gate) with the tanh approximation, times up: Gemma's MLP (`gelu_pytorch_tanh`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, 2 * intermediate] = gate | up -> [num_tokens, intermediate]
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh_kernels import cpu_quant_matmul
-from kvmesh_kernels.cpu_quant_matmul import BLOCK, QuantType
+from kvmesh_kernels.cpu_quant_matmul import QuantType
 
 
 class GGUFBlocks:
@@ -52,7 +52,9 @@ class GGUFBlocks:
             qtype = QuantType(self.ggml_type)
         except ValueError:
             return None
-        return qtype if self.cols % BLOCK == 0 and qtype in cpu_quant_matmul.FILE_TYPES else None
+        if qtype not in cpu_quant_matmul.FILE_TYPES:
+            return None
+        return qtype if self.cols % cpu_quant_matmul.block_weights(qtype) == 0 else None
 
     def splits_columns_at(self, *cols: int) -> bool:
         """Whether a column slice at `cols` cuts only between blocks."""

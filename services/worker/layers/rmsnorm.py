@@ -1,5 +1,6 @@
 """RMSNorm as Llama and its family define it: normalise in float32, cast back, then scale; with a
-residual, the decoder layer's residual add first (vLLM's fused add + norm)."""
+residual, the decoder layer's residual add first (vLLM's fused add + norm). Gemma's scales by 1 + w,
+in float32, before the cast (`GemmaRMSNorm`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh_kernels import cpu_fused_ops
+from services.worker.layers.linear import WeightSource, copy_checked
 
 
 class RMSNorm(nn.Module):
@@ -37,3 +39,21 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:  # one fused op instead of six (pow, mean, add, rsqrt, mul, mul)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + w), all in float32 and cast back last (transformers' order).
+    The parameter holds 1 + w in float32, added once at load: checkpoints store the offset w."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
+        self.eps = eps
+
+    def load_param(self, param: nn.Parameter, source: WeightSource, name: str) -> None:
+        copy_checked(param.data, source, name, tuple(param.shape))
+        param.data += 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., hidden_size] (whole hidden states, or q / k per head) -> the same shape and dtype
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)

@@ -21,13 +21,19 @@ from kvmesh_kernels import cpu_fused_ops
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def rope_parameters_of(config: transformers.PretrainedConfig) -> dict[str, Any]:
+def rope_parameters_of(config: transformers.PretrainedConfig, layer_type: str | None = None) -> dict[str, Any]:
     """The RoPE settings as one flat dict with `rope_type` and `rope_theta`.
 
     transformers 5 keeps them in `config.rope_parameters` (theta included); older versions in
-    `config.rope_scaling` (`type` or `rope_type`) next to `config.rope_theta`.
+    `config.rope_scaling` (`type` or `rope_type`) next to `config.rope_theta`. A model whose kinds of
+    layer rotate differently (Gemma 3: `sliding_attention`, `full_attention`) keeps one such dict per
+    kind there; `layer_type` picks one.
     """
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None:
+        if layer_type not in params:
+            raise ValueError(f"the config has no RoPE parameters for {layer_type} layers")
+        params = dict(params[layer_type])
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     if params["rope_type"] == "llama3":

@@ -98,21 +98,28 @@ def head_partition_of(config: transformers.PretrainedConfig, tp: TensorParallelG
     return HeadPartition.of(num_heads, getattr(config, "num_key_value_heads", None) or num_heads, tp.rank, tp.size)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: transformers.PretrainedConfig, dtype: torch.dtype, tp: TensorParallelGroup) -> None:
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up in one matmul, sharded by rows of the intermediate size."""
+
+    def __init__(self, config: transformers.PretrainedConfig, dtype: torch.dtype, tp: TensorParallelGroup,
+                 act_fn: nn.Module, bias: bool = False) -> None:
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; supported: silu")
-        bias = getattr(config, "mlp_bias", False)
         total = config.intermediate_size
         start, size = split_evenly(total, tp.size, tp.rank)
         rows = ShardRows(start, size, total)
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": rows, "up": rows}, bias, dtype)
-        self.act_fn = SiluAndMul()
+        self.act_fn = act_fn
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias, dtype, tp, start, total)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaMLP(GatedMLP):
+    def __init__(self, config: transformers.PretrainedConfig, dtype: torch.dtype, tp: TensorParallelGroup) -> None:
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; supported: silu")
+        super().__init__(config, dtype, tp, SiluAndMul(), getattr(config, "mlp_bias", False))
 
 
 class LlamaAttention(nn.Module):

@@ -43,6 +43,11 @@ app.kubernetes.io/managed-by: {{ $root.Release.Service }}
 app.kubernetes.io/name: {{ include "kvmesh.name" $root }}
 app.kubernetes.io/instance: {{ $root.Release.Name }}
 app.kubernetes.io/component: {{ index . 1 }}
+{{- with get $root "Model" }}
+{{- if has (index $ 1) (list "engine" "worker") }}
+kvmesh.io/model: {{ .key }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Disaggregated prefill/decode: the role label of engine and worker pods (prefill or decode).
@@ -76,7 +81,13 @@ kvmesh.io/role: {{ . }}
 {{- end }}
 
 {{- define "kvmesh.modelClaimName" -}}
-{{- default (include "kvmesh.componentName" (list . "models")) .Values.model.storage.pvc.existingClaim }}
+{{- default (include "kvmesh.componentName" (list . (include "kvmesh.modelVolumeName" .))) .Values.model.storage.pvc.existingClaim }}
+{{- end }}
+
+{{/* The model volume's name in a pod: models, or models-<key> for a model with storage of its own
+(the processor mounts it beside the release's). */}}
+{{- define "kvmesh.modelVolumeName" -}}
+models{{ with get . "Model" }}{{ .storageSuffix }}{{ end }}
 {{- end }}
 
 {{/* Empty when no Redis is configured. */}}
@@ -114,7 +125,7 @@ affinity:
 
 {{/* The model storage volume (workers and processors). */}}
 {{- define "kvmesh.modelVolume" -}}
-- name: models
+- name: {{ include "kvmesh.modelVolumeName" . }}
   {{- $storage := .Values.model.storage }}
   {{- if eq $storage.type "pvc" }}
   persistentVolumeClaim:
@@ -129,7 +140,7 @@ affinity:
 {{- end }}
 
 {{- define "kvmesh.modelVolumeMount" -}}
-- name: models
+- name: {{ include "kvmesh.modelVolumeName" . }}
   mountPath: {{ .Values.model.storage.mountPath }}
 {{- end }}
 
@@ -161,7 +172,7 @@ processors read it); empty without Redis. Usage: include "kvmesh.prefixIndexEnv"
 apiVersion: policy/v1
 kind: PodDisruptionBudget
 metadata:
-  name: {{ include "kvmesh.componentName" (list $root $name) }}
+  name: {{ include "kvmesh.poolName" (list $root $name) }}
   labels:
     {{- include "kvmesh.labels" (list $root $name) | nindent 4 }}
 spec:
@@ -211,14 +222,14 @@ get the same trigger and bounds, so the pairs scale together. Usage: include "kv
 apiVersion: keda.sh/v1alpha1
 kind: ScaledObject
 metadata:
-  name: {{ include "kvmesh.componentName" (list $root $name) }}
+  name: {{ include "kvmesh.poolName" (list $root $name) }}
   labels:
     {{- include "kvmesh.labels" (list $root $name) | nindent 4 }}
 spec:
   scaleTargetRef:
     apiVersion: apps/v1
     kind: StatefulSet
-    name: {{ include "kvmesh.componentName" (list $root $name) }}
+    name: {{ include "kvmesh.poolName" (list $root $name) }}
   minReplicaCount: {{ $keda.minReplicas }}
   maxReplicaCount: {{ $keda.maxReplicas }}
   pollingInterval: {{ $keda.pollingInterval }}
@@ -374,7 +385,7 @@ Usage: include "kvmesh.networkPolicy" (list . "engine" "grpc" "processor" true) 
 apiVersion: networking.k8s.io/v1
 kind: NetworkPolicy
 metadata:
-  name: {{ include "kvmesh.componentName" (list $root $name) }}
+  name: {{ include "kvmesh.poolName" (list $root $name) }}
   labels:
     {{- include "kvmesh.labels" (list $root $name) | nindent 4 }}
 spec:
@@ -573,7 +584,7 @@ networkPolicy.egress.extra. Usage: include "kvmesh.egressPolicy" (list . "engine
 apiVersion: networking.k8s.io/v1
 kind: NetworkPolicy
 metadata:
-  name: {{ include "kvmesh.componentName" (list $root (printf "%s-egress" $name)) }}
+  name: {{ include "kvmesh.poolName" (list $root $name "egress") }}
   labels:
     {{- include "kvmesh.labels" (list $root $name) | nindent 4 }}
 spec:

@@ -126,7 +126,7 @@ class GetEngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model_id", "model_path", "max_model_len", "block_size", "engine_id", "epoch", "role", "kv_transfer_endpoints")
+    __slots__ = ("model_id", "model_path", "max_model_len", "block_size", "engine_id", "epoch", "role", "kv_transfer_endpoints", "model_name")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class EngineInfo(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_path: str
     max_model_len: int
@@ -143,7 +144,8 @@ class EngineInfo(_message.Message):
     epoch: int
     role: str
     kv_transfer_endpoints: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., kv_transfer_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
+    model_name: str
+    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., kv_transfer_endpoints: _Optional[_Iterable[str]] = ..., model_name: _Optional[str] = ...) -> None: ...
 
 class IdentityChallenge(_message.Message):
     __slots__ = ("nonce", "role")

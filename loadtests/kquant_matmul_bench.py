@@ -1,0 +1,95 @@
+"""K-quant blocks (Q4_K, Q6_K: a Q4_K_M file's types) against Q4_1 in the quantized-weight kernel
+(kvmesh_kernels/cpu_quant_matmul.py, `matmul`: the row-ordered tiles) at decode (1 row) and 32 rows:
+microseconds a call and the weight bytes streamed per second, with torch's float32 `F.linear` beside.
+
+Shapes are SmolLM2-135M's down (576x1536) and gate / up (1536x576). A K-quant row holds whole
+256-weight super-blocks, so 576 columns cannot be Q4_K: gate / up is timed at 1536x768 for every type.
+
+Weights are random blocks (sane float16 scales); as in a decode step the calls cycle through copies
+worth `--stream-mib` of float32, so each call reads its weight from memory, not a warm cache.
+
+    .venv/bin/python -m loadtests.kquant_matmul_bench
+    .venv/bin/python -m loadtests.kquant_matmul_bench --threads 1 --isa avx2 --rows 1 8 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import platform
+import subprocess
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvmesh_kernels import cpu_quant_matmul as qm
+from kvmesh_kernels.cpu_quant_matmul import QuantType
+from loadtests.quant_matmul_bench import time_call
+from services.common.config import default_cache_dir
+
+SHAPES = (("down 576x1536", 576, 1536), ("gate / up 1536x768", 1536, 768))
+TYPES = (QuantType.Q4_1, QuantType.Q4_K, QuantType.Q6_K)
+ROUNDS = 5
+
+
+def random_weight(n: int, k: int, qtype: QuantType, rng: np.random.Generator) -> torch.Tensor:
+    """[n, row_bytes] blocks of random weights near unit size."""
+    if qtype == QuantType.Q4_1:
+        values = rng.standard_normal((n, k), dtype=np.float32)
+        blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_1)
+        return torch.from_numpy(blocks.view(np.uint8).reshape(n, -1))
+    blocks = rng.integers(0, 256, size=(n, k // qm.K_BLOCK, qm.BLOCK_BYTES[qtype]), dtype=np.uint8)
+    d = np.float16(1e-3).reshape(1).view(np.uint8)
+    if qtype == QuantType.Q6_K:
+        blocks[..., 208:210] = d
+    else:
+        blocks[..., 0:2], blocks[..., 2:4] = d, np.float16(1e-2).reshape(1).view(np.uint8)
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+def cpu_name() -> str:
+    lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+    names = (line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
+    return next(names, platform.processor())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32], help="M values")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--isa", default="native", help="the kernel build: native, avx2, scalar")
+    parser.add_argument("--seconds", type=float, default=1.0, help="timing per cell, over its rounds")
+    parser.add_argument("--stream-mib", type=int, default=256, help="float32 bytes the copies of a weight span")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    lib = qm.variant(args.isa, default_cache_dir())
+    print(f"{cpu_name()}: threads {args.threads}, kernel build {args.isa} (vector bits {qm.isa(lib)})")
+    print("| shape | type | M | torch fp32 µs | kernel µs | kernel GB/s | µs ÷ Q4_1's |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    rng = np.random.default_rng(0)
+    for label, n, k in SHAPES:
+        copies = max(2, args.stream_mib * 2**20 // (n * k * 4))
+        floats = [torch.randn(n, k) for _ in range(copies)]
+        weights = {qtype: [random_weight(n, k, qtype, rng) for _ in range(copies)] for qtype in TYPES}
+        for m in args.rows:
+            x = torch.randn(m, k)
+            calls = {qtype: functools.partial(_matmul, x, weights[qtype], qtype, k, lib) for qtype in TYPES}
+            calls[None] = lambda i: F.linear(x, floats[i])
+            best = dict.fromkeys(calls, float("inf"))
+            for _ in range(ROUNDS):  # the types interleaved, the best round each: a busy machine's noise
+                for key, call in calls.items():
+                    best[key] = min(best[key], time_call(call, copies, args.seconds / ROUNDS))
+            for qtype in TYPES:
+                t = best[qtype]
+                print(f"| {label} | {qtype.name} | {m} | {best[None] * 1e6:.0f} | {t * 1e6:.0f} "
+                      f"| {weights[qtype][0].numel() / t / 1e9:.1f} | {t / best[QuantType.Q4_1]:.2f} |", flush=True)
+
+
+def _matmul(x: torch.Tensor, blocks: list[torch.Tensor], qtype: QuantType, k: int, lib, i: int) -> torch.Tensor:
+    return qm.matmul(x, blocks[i], qtype, k, lib)
+
+
+if __name__ == "__main__":
+    main()

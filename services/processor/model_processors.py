@@ -1,0 +1,66 @@
+"""A processor serving several models: one AsyncProcessor per served model name (its tokenizer, chat
+template and pool of engines), each call handed to the one its `model` names.
+
+    gateway ──model "a"──▶ ModelProcessors ──▶ AsyncProcessor "a" ──▶ EngineSet of a's engines
+                   "b" ──▶                 ──▶ AsyncProcessor "b" ──▶ EngineSet of b's engines
+
+A call that names no model goes to the first; one naming a model not served is ModelNotFoundError
+(NOT_FOUND on the wire). A `ProcessorClient` itself, so the servicer is the same over one model or several.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
+from typing import Any
+
+from services.common.clients import EngineInfo, GenerateDelta, GenerateRequest, Tokenized, TokenizeRequest
+from services.common.errors import ModelNotFoundError
+from services.processor.async_processor import AsyncProcessor
+
+
+class ModelProcessors:
+    """Implements `ProcessorClient` over one AsyncProcessor per served model name (first: the default)."""
+
+    def __init__(self, processors: Mapping[str, AsyncProcessor]) -> None:
+        assert processors, "a processor serves at least one model"
+        self.processors = dict(processors)
+        self.default = next(iter(self.processors))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.processors)
+
+    def of(self, model: str) -> AsyncProcessor:
+        """The processor of `model` ("": the first); ModelNotFoundError for a model not served here."""
+        processor = self.processors.get(model or self.default)
+        if processor is None:
+            raise ModelNotFoundError(model)
+        return processor
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        async with aclosing(self.of(request.model).generate(request)) as stream:
+            async for delta in stream:
+                yield delta
+
+    async def tokenize(self, request: TokenizeRequest) -> Tokenized:
+        return await self.of(request.model).tokenize(request)
+
+    async def detokenize(self, token_ids: Sequence[int], model: str = "") -> str:
+        return await self.of(model).detokenize(token_ids)
+
+    async def tokenizer_info(self, model: str = "") -> dict[str, Any]:
+        return await self.of(model).tokenizer_info()
+
+    async def model_info(self, model: str = "") -> EngineInfo:
+        return await self.of(model).model_info()
+
+    async def is_healthy(self) -> bool:
+        """True while some model has a healthy engine: a model whose engines are all down answers
+        503 on its own requests, and must not take the others' away."""
+        return any(await asyncio.gather(*(p.is_healthy() for p in self.processors.values())))
+
+    def close(self) -> None:
+        for processor in self.processors.values():
+            processor.close()

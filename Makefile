@@ -33,14 +33,19 @@ serve: $(STAMP)
 # keep a pool, and on a shared 2-core machine spinning pools made model tests 2-40x slower.
 TEST_ENV := OMP_WAIT_POLICY=PASSIVE
 
-# The whole suite (what .ci/run runs). The service tests share one `kvmesh serve` per session.
+# Two pytest workers (pytest-xdist), each a whole module at a time: a service test spends much of its
+# time waiting for processes, which the other worker fills. Each worker has its own shared stack.
+TEST_WORKERS ?= 2
+PYTEST := $(TEST_ENV) $(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadscope
+
+# The whole suite (what .ci/run runs). The service tests share one `kvmesh serve` per worker.
 test: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q --durations=25 tests
+	$(PYTEST) tests
 
 # The tiers that start no service process (tests/conftest.py marks each test with its directory),
 # the long runs (`slow`) left out; see docs/development/testing.md.
 test-fast: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q --durations=25 -m "not services and not faults and not slow" tests
+	$(PYTEST) -m "not services and not faults and not slow" tests
 
 bench: $(STAMP)
 	$(PY) loadtests/offline_throughput.py

@@ -37,7 +37,7 @@ def stack(model_path: Path) -> Iterator[dict[str, ServiceProcess]]:
         argv = {
             "worker": ["--model", str(model_path), "--dtype", "float32", "--kv-cache-memory", str(KV_BYTES), "--max-num-seqs", "1"],
             "engine": ["--max-num-seqs", "1", "--max-num-waiting", "1"],
-            "processor": ["--model", str(model_path)],
+            "processor": ["--model", str(model_path), "--served-model-name", "smollm2"],
             "gateway": ["--served-model-name", "smollm2"],
         }
         upstream = {"engine": "--worker-address", "processor": "--engine-address", "gateway": "--processor-address"}

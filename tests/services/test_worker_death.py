@@ -40,7 +40,7 @@ def test_killed_worker_fails_requests_and_health_at_once(model_path: Path):
                                 "--port", str(ports["engine"])], ports["engine"])
         exits.callback(engine.kill)
         processor = start_service([PYTHON, "-m", "services.cli", "processor", "--model", str(model_path),
-                                   "--engine-address", engine.address, "--port", str(ports["processor"])],
+                                   "--served-model-name", "smollm2", "--engine-address", engine.address, "--port", str(ports["processor"])],
                                   ports["processor"])
         exits.callback(processor.kill)
         gateway = start_service([PYTHON, "-m", "services.cli", "gateway", "--processor-address", processor.address,

@@ -25,7 +25,7 @@ from services.processor.tokenizer import apply_chat_template, load_tokenizer
 from tests.model.hf_reference import HFReference, Reference
 from tests.model.prompts import conversations, long_text, raw_prompts
 
-MAX_NEW_TOKENS = 64
+MAX_NEW_TOKENS = 32
 LOGPROB_TOL = 1e-3
 NEAR_TIE_GAP = 1e-3
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)

@@ -39,7 +39,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
+from redis.asyncio.retry import Retry
 
 from services.common.config import PrefixIndexConfig
 from services.common.hashing import BLOCK_HASH_BYTES as HASH_BYTES

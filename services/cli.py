@@ -6,16 +6,16 @@
 `kvmesh serve` starts worker, engine, processor and gateway as separate processes, the internal ones
 on Unix sockets in a private directory (see serve()): the processor and every worker at once, the
 engines when the workers are healthy, the gateway when all the rest are. It prints where the API is,
-then supervises them. With several --model it starts a pool per model ("worker-m<k>", "engine-m<k>", ...) behind the one
-processor and gateway. With --num-engines N it starts N engine+worker pairs ("worker-0", "engine-0", ...; "worker"
-and "engine" when N is 1), each on sockets of its own, behind the one processor and gateway. With
---tensor-parallel-size R each engine drives a group of R worker processes
-("worker-r0".."worker-r<R-1>", or "worker-<i>-r0".. with several engines), ranks 0..R-1 of one
-torch.distributed group whose rendezvous is a free loopback port of the group's own (TCP: torch's
-store speaks nothing else; see Layout); a group's workers start together (they wait for each other),
-then its engine. An engine exits non-zero when one of its workers fails (gone, stuck, a failed
-step); when the engine or any of its workers exits, all of them are restarted, on the same sockets
-(the processor reconnects to the same address), the other groups untouched, after a back-off
+then supervises them. With several --model it starts a pool per model ("worker-m<k>", "engine-m<k>",
+...) behind the one processor and gateway. With --num-engines N it starts N engine+worker pairs
+("worker-0", "engine-0", ...; "worker" and "engine" when N is 1), each on sockets of its own, behind
+the one processor and gateway. With --tensor-parallel-size R each engine drives a group of R worker
+processes ("worker-r0".."worker-r<R-1>", or "worker-<i>-r0".. with several engines), ranks 0..R-1 of
+one torch.distributed group whose rendezvous is a free loopback port of the group's own (TCP:
+torch's store speaks nothing else; see Layout); a group's workers start together (they wait for each
+other), then its engine. An engine exits non-zero when one of its workers fails (gone, stuck, a
+failed step); when the engine or any of its workers exits, all of them are restarted, on the same
+sockets (the processor reconnects to the same address), the other groups untouched, after a back-off
 (--restart-backoff, doubled per restart within --restart-window, at most --restart-backoff-max; each
 pair counts its own); after --max-restarts of one pair within the window that pair stays down and
 the other pairs serve on. A processor or gateway that exits is restarted alone, at the same address,

@@ -174,16 +174,16 @@ def test_request_bodies_held_at_once_stay_within_the_budget(guarded: Serve):
         assert_refused(int(head.split()[1]), body, 503, "--max-buffered-body-bytes", BODY_BUDGET)
     finally:
         first.close()
-    client = openai.OpenAI(base_url=guarded.api, api_key=KEYS[0], timeout=120, max_retries=0)
-    model = client.models.list().data[0].id
-    deadline = time.monotonic() + 10
-    while True:  # the first body's bytes are given back once the gateway sees it go
-        with pytest.raises(openai.APIStatusError) as answer:  # a prompt too long for the context: a 400
-            client.completions.create(model=model, prompt="x" * 200_000, max_tokens=1)
-        if answer.value.status_code == 400:
-            break
-        assert answer.value.status_code == 503 and time.monotonic() < deadline, answer.value
-        time.sleep(0.2)
+    with openai.OpenAI(base_url=guarded.api, api_key=KEYS[0], timeout=120, max_retries=0) as client:
+        model = client.models.list().data[0].id
+        deadline = time.monotonic() + 10
+        while True:  # the first body's bytes are given back once the gateway sees it go
+            with pytest.raises(openai.APIStatusError) as answer:  # a prompt too long for the context: a 400
+                client.completions.create(model=model, prompt="x" * 200_000, max_tokens=1)
+            if answer.value.status_code == 400:
+                break
+            assert answer.value.status_code == 503 and time.monotonic() < deadline, answer.value
+            time.sleep(0.2)
 
 
 def test_a_tenant_with_a_burst_waits_its_turn(guarded: Serve):
@@ -192,12 +192,14 @@ def test_a_tenant_with_a_burst_waits_its_turn(guarded: Serve):
     finished: list[str] = []
 
     def complete(key: str, name: str) -> None:
-        client = openai.OpenAI(base_url=guarded.api, api_key=key, timeout=300, max_retries=0)
-        client.completions.create(model=model, prompt=f"Story {name}:", max_tokens=16,
-                                  temperature=0, extra_body={"ignore_eos": True})
+        # Each client is closed, so its kept-alive connection does not count against the cap.
+        with openai.OpenAI(base_url=guarded.api, api_key=key, timeout=300, max_retries=0) as client:
+            client.completions.create(model=model, prompt=f"Story {name}:", max_tokens=16,
+                                      temperature=0, extra_body={"ignore_eos": True})
         finished.append(name)
 
-    model = openai.OpenAI(base_url=guarded.api, api_key=KEYS[0], max_retries=0).models.list().data[0].id
+    with openai.OpenAI(base_url=guarded.api, api_key=KEYS[0], max_retries=0) as client:
+        model = client.models.list().data[0].id
     burst = [threading.Thread(target=complete, args=(KEYS[0], f"a{i}")) for i in range(BURST)]
     for thread in burst:
         thread.start()
@@ -216,9 +218,9 @@ def test_a_tenant_with_a_burst_waits_its_turn(guarded: Serve):
 
 def test_only_keys_allowed_to_may_set_priority(guarded: Serve):
     def complete(key: str, priority: int) -> None:
-        client = openai.OpenAI(base_url=guarded.api, api_key=key, timeout=120, max_retries=0)
-        client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=1,
-                                  extra_body={"priority": priority})
+        with openai.OpenAI(base_url=guarded.api, api_key=key, timeout=120, max_retries=0) as client:
+            client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=1,
+                                      extra_body={"priority": priority})
 
     with pytest.raises(openai.PermissionDeniedError) as refused:
         complete(KEYS[0], -5)

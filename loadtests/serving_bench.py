@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -48,7 +49,8 @@ import transformers
 
 from loadtests.serving_client import Endpoint, Load, LoadResult, run_load
 from loadtests.serving_scenarios import SCENARIOS, ScenarioLengths, Session, build_sessions
-from loadtests.serving_targets import DEFAULT_ANCHOR_DIR, LLAMA_SLOT_TOKENS, TARGETS, ServerConfig, TargetUnavailable, started
+from loadtests.serving_targets import (DEFAULT_ANCHOR_DIR, LLAMA_SLOT_TOKENS, TARGETS, ServerConfig, TargetUnavailable,
+                                      llama_gguf, started)
 from services.common.config import parse_bytes
 from services.processor.tokenizer import load_tokenizer
 from services.worker.loader import resolve_model
@@ -314,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--turns", type=int, default=4, help="requests per multi-turn conversation")
     group = parser.add_argument_group("servers (all targets get the same)")
     group.add_argument("--model", default="smollm2", help="model name, Hugging Face folder or GGUF file")
+    group.add_argument("--api", default="chat", choices=["chat", "completions"],
+                       help="chat completions, or completions of a plain transcript (a base model without a "
+                            "chat template)")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="auto: kvmesh serve's default; float32: its exact one")
     group.add_argument("--device", default="cpu", help="cpu, cuda")
@@ -332,7 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("llama-server (the CPU anchor)")
     group.add_argument("--llama-server-dir", type=Path, default=DEFAULT_ANCHOR_DIR,
                        help="what ../shared/anchors/build-llama-server.sh built")
-    group.add_argument("--llama-file-type", default="f16", choices=["f16", "f32", "bf16", "q8_0", "q4_1"])
+    group.add_argument("--llama-file-type", default="f16", choices=["f16", "f32", "bf16", "q8_0", "q4_1", "model"],
+                       help="the SmolLM2 GGUF of that type, or 'model': the GGUF file --model names (both sides "
+                            "then serve the same file)")
     group.add_argument("--llama-slots", type=int, default=32)
     group.add_argument("--llama-repack", default="on", choices=["on", "off"],
                        help="llama.cpp's weight repacking (off where its AMX path dies: Xeon VMs here)")
@@ -366,12 +373,14 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     return runs
 
 
-def report(args: argparse.Namespace, summaries: Sequence[Summary], unavailable: dict[str, str]) -> str:
+def report(args: argparse.Namespace, config: ServerConfig, summaries: Sequence[Summary],
+           unavailable: dict[str, str]) -> str:
     threads = args.threads
     parts = [f"Serving benchmark: {args.max_tokens} output tokens per request, EOS ignored, greedy; "
              f"{args.num_requests} requests per run; model {args.model}, {args.dtype} on {args.device}, "
              f"KV cache {args.kv_cache_memory / 2**30:g} GiB; server threads: {threads}"
-             + (f"; llama-server: smollm2-{args.llama_file_type}.gguf, {args.llama_slots} slots of "
+             + (f"; {args.api} API" if args.api != "chat" else "")
+             + (f"; llama-server: {llama_gguf(config).name}, {args.llama_slots} slots of "
                 f"{LLAMA_SLOT_TOKENS} tokens, continuous batching, repack {args.llama_repack}" if "llama-server" in args.targets else "") + ".",
              table(summaries, unavailable)]
     parts += ["\n".join(block) for block in (ratios(summaries), anchor_ratios(summaries),
@@ -402,12 +411,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"serving_bench: starting {label} (logs in {log_dir})", file=sys.stderr, flush=True)
         try:
             with started(target, config, args.url, args.url_api) as endpoint:
+                endpoint = dataclasses.replace(endpoint, api=args.api)
                 summaries += asyncio.run(bench_target(label, endpoint, runs, args))
         except TargetUnavailable as exc:
             print(f"serving_bench: {target} not run: {exc}", file=sys.stderr, flush=True)
             unavailable[target] = str(exc)
 
-    print("\n" + report(args, summaries, unavailable))
+    print("\n" + report(args, config, summaries, unavailable))
     print(f"\nMachine: {machine()}. Load average (1 min) {load_before:.1f} before, {os.getloadavg()[0]:.1f} "
           f"after; {time.time() - started_at:.0f}s in all.")
     print(f"Command: {command_line(argv)}")

@@ -1,7 +1,9 @@
 """The serving benchmark's load generator: streamed chat completions over HTTP, timed per chunk.
 
 One request (`send`): POST /v1/chat/completions with `stream: true`, read the server-sent events as
-they arrive, and stamp each content chunk with `time.perf_counter()`:
+they arrive, and stamp each content chunk with `time.perf_counter()`. For a base model without a
+chat template, an endpoint of `api="completions"` sends the conversation as one plain transcript
+(`transcript`) to /v1/completions instead, the way such a model is used:
 
     start ── role chunk ── first content ── content ── content ── ... ── usage ── end
              (not counted)  TTFT = first - start   ITL = each gap        e2e = end - start
@@ -36,6 +38,14 @@ class Endpoint:
     url: str  # http://127.0.0.1:PORT
     model: str  # the "model" every request names (the server's /v1/models id)
     extra_body: dict[str, Any]  # what makes this server emit exactly max_tokens tokens (and report usage)
+    api: str = "chat"  # "chat" (/v1/chat/completions) or "completions" (/v1/completions, a plain transcript)
+
+
+def transcript(messages: Sequence[dict[str, str]]) -> str:
+    """The conversation as plain text ending where the assistant speaks next: the prompt of a base
+    model, which has no chat template."""
+    turns = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n\n".join(turns + ["Assistant:"])
 
 
 @dataclass(frozen=True)
@@ -91,14 +101,16 @@ class LoadResult(NamedTuple):
 
 async def send(client: httpx.AsyncClient, endpoint: Endpoint, messages: list[dict[str, str]], max_tokens: int,
                timeout: float) -> RequestResult:
-    body = {"model": endpoint.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, **endpoint.extra_body}
+    chat = endpoint.api == "chat"
+    body = {"model": endpoint.model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            **({"messages": messages} if chat else {"prompt": transcript(messages)}), **endpoint.extra_body}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     result = RequestResult(start=time.perf_counter())
     pieces: list[str] = []
     last = 0.0
     try:
         async with asyncio.timeout(timeout):
-            async with client.stream("POST", f"{endpoint.url}/v1/chat/completions", json=body) as response:
+            async with client.stream("POST", endpoint.url + path, json=body) as response:
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
                     result.error = f"HTTP {response.status_code}: {text[:300]}"
@@ -115,7 +127,7 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, messages: list[dic
                         result.error = f"error event: {json.dumps(event['error'])[:300]}"
                         return result
                     for choice in event.get("choices") or ():
-                        content = (choice.get("delta") or {}).get("content")
+                        content = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                         if not content:
                             continue
                         if result.ttft is None:

@@ -43,6 +43,7 @@ from transformers import AutoConfig
 from transformers.utils.import_utils import is_serve_available
 
 from loadtests.serving_client import Endpoint
+from services.common.model_files import locate_model
 from services.common.processes import free_ports, http_ok, read_ready_line
 from services.worker.loader import resolve_model
 
@@ -75,7 +76,7 @@ class ServerConfig:
     log_dir: Path
     threads: int = os.cpu_count() or 1  # of every server: OMP_NUM_THREADS, llama-server's -t and -tb
     llama_server_dir: Path = DEFAULT_ANCHOR_DIR
-    llama_file_type: str = "f16"  # models/smollm2-<this>.gguf: f16, f32, bf16, q8_0, q4_1
+    llama_file_type: str = "f16"  # models/smollm2-<this>.gguf: f16, f32, bf16, q8_0, q4_1; "model": --model's own GGUF
     llama_slots: int = 32
     llama_repack: bool = True  # llama-server's --repack / --no-repack
 
@@ -134,7 +135,7 @@ def server_command(target: str, config: ServerConfig, port: int) -> list[str]:
                 "--cb-max-batch-tokens", str(config.max_num_batched_tokens), "--log-level", "warning"]
     if target == "llama-server":
         exe = config.llama_server_dir / "llama-build" / "bin" / "llama-server"
-        gguf = config.llama_server_dir / "models" / f"smollm2-{config.llama_file_type}.gguf"
+        gguf = llama_gguf(config)
         for needed in (exe, gguf):
             if not needed.exists():
                 raise TargetUnavailable(f"{needed} is missing: build it with ../shared/anchors/build-llama-server.sh "
@@ -144,6 +145,17 @@ def server_command(target: str, config: ServerConfig, port: int) -> list[str]:
                 "-np", str(config.llama_slots), "-cb", "-c", str(config.llama_slots * LLAMA_SLOT_TOKENS),
                 "--no-webui", "--repack" if config.llama_repack else "--no-repack"]
     raise ValueError(f"unknown target {target!r}; choose from {TARGETS}")
+
+
+def llama_gguf(config: ServerConfig) -> Path:
+    """The file llama-server serves: a SmolLM2 requantisation of the anchor build, or with
+    file type "model" the very GGUF file kvmesh serves for --model (Gemma 3's Q4_K_M, say)."""
+    if config.llama_file_type != "model":
+        return config.llama_server_dir / "models" / f"smollm2-{config.llama_file_type}.gguf"
+    path = locate_model(config.model)
+    if path.suffix != ".gguf":
+        raise TargetUnavailable(f"--llama-file-type model needs a GGUF model; {config.model} is {path}")
+    return path
 
 
 def kv_blocks(model_path: Path, config: ServerConfig) -> int:

@@ -3,8 +3,10 @@
 
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size]   # 0 = K, 1 = V
 
-They loop over tokens and requests and compute in float32: slow, obvious, and the truth the kernel
-tests compare against. Not used on any serving path (the torch backend is the batched CPU path).
+They loop over tokens and requests (the batched LoRA ones over segments) and compute in float32:
+slow, obvious, and the truth the kernel tests compare against. Not used on any serving path (the
+torch backend is the batched CPU path), except the LoRA ones on a CPU where the native kernels did
+not build (kvmesh_kernels/lora.py).
 """
 
 from __future__ import annotations
@@ -69,3 +71,29 @@ def paged_attention_ref(
         scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
         out[start:end] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(q.dtype)
     return out
+
+
+def lora_shrink_ref(x: torch.Tensor, a_stack: torch.Tensor, seg_indptr: torch.Tensor,
+                    seg_slots: torch.Tensor) -> torch.Tensor:
+    """LoRA's first product over a batch of segments: rows seg_indptr[i]:seg_indptr[i+1] of x ([T, in])
+    times a_stack[seg_slots[i]].T ([S, R, in]); rows of slot -1 segments are zeros. Returns [T, R] float32."""
+    out = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
+    bounds = seg_indptr.tolist()
+    for i, slot in enumerate(seg_slots.tolist()):
+        start, end = bounds[i], bounds[i + 1]
+        if slot >= 0 and end > start:
+            out[start:end] = x[start:end].float() @ a_stack[slot].float().T
+    return out
+
+
+def lora_expand_ref(out: torch.Tensor, y: torch.Tensor, b_stack: torch.Tensor, seg_indptr: torch.Tensor,
+                    seg_slots: torch.Tensor, out_offset: int) -> None:
+    """LoRA's second product, in place: out[rows, out_offset:out_offset + n] += y[rows] @ b_stack[slot].T
+    ([S, n, R]) for the segments of a slot >= 0, summed in float32 and rounded once to out's dtype."""
+    n = b_stack.shape[1]
+    bounds = seg_indptr.tolist()
+    for i, slot in enumerate(seg_slots.tolist()):
+        start, end = bounds[i], bounds[i + 1]
+        if slot >= 0 and end > start:
+            cols = out[start:end, out_offset:out_offset + n]
+            cols.copy_((cols.float() + y[start:end].float() @ b_stack[slot].float().T).to(out.dtype))

@@ -56,6 +56,7 @@ from services.common.config import (
     GRAMMAR_COMPILE_FIELDS,
     GrammarLimits,
     Limits,
+    LoRAConfig,
     PROCESSOR_MODEL_FIELDS,
     ModelConfig,
     ParallelConfig,
@@ -70,6 +71,7 @@ from services.common.config import (
 )
 from services.common.architectures import check_folder_architecture
 from services.common.flags import add_flags, build, to_argv
+from services.common.lora import base_config_of, check_adapter
 from services.common.processes import (
     KILL_AFTER,
     LOOPBACK,
@@ -143,6 +145,7 @@ SERVE_FLAGS: list[tuple[type, dict[str, object]]] = [
     (DisaggregationConfig, {"only": ["kv_transfer_timeout", "kv_lease", "remote_prefill_timeout", "prefill_threshold"]}),
     (GrammarLimits, {}),
     (FleetConfig, {}),
+    (LoRAConfig, {}),
 ]
 
 
@@ -182,6 +185,7 @@ class ServeSpec(NamedTuple):
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     grammar_limits: GrammarLimits = GrammarLimits()
     fleet: FleetConfig = FleetConfig()
+    lora: LoRAConfig = LoRAConfig()
 
     @property
     def models(self) -> tuple[ModelConfig, ...]:
@@ -382,8 +386,10 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
     argvs: dict[str, list[str]] = {}
     for group in layout.groups:
         model = models[group.model]
+        # Each model's engines and workers get its LoRA adapters only (their folders).
+        lora = replace(spec.lora, lora_modules=spec.lora.modules_of(model.name, fleet.names))
         for rank, worker in enumerate(group.workers):
-            argvs[worker] = [*to_argv(model), *to_argv(spec.cache),
+            argvs[worker] = [*to_argv(model), *to_argv(spec.cache), *to_argv(lora),
                              *to_argv(replace(spec.worker, max_num_seqs=spec.scheduler.max_num_seqs)),
                              *serving(worker), *parallel_argv(spec.parallel, layout, group, rank),
                              *transfer_argv(spec.disaggregation, group, ["kv_transfer_address", "kv_transfer_timeout"])]
@@ -396,7 +402,7 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
                                *transfer_argv(spec.disaggregation, group, ["engine_role", "kv_lease",
                                                                            "kv_transfer_timeout",
                                                                            "remote_prefill_timeout"]),
-                               *to_argv(spec.grammar_limits)]
+                               *to_argv(spec.grammar_limits), *to_argv(lora, exclude=["max_cpu_loras"])]
     # Disaggregated: the processor routes to the decode engines and names the prefill ones to them.
     engines = tuple(layout.address(g.engine) for g in layout.groups if g.role != "prefill")
     prefill = DisaggregationConfig(prefill_engine_address=tuple(
@@ -406,11 +412,13 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
                           *to_argv(spec.prefix_index), *to_argv(fleet),
                           *to_argv(spec.models[0], only=PROCESSOR_MODEL_FIELDS),
                           *serving("processor"), *to_argv(spec.grammar_limits, exclude=GRAMMAR_COMPILE_FIELDS),
+                          *to_argv(spec.lora, only=["enable_lora", "lora_modules"]),
                           *(to_argv(prefill, only=["prefill_engine_address", "prefill_threshold"])
                             if prefill.prefill_engine_address else [])]
     gateway = replace(spec.gateway, processor_address=layout.address("processor"),
                       aggregate_metrics=tuple(layout.metrics_url(name) for name in layout.internal))
     argvs["gateway"] = [*to_argv(gateway), *to_argv(fleet, only=["served_model_name"]), *to_argv(spec.limits),
+                        *to_argv(spec.lora, only=["enable_lora", "lora_modules"]),
                         *to_argv(spec.grammar_limits, exclude=GRAMMAR_COMPILE_FIELDS),
                         *to_argv(ServingConfig(spec.serve.host, spec.serve.port, spec.serve.grace),
                                  only=["host", "port", "grace"])]
@@ -442,6 +450,7 @@ def _serve(spec: ServeSpec, supervisor: Supervisor, private: Path) -> int:
     try:  # a model no worker could load: one line now, not a worker's traceback after its imports
         for model in spec.models:
             check_folder_architecture(model.model)
+        check_lora_modules(spec)
     except ValueError as exc:
         print(f"kvmesh: {exc}", file=sys.stderr)
         return 2
@@ -478,6 +487,17 @@ def _serve(spec: ServeSpec, supervisor: Supervisor, private: Path) -> int:
                     for c in supervisor.children}
         print(format_ready_line(ReadyLine(f"{api}/v1", services)), flush=True)
     return supervise(supervisor, spec.serve, layout.groups)
+
+
+def check_lora_modules(spec: ServeSpec) -> None:
+    """ValueError naming what is wrong with an adapter of --lora-modules: its base model, its folder,
+    its rank, its target modules, or (for a base model given as a folder) its shapes."""
+    names = spec.fleet.names
+    spec.lora.parents(names)
+    for model in spec.models:
+        base_config = base_config_of(model.model)
+        for module in spec.lora.modules_of(model.name, names):
+            check_adapter(module.path, spec.lora.max_lora_rank, base_config)
 
 
 class Single(NamedTuple):

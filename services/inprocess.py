@@ -26,7 +26,7 @@ from services.worker.worker import Worker
 
 def start_worker(args: EngineArgs) -> InProcessWorkerClient:
     """The worker core (weights loaded; its KV cache is allocated by the engine's first call)."""
-    return InProcessWorkerClient(Worker(args.model, args.cache, args.worker), args.worker.max_num_seqs)
+    return InProcessWorkerClient(Worker(args.model, args.cache, args.worker, lora=args.lora), args.worker.max_num_seqs)
 
 
 class OfflineStack(NamedTuple):
@@ -39,12 +39,12 @@ class OfflineStack(NamedTuple):
     def create(cls, args: EngineArgs) -> OfflineStack:
         if args.parallel.tensor_parallel_size == 1:
             worker = start_worker(args)
-            engine = EngineCore.create(worker, args.scheduler, executor=worker)
+            engine = EngineCore.create(worker, args.scheduler, executor=worker, lora=args.lora)
             return cls(worker.worker, engine, Processor.load(worker.worker.model_path, engine.max_model_len,
                                                              args.model.chat_template))
-        processes = WorkerProcesses.start(args.model, args.cache, args.worker, args.parallel)
+        processes = WorkerProcesses.start(args.model, args.cache, args.worker, args.parallel, lora=args.lora)
         try:
-            engine = EngineCore.create(processes.client, args.scheduler, executor=processes.client)
+            engine = EngineCore.create(processes.client, args.scheduler, executor=processes.client, lora=args.lora)
             processor = Processor.load(engine.worker_info.model_path, engine.max_model_len, args.model.chat_template)
         except BaseException:
             processes.close()
@@ -61,7 +61,7 @@ class AsyncStack(NamedTuple):
     async def create(cls, args: EngineArgs) -> AsyncStack:
         """Call `shutdown()` when done: the engine-loop thread runs until then."""
         worker = start_worker(args)
-        engine = await AsyncEngine.create(worker, args.scheduler)
+        engine = await AsyncEngine.create(worker, args.scheduler, lora=args.lora)
         processor = Processor.load(worker.worker.model_path, engine.core.max_model_len, args.model.chat_template)
         return cls(worker.worker, engine, AsyncProcessor(processor, engine))
 

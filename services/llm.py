@@ -4,6 +4,10 @@
     llm = LLM(model="smollm2")
     outputs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
     print(outputs[0].outputs[0].text)
+
+LoRA adapters as vLLM's: `LLM(model, enable_lora=True, max_loras=2, max_lora_rank=16)`, then
+`llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "/adapters/sql"))` (one for all
+prompts, or one per prompt, None for the base model); an adapter is loaded when first named.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 
 from services.common.clients import GenerateDelta, GenerateRequest
 from services.common.config import EngineArgs
+from services.common.lora import LoRARequest
 from services.common.model_runner_output import TokenLogprobs
 from services.common.sampling_params import SamplingParams
 from services.inprocess import OfflineStack
@@ -23,6 +28,7 @@ from services.processor.processor import Prompt
 from services.processor.request_state import RequestState
 
 Message = Mapping[str, Any]
+LoRARequests = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 @dataclass(slots=True)
@@ -104,16 +110,19 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequests = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string or a list of token ids); outputs in prompt order."""
+        """Generate for each prompt (a string or a list of token ids); outputs in prompt order.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_list(sampling_params, len(prompts))
+        loras = self._lora_names(lora_request, len(prompts))
         return self._run([
             GenerateRequest(str(next(self._ids)), p, prompt=prompt if isinstance(prompt, str) else None,
                             prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
-                            priority=priority[i] if priority else 0)
-            for i, (prompt, p) in enumerate(zip(prompts, params))
+                            priority=priority[i] if priority else 0, lora_name=lora)
+            for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras))
         ])
 
     def chat(
@@ -123,16 +132,33 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora_request: LoRARequests = None,
     ) -> list[RequestOutput]:
         """Generate for one conversation or a list of them, with the model's own chat template."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         params = self._params_list(sampling_params, len(conversations))
+        loras = self._lora_names(lora_request, len(conversations))
         return self._run([
             GenerateRequest(str(next(self._ids)), p, messages=list(c), add_generation_prompt=add_generation_prompt,
                             continue_final_message=continue_final_message,
-                            chat_template_kwargs=dict(chat_template_kwargs or {}))
-            for c, p in zip(conversations, params)
+                            chat_template_kwargs=dict(chat_template_kwargs or {}), lora_name=lora)
+            for c, p, lora in zip(conversations, params, loras)
         ])
+
+    def _lora_names(self, lora_request: LoRARequests, count: int) -> list[str | None]:
+        """Each prompt's adapter name, every adapter registered with the engine on first use (its
+        worker loads it from its folder then)."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * count
+        elif len(lora_request) != count:
+            raise ValueError(f"{len(lora_request)} LoRA requests for {count} prompts")
+        else:
+            loras = list(lora_request)
+        for lora in {lora for lora in loras if lora is not None}:
+            if self.engine.loras is None:
+                raise ValueError("a lora_request needs LLM(..., enable_lora=True)")
+            self.engine.loras.add(lora)
+        return [None if lora is None else lora.lora_name for lora in loras]
 
     @staticmethod
     def _params_list(sampling_params: SamplingParams | Sequence[SamplingParams] | None,

@@ -134,6 +134,9 @@ class GenerateRequest:
     session_id: str | None = None  # routing affinity (the `session` policy): same key, same engine
     tenant_id: str | None = None  # a hash of the client's API key: the engine's queue takes turns between tenants
     model: str = ""  # the served model name it is for; "": the processor's first model
+    # The LoRA adapter it runs with (None: the base model): set by the processor when `model` names an
+    # adapter, or by the offline LLM's lora_request; never on the gateway's wire (`model` is).
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from services.common.lora import LoRAModule, parse_lora_module
 from services.common.ports import DEFAULT_PORTS, default_address
 from services.common.sampling_params import MAX_LOGPROBS, MAX_TOKEN_IDS
 from services.common.unix_socket import SCHEME as UNIX_SCHEME, check_path_length, socket_path
@@ -60,12 +61,13 @@ def trusted_proxy(text: str) -> str:
 
 def option(default: Any, help: str, *, flag: str | None = None, choices: Sequence[Any] | None = None,
            minimum: float | None = None, maximum: float | None = None,
-           parse: Callable[[str], Any] | None = None) -> Any:
+           parse: Callable[[str], Any] | None = None, nargs: str | None = None) -> Any:
     """A config field with what its flag needs: `flag` (default `--field-name`), `choices` and the
     bounds (checked by `check_fields` for every way the object is built), `parse` for flag and
-    environment text (default: the field's type). A tuple-typed field is a repeatable flag."""
+    environment text (default: the field's type). A tuple-typed field is a repeatable flag; with
+    nargs="+" one flag also takes several values (vLLM's `--lora-modules a=x b=y`)."""
     metadata = {"help": help, "flag": flag, "choices": choices, "minimum": minimum, "maximum": maximum,
-                "parse": parse}
+                "parse": parse, "nargs": nargs}
     if isinstance(default, (list, dict, set)):
         raise TypeError("config fields are immutable: use a tuple")
     return field(default=default, metadata=metadata)
@@ -242,6 +244,58 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served next to a base model, vLLM's flags (services/common/lora.py reads the
+    folders). The processor takes the names, the engine names and folders, the worker the sizes."""
+
+    enable_lora: bool = option(False, "serve LoRA adapters: those of --lora-modules, and in-process those an "
+                                      "LLM's LoRARequest names")
+    lora_modules: tuple[LoRAModule, ...] = option(
+        (), "adapters to serve, each name=path (a PEFT folder) or vLLM's JSON form {\"name\": ..., \"path\": ..., "
+            "\"base_model_name\": ...}; a request whose model is the name runs with it (default: none)",
+        parse=parse_lora_module, nargs="+")
+    max_loras: int = option(1, "distinct adapters one step may run (each holds a slot of stacked weights)",
+                            minimum=1)
+    max_lora_rank: int = option(16, "the largest adapter rank served (slots are padded to it)", minimum=1)
+    max_cpu_loras: int | None = option(
+        None, "adapters kept loaded in host memory, least recently used evicted (default: --max-loras)", minimum=1)
+
+    def __post_init__(self) -> None:
+        # LLM(lora_modules=["a=/path"]) hands strings; flags hand parsed entries.
+        object.__setattr__(self, "lora_modules", tuple(
+            m if isinstance(m, LoRAModule) else parse_lora_module(m) for m in self.lora_modules))
+        check_fields(self)
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names an adapter twice: {', '.join(names)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras})")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+    def parents(self, served_names: Sequence[str]) -> dict[str, str]:
+        """Each adapter's base model by served name (the first when it names none); ValueError for a
+        base model not served, or an adapter named as a served model."""
+        parents = {m.name: m.base_model_name or served_names[0] for m in self.lora_modules}
+        for name, parent in parents.items():
+            if parent not in served_names:
+                raise ValueError(f"LoRA adapter {name!r} is for base model {parent!r}, which is not served "
+                                 f"(served: {', '.join(served_names)})")
+            if name in served_names:
+                raise ValueError(f"LoRA adapter {name!r} has the name of a served model: give it another")
+        return parents
+
+    def modules_of(self, served_name: str, served_names: Sequence[str]) -> tuple[LoRAModule, ...]:
+        """The adapters of the served model `served_name`."""
+        parents = self.parents(served_names)
+        return tuple(m for m in self.lora_modules if parents[m.name] == served_name)
+
+
+@dataclass(frozen=True)
 class EngineArgs:
     """Everything the in-process stack needs, composed once (services/inprocess.py)."""
 
@@ -250,6 +304,7 @@ class EngineArgs:
     scheduler: SchedulerConfig = SchedulerConfig()
     worker: WorkerConfig = WorkerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    lora: LoRAConfig = LoRAConfig()
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

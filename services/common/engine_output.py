@@ -45,6 +45,8 @@ class EngineCoreRequest:
     session_id: str | None = None
     # Disaggregation: the prefill engine the processor's decider chose for this prompt.
     prefill_engine_address: str | None = None
+    # The LoRA adapter it runs with, by the name the engine registered it under (None: the base model).
+    lora_name: str | None = None
 
 
 

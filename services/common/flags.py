@@ -81,6 +81,8 @@ def add_flags(parser: argparse.ArgumentParser, config_class: type, env_prefix: s
             # The environment gives a comma-separated list; flags add to nothing (not to the default).
             kwargs.update(action="append", type=_checked(parse), default=None,
                           metavar=f.name.upper().rstrip("S"))
+            if meta.get("nargs"):
+                kwargs.update(action="extend", nargs=meta["nargs"])
             if text is not None:
                 try:
                     default = tuple(parse(item.strip()) for item in text.split(",") if item.strip())

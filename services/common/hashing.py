@@ -49,9 +49,13 @@ def hash_block(
     return h.digest()
 
 
-def block_extra_keys(block_index: int, model_id: str, cache_salt: str | None) -> tuple[ExtraKey, ...]:
-    """Extra keys of block `block_index`: the model always; the cache salt only in the first block
-    (it poisons the whole chain from there, and later blocks stay cheap to hash)."""
+def block_extra_keys(block_index: int, model_id: str, cache_salt: str | None,
+                     lora_name: str | None = None) -> tuple[ExtraKey, ...]:
+    """Extra keys of block `block_index`: the model always; the cache salt and the LoRA adapter only
+    in the first block (they poison the whole chain from there, and later blocks stay cheap to hash).
+    An adapter makes four keys, so no salt can pass for one: KV is never shared across adapters."""
+    if block_index == 0 and lora_name:
+        return (model_id, cache_salt or "", "lora", lora_name)
     if block_index == 0 and cache_salt:
         return (model_id, cache_salt)
     return (model_id,)
@@ -64,12 +68,13 @@ def hash_token_blocks(
     cache_salt: str | None = None,
     parent: BlockHash | None = None,
     start_block: int = 0,
+    lora_name: str | None = None,
 ) -> list[BlockHash]:
     """Hashes of the full blocks of `token_ids[start_block * block_size:]`, chained from `parent`."""
     hashes: list[BlockHash] = []
     num_full = len(token_ids) // block_size
     for i in range(start_block, num_full):
         block = token_ids[i * block_size : (i + 1) * block_size]
-        parent = hash_block(parent, block, block_extra_keys(i, model_id, cache_salt))
+        parent = hash_block(parent, block, block_extra_keys(i, model_id, cache_salt, lora_name))
         hashes.append(parent)
     return hashes

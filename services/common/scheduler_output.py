@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.lora import LoRARequest
 from services.common.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class NewRequestData:
     stop_token_ids: frozenset[int]  # eos + stop_token_ids, masked while under min_tokens
     block_ids: list[int]
     num_computed_tokens: int  # before this step (prefix-cache hits)
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model); the worker loads it by id
 
 
 @dataclass(slots=True)

@@ -43,7 +43,7 @@ from dataclasses import replace
 from typing import NamedTuple, Protocol, TypeVar
 
 from services.common.clients import EngineInfo, EngineStats, PrefixMatch, WorkerClient
-from services.common.config import GrammarLimits, SchedulerConfig
+from services.common.config import GrammarLimits, LoRAConfig, SchedulerConfig
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.errors import EngineDeadError
 from services.engine.engine_core import EngineCore
@@ -111,13 +111,14 @@ class AsyncEngine:
                      metrics: Callable[[EngineCore], EngineMetrics] | None = None,
                      idle_check_interval: float | None = None, *, kv_events: KVEventQueue | None = None,
                      identity: EngineIdentity = EngineIdentity(),
-                     grammar_limits: GrammarLimits = GrammarLimits(), model_name: str = "") -> AsyncEngine:
+                     grammar_limits: GrammarLimits = GrammarLimits(), model_name: str = "",
+                     lora: LoRAConfig = LoRAConfig()) -> AsyncEngine:
         """Ask the worker for its model, block size and KV-cache size, build the core (and its
         metrics, which need the core's sizes), start the loop. `kv_events`: the prefix-index
         publisher's queue (services/engine/kv_publisher.py); None: the block pool records nothing.
         `model_name`: what clients call the model (default: its model id), told in its info."""
         core = await asyncio.to_thread(EngineCore.create, worker, scheduler_config, kv_events=kv_events,
-                                       grammar_limits=grammar_limits)
+                                       grammar_limits=grammar_limits, lora=lora)
         info = EngineInfo(model_id=core.model_id, model_path=core.worker_info.model_path,
                           max_model_len=core.max_model_len, block_size=core.block_size,
                           engine_id=identity.engine_id, epoch=identity.epoch,

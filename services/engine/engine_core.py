@@ -7,8 +7,9 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from services.common.clients import EngineStats, PrefixMatch, WorkerClient, WorkerInfo
-from services.common.config import GrammarLimits, SchedulerConfig
+from services.common.config import GrammarLimits, LoRAConfig, SchedulerConfig
 from services.common.hashing import BlockHash
+from services.common.lora import LoRARequest
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import GrammarBitmask, SchedulerOutput
@@ -16,6 +17,7 @@ from services.common.validation import check_engine_request
 from services.engine.chunk_policy import AdaptiveChunking
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.kv_event_queue import KVEventQueue
+from services.engine.lora_registry import LoRARegistry, LoRAStepLimit
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler
 from services.engine.structured_output import GrammarError, StructuredOutputManager
@@ -34,11 +36,12 @@ class EngineCore:
 
     def __init__(self, executor: Executor | None, worker_info: WorkerInfo, num_blocks: int,
                  scheduler_config: SchedulerConfig, *, kv_events: KVEventQueue | None = None,
-                 grammar_limits: GrammarLimits = GrammarLimits()) -> None:
+                 grammar_limits: GrammarLimits = GrammarLimits(), lora: LoRAConfig = LoRAConfig()) -> None:
         """`worker_info` and `num_blocks` are what the worker said of itself (its model, its block
         size, the KV cache it allocated). `kv_events`: the prefix-index publisher's queue of cache
         changes (services/engine/kv_publisher.py); None: none recorded. `grammar_limits`: what a
-        request's constraint may hold and its compile may take."""
+        request's constraint may hold and its compile may take. `lora`: the adapters served (with
+        enable_lora) and how many one step may run."""
         self.executor = executor
         self.kv_events = kv_events
         self.worker_info = worker_info
@@ -49,6 +52,8 @@ class EngineCore:
         self.enable_prefix_caching = scheduler_config.enable_prefix_caching
         # A context longer than the whole KV cache could never be scheduled.
         self.max_model_len = min(worker_info.max_model_len, num_blocks * self.block_size)
+        # LoRA: the adapters by name (None: LoRA off, a request naming one is refused).
+        self.loras = LoRARegistry(lora.lora_modules) if lora.enable_lora else None
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, scheduler_config.enable_prefix_caching,
                                                kv_events)
         self.scheduler = Scheduler(
@@ -59,6 +64,7 @@ class EngineCore:
             policy=scheduler_config.policy,
             max_num_waiting=scheduler_config.max_num_waiting,
             chunking=AdaptiveChunking(scheduler_config.max_num_batched_tokens, scheduler_config.target_step_seconds),
+            lora_limit=LoRAStepLimit(lora.max_loras if lora.enable_lora else None),
         )
         # Structured outputs: requests wait here, outside the scheduler, until their grammar compiled.
         self.structured_output = StructuredOutputManager(
@@ -72,22 +78,32 @@ class EngineCore:
     @classmethod
     def create(cls, worker: WorkerClient, scheduler_config: SchedulerConfig,
                executor: Executor | None = None, kv_events: KVEventQueue | None = None,
-               grammar_limits: GrammarLimits = GrammarLimits()) -> EngineCore:
+               grammar_limits: GrammarLimits = GrammarLimits(), lora: LoRAConfig = LoRAConfig()) -> EngineCore:
         """Ask the worker for its model and block size, have it allocate its KV cache for
         `max_num_seqs` requests, and build the core over what it has. Blocking."""
         worker_info = worker.get_info()
         num_blocks = worker.initialize_cache(scheduler_config.max_num_seqs)
         return cls(executor, worker_info, num_blocks, scheduler_config, kv_events=kv_events,
-                   grammar_limits=grammar_limits)
+                   grammar_limits=grammar_limits, lora=lora)
 
     def check_request(self, request: EngineCoreRequest) -> None:
         """ValueError unless the request fits this engine (the processor checked it too; the engine
         trusts no caller). Reads nothing that changes: safe from any thread."""
         check_engine_request(request, self.max_model_len, self.vocab_size)
+        self.lora_request_of(request)
         if request.priority and self.scheduling_policy != "priority":
             # As vLLM: a priority the scheduler would ignore is the caller's mistake, said at once.
             raise ValueError(f"priority is not supported by the {self.scheduling_policy!r} scheduling policy; "
                              "start the engine with --scheduling-policy priority")
+
+    def lora_request_of(self, request: EngineCoreRequest) -> LoRARequest | None:
+        """The adapter `request` names (None: the base model); ValueError for one not served here."""
+        if request.lora_name is None:
+            return None
+        if self.loras is None:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} asked of an engine without LoRA: start it with "
+                             "--enable-lora")
+        return self.loras.resolve(request.lora_name)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         engine_request = self.make_request(request)
@@ -117,6 +133,7 @@ class EngineCore:
             priority=request.priority,
             group_id=request.group_id or request.request_id,
             tenant_id=request.tenant_id,
+            lora_request=self.lora_request_of(request),
             arrival_time=request.arrival_time if request.arrival_time is not None else time.monotonic(),
         )
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from services.common.hashing import BlockHash, hash_token_blocks
+from services.common.lora import LoRARequest
 from services.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class Request:
         arrival_time: float | None = None,
         group_id: str | None = None,
         tenant_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -88,9 +90,11 @@ class Request:
         self._block_size = block_size
         self._model_id = model_id
         self._cache_salt = cache_salt
+        self.lora_request = lora_request  # its adapter (None: the base model); its name is in the block hashes
+        self._lora_name = None if lora_request is None else lora_request.lora_name
         # Hashes of the full blocks of all_token_ids, kept up to date as tokens are appended.
         self.block_hashes: list[BlockHash] = hash_token_blocks(
-            self.all_token_ids, block_size, model_id, cache_salt
+            self.all_token_ids, block_size, model_id, cache_salt, lora_name=self._lora_name
         )
 
     @property
@@ -113,7 +117,7 @@ class Request:
             parent = self.block_hashes[-1] if self.block_hashes else None
             self.block_hashes.extend(hash_token_blocks(
                 self.all_token_ids, self._block_size, self._model_id, self._cache_salt,
-                parent=parent, start_block=len(self.block_hashes),
+                parent=parent, start_block=len(self.block_hashes), lora_name=self._lora_name,
             ))
 
     @property

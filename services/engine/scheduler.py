@@ -16,6 +16,7 @@ from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from services.engine.chunk_policy import AdaptiveChunking
 from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.lora_registry import LoRAStepLimit
 from services.engine.request import Request, RequestStatus
 from services.engine.request_queue import make_request_queue
 
@@ -30,12 +31,15 @@ class Scheduler:
         policy: str = "fcfs",
         max_num_waiting: int | None = None,
         chunking: AdaptiveChunking | None = None,
+        lora_limit: LoRAStepLimit | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         # How many prompt tokens one request may compute per step (None: the whole budget).
         self.chunking = chunking or AdaptiveChunking(max_num_batched_tokens, target_seconds=0.0)
         self.max_num_seqs = max_num_seqs
+        # LoRA: at most max_loras adapters a step (the worker's slots); none without LoRA.
+        self.lora_limit = lora_limit or LoRAStepLimit(None)
         # Counted over every request held (running or not), so that how many are admitted does not
         # depend on whether a step ran in between: exactly max_num_seqs + max_num_waiting.
         self.max_num_requests = None if max_num_waiting is None else max_num_seqs + max_num_waiting
@@ -115,6 +119,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: dict[str, CachedRequestData] = {}
         preempted: list[Request] = []
+        self.lora_limit.begin()
 
         # Running requests first. A request that cannot get blocks preempts the policy's victim
         # (possibly itself) until it fits.
@@ -123,12 +128,16 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request with nothing to compute: {request}"
+            if not self.lora_limit.admits(request):
+                index += 1  # its adapter's turn comes when the adapters ahead of it leave the step
+                continue
             if num_new > 1:  # a prompt still being read (or recomputed)
                 num_new = min(num_new, prefill_budget)
                 if num_new == 0:
                     index += 1  # its turn comes when the prompts ahead of it are read
                     continue
                 prefill_budget -= num_new
+            self.lora_limit.add(request)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
                 # Only requests not yet scheduled this step are candidates: a scheduled one has
@@ -153,6 +162,10 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0 and prefill_budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting.peek()
+            if not self.lora_limit.admits(request):
+                # No request is admitted past it, so that an adapter in every step (its requests
+                # keep coming) cannot starve the others: the next steps drain the adapters ahead.
+                break
             hits, num_hit_tokens = self._prefix_hits(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget, prefill_budget)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit_tokens)
@@ -160,6 +173,7 @@ class Scheduler:
                 break
             prefill_budget -= num_new
             self.waiting.pop()
+            self.lora_limit.add(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             if request.num_cached_tokens < 0:
@@ -175,6 +189,7 @@ class Scheduler:
                 stop_token_ids=request.eos_token_ids | request.sampling_params.all_stop_token_ids,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_computed_tokens=num_hit_tokens,
+                lora_request=request.lora_request,
             ))
 
         output = SchedulerOutput(

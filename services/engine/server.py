@@ -47,6 +47,7 @@ from services.common.config import (
     DisaggregationConfig,
     EngineServiceConfig,
     GrammarLimits,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     PrefixIndexConfig,
@@ -55,6 +56,7 @@ from services.common.config import (
     ServingConfig,
 )
 from services.common.flags import add_flags, build
+from services.common.lora import check_adapter
 from services.common.discovery import EndpointWatcher, kube_configuration
 from services.common.errors import answers_with_status
 from services.common.metrics import MetricsEndpoint, ServiceMetrics
@@ -188,7 +190,7 @@ async def start_engine(worker: GroupWorkerClient, args: EngineServiceArgs, metri
         engine = await AsyncEngine.create(
             worker, args.scheduler, lambda core: EngineMetrics.for_core(metrics.registry, labels(core), core),
             args.service.worker_liveness_interval, kv_events=kv_events, identity=identity,
-            grammar_limits=args.grammar_limits, model_name=args.model.served_model_name or "")
+            grammar_limits=args.grammar_limits, model_name=args.model.served_model_name or "", lora=args.lora)
     except BaseException:
         if index is not None:
             await index.close()
@@ -309,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, GrammarLimits, ENV_PREFIX)
     add_flags(parser, DisaggregationConfig, ENV_PREFIX, only=["engine_role", "kv_lease", "kv_transfer_timeout",
                                                                       "remote_prefill_timeout"])
+    add_flags(parser, LoRAConfig, ENV_PREFIX, exclude=["max_cpu_loras"])
     return parser
 
 
@@ -322,6 +325,7 @@ class EngineServiceArgs(NamedTuple):
     parallel: ParallelConfig = ParallelConfig()  # only tensor_parallel_size: the group's size
     disaggregation: DisaggregationConfig = DisaggregationConfig()  # role, lease, transfer timeout
     grammar_limits: GrammarLimits = GrammarLimits()
+    lora: LoRAConfig = LoRAConfig()  # the adapters served, refused at start-up when a folder is bad
 
 
 def parse_args(argv: list[str] | None = None) -> EngineServiceArgs:
@@ -345,10 +349,16 @@ def parse_args(argv: list[str] | None = None) -> EngineServiceArgs:
     if len(workers) != size:
         parser.error(f"{len(workers)} worker(s) given ({', '.join(workers)}) for --tensor-parallel-size {size}: "
                      f"give one per rank, in rank order")
+    lora = build(parser, LoRAConfig, args)
+    try:  # the worker checks shapes against the model; the folders and ranks are checked here too
+        for module in lora.lora_modules:
+            check_adapter(module.path, lora.max_lora_rank)
+    except ValueError as exc:
+        parser.error(str(exc))
     return EngineServiceArgs(service, build(parser, SchedulerConfig, args), build(parser, ModelConfig, args),
                              build(parser, ServingConfig, args), build(parser, SecurityConfig, args),
                              build(parser, PrefixIndexConfig, args), parallel,
-                             build(parser, DisaggregationConfig, args), build(parser, GrammarLimits, args))
+                             build(parser, DisaggregationConfig, args), build(parser, GrammarLimits, args), lora)
 
 
 def main(argv: list[str] | None = None) -> int:

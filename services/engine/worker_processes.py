@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from services.common.config import CacheConfig, ModelConfig, ParallelConfig, ServingConfig, WorkerConfig
+from services.common.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig, ServingConfig, WorkerConfig
 from services.common.flags import to_argv
 from services.common.processes import LOOPBACK, ChildSpec, Supervisor, free_ports, grpc_serving
 from services.common.rpc.security import ENGINE, RpcSecurity
@@ -41,7 +41,7 @@ class WorkerProcesses:
 
     @classmethod
     def start(cls, model: ModelConfig, cache: CacheConfig, worker: WorkerConfig, parallel: ParallelConfig,
-              timeout: float = 600.0) -> WorkerProcesses:
+              timeout: float = 600.0, lora: LoRAConfig = LoRAConfig()) -> WorkerProcesses:
         """Spawn the group and wait (at most `timeout` s) until each rank serves; RuntimeError,
         with every process stopped, if one exits or the wait runs out."""
         size = parallel.tensor_parallel_size
@@ -53,7 +53,7 @@ class WorkerProcesses:
         supervisor = Supervisor(internal_grace=STOP_GRACE)
         ranks = [ChildSpec(f"worker-r{rank}",
                            [*to_argv(model), *to_argv(cache), *to_argv(worker), *to_argv(ServingConfig(LOOPBACK, port)),
-                            *to_argv(replace(group, rank=rank)), *to_argv(security)],
+                            *to_argv(replace(group, rank=rank)), *to_argv(security), *to_argv(lora)],
                            address, lambda address=address: grpc_serving(address))
                  for rank, (port, address) in enumerate(zip(ports, addresses))]
         try:

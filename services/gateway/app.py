@@ -26,6 +26,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.clients import GenerateRequest, ProcessorClient
+from services.common.lora import LoRAModule
 from services.common.prompt_size import PromptSize, prompt_size
 from services.common.sampling_params import SamplingParams
 from services.gateway.auth import APIKeyMiddleware, tenant_of
@@ -129,10 +130,13 @@ def create_app(processor: ProcessorClient, served_model_name: str | Sequence[str
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        lengths = await asyncio.gather(*(api.context_length(name) for name in names))
-        # root names the model as served, not where its files lie on the engines' disks.
-        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=length)
-                               for name, length in zip(names, lengths)])
+        lengths = dict(zip(names, await asyncio.gather(*(api.context_length(name) for name in names))))
+        # root names the model as served, not where its files lie on the engines' disks; a LoRA
+        # adapter's is its folder and its parent the base model's name, as vLLM lists them.
+        bases = [ModelCard(id=name, root=name, max_model_len=length) for name, length in lengths.items()]
+        adapters = [ModelCard(id=name, root=module.path, parent=parent, max_model_len=lengths[parent])
+                    for name, module in api.adapters.items() for parent in (api.adapter_parents[name],)]
+        return ModelList(data=bases + adapters)
 
     @app.post("/v1/completions", responses=STREAMED)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -180,6 +184,7 @@ class ApiOptions:
     return_tokens_as_token_ids: bool = False  # the default of the request field of that name
     tool_call_parser: str | None = None  # with tool_choice "auto" (None: "auto" is refused)
     cache_salt_per_api_key: bool = False  # every request's cache_salt starts with its key's hash
+    lora_modules: tuple[LoRAModule, ...] = ()  # LoRA adapters: requests may name them as their model
 
     @classmethod
     def of(cls, gateway: GatewayConfig) -> ApiOptions:
@@ -218,6 +223,9 @@ class _API:
         self.grammar_limits = grammar_limits
         self.session_header = session_header
         self.options = options or ApiOptions()
+        self.adapters = {m.name: m for m in self.options.lora_modules}
+        self.adapter_parents = {m.name: m.base_model_name or self.served_model_names[0]
+                                for m in self.options.lora_modules}
         self.max_model_lens: dict[str, int] = {}  # each model's context length, once asked
         # In flight, from their first delta to their last byte: /load's count (vLLM's server_load).
         self.generations: set[Generation] = set()
@@ -324,7 +332,7 @@ class _API:
         """The served model a request names (none: the first); 404 model_not_found for another."""
         if model is None:
             return self.served_model_names[0]
-        if model not in self.served_model_names:
+        if model not in self.served_model_names and model not in self.adapters:
             raise model_not_found(model)
         return model
 

@@ -445,6 +445,7 @@ class ModelCard(OpenAIResponse):
     created: int = Field(default_factory=now)
     owned_by: str = "kvmesh"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

@@ -17,13 +17,14 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 
 from services.common.config import (GRAMMAR_COMPILE_FIELDS, GatewayConfig, GrammarLimits, Limits, FleetConfig,
-                                    SecurityConfig, ServingConfig)
+                                    LoRAConfig, SecurityConfig, ServingConfig)
 from services.common.flags import add_flags, build
 from services.common.metrics import GrpcMetrics
 from services.common.ports import DEFAULT_PORTS
@@ -71,8 +72,9 @@ class GatewayServer(uvicorn.Server):
 
 async def serve(gateway: GatewayConfig, served_model_name: str | Sequence[str], serving: ServingConfig, limits: Limits = Limits(),
                 api_keys: Sequence[str] = (), security: RpcSecurity = RpcSecurity(),
-                grammar_limits: GrammarLimits = GrammarLimits()) -> None:
-    """`security`: the internal token (and mTLS) of the calls to the processor."""
+                grammar_limits: GrammarLimits = GrammarLimits(), *, lora: LoRAConfig = LoRAConfig()) -> None:
+    """`security`: the internal token (and mTLS) of the calls to the processor. `lora`: the LoRA
+    adapters requests may name as their model (the processor knows their base models too)."""
     priority_api_keys = api_keys_from_file(gateway.priority_api_key_file)
     if priority_api_keys and not api_keys:
         raise ValueError("--priority-api-key-file needs --api-key: without keys, every client may set priority")
@@ -81,7 +83,7 @@ async def serve(gateway: GatewayConfig, served_model_name: str | Sequence[str], 
                                     metrics=GrpcMetrics(metrics.registry, "gateway"), security=security)
     app = create_app(processor, served_model_name, health_timeout=gateway.timeout, metrics=metrics, limits=limits,
                      api_keys=api_keys, priority_api_keys=priority_api_keys, session_header=gateway.session_header,
-                     options=ApiOptions.of(gateway),
+                     options=replace(ApiOptions.of(gateway), lora_modules=lora.lora_modules),
                      grammar_limits=grammar_limits)
     # root_path: a proxy serves the API under it and strips it (vLLM's --root-path, the same ASGI root_path).
     config = uvicorn.Config(app, host=serving.host, port=serving.port, timeout_graceful_shutdown=serving.grace,
@@ -101,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, GrammarLimits, ENV_PREFIX, exclude=GRAMMAR_COMPILE_FIELDS)
     add_flags(parser, ServingConfig, ENV_PREFIX, only=["host", "port", "grace"], defaults={"port": DEFAULT_PORT})
     add_flags(parser, SecurityConfig, ENV_PREFIX)
+    add_flags(parser, LoRAConfig, ENV_PREFIX, only=["enable_lora", "lora_modules"])
     return parser
 
 
@@ -115,9 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     # The gateway takes the names alone (the processor has the models): each name stands for its model.
     names = args.served_model_name or args._default_served_model_name or FleetConfig().names
     fleet = build(parser, FleetConfig, args, model=tuple(names))
+    lora = build(parser, LoRAConfig, args)
+    try:
+        lora.parents(fleet.names)
+    except ValueError as exc:
+        parser.error(str(exc))
     asyncio.run(serve(gateway, fleet.names, build(parser, ServingConfig, args),
                       build(parser, Limits, args), api_keys,
-                      RpcSecurity.load(build(parser, SecurityConfig, args), GATEWAY), build(parser, GrammarLimits, args)))
+                      RpcSecurity.load(build(parser, SecurityConfig, args), GATEWAY),
+                      build(parser, GrammarLimits, args), lora=lora))
     return 0
 
 

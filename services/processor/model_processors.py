@@ -4,7 +4,8 @@ template and pool of engines), each call handed to the one its `model` names.
     gateway ──model "a"──▶ ModelProcessors ──▶ AsyncProcessor "a" ──▶ EngineSet of a's engines
                    "b" ──▶                 ──▶ AsyncProcessor "b" ──▶ EngineSet of b's engines
 
-A call that names no model goes to the first; one naming a model not served is ModelNotFoundError
+A call that names no model goes to the first; one naming a LoRA adapter goes to its base model's, the
+adapter's name as the request's lora_name; one naming a model not served is ModelNotFoundError
 (NOT_FOUND on the wire). A `ProcessorClient` itself, so the servicer is the same over one model or several.
 """
 
@@ -23,9 +24,11 @@ from services.processor.async_processor import AsyncProcessor
 class ModelProcessors:
     """Implements `ProcessorClient` over one AsyncProcessor per served model name (first: the default)."""
 
-    def __init__(self, processors: Mapping[str, AsyncProcessor]) -> None:
+    def __init__(self, processors: Mapping[str, AsyncProcessor], adapters: Mapping[str, str] | None = None) -> None:
+        """`adapters`: LoRA adapters by name -> the served model they run on."""
         assert processors, "a processor serves at least one model"
         self.processors = dict(processors)
+        self.adapters = dict(adapters or {})
         self.default = next(iter(self.processors))
 
     @property
@@ -34,12 +37,14 @@ class ModelProcessors:
 
     def of(self, model: str) -> AsyncProcessor:
         """The processor of `model` ("": the first); ModelNotFoundError for a model not served here."""
-        processor = self.processors.get(model or self.default)
+        processor = self.processors.get(self.adapters.get(model) or model or self.default)
         if processor is None:
             raise ModelNotFoundError(model)
         return processor
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        if request.model in self.adapters:  # a LoRA adapter: its base model's engines, with the adapter
+            request.lora_name = request.model
         async with aclosing(self.of(request.model).generate(request)) as stream:
             async for delta in stream:
                 yield delta

@@ -166,10 +166,12 @@ class Processor:
         group_id: str | None = None,
         session_id: str | None = None,
         tenant_id: str | None = None,
+        lora_name: str | None = None,
     ) -> list[EngineCoreRequest]:
         """One engine request per choice: `{request_id}` for n == 1, else `{request_id}-{i}` with
         seed + i, so that a seeded request is reproducible choice by choice; all of them in the group
-        `group_id` (default: `request_id`). ValueError for a prompt or parameters the engine would refuse."""
+        `group_id` (default: `request_id`), with the LoRA adapter `lora_name` (None: the base model).
+        ValueError for a prompt or parameters the engine would refuse."""
         check_prompt(prompt_token_ids, self.max_model_len, self.info.vocab_size)
         check_params_token_ids(params, self.info.vocab_size)
         if params.structured_outputs is not None:
@@ -181,13 +183,13 @@ class Processor:
         if params.n == 1:
             return [EngineCoreRequest(request_id, prompt_token_ids, params, self.info.eos_token_ids,
                                       priority, cache_salt, group_id=group_id, session_id=session_id,
-                                      tenant_id=tenant_id)]
+                                      tenant_id=tenant_id, lora_name=lora_name)]
         return [
             EngineCoreRequest(
                 f"{request_id}-{i}", prompt_token_ids,
                 replace(params, n=1, seed=None if params.seed is None else params.seed + i),
                 self.info.eos_token_ids, priority, cache_salt, group_id=group_id, session_id=session_id,
-                tenant_id=tenant_id,
+                tenant_id=tenant_id, lora_name=lora_name,
             )
             for i in range(params.n)
         ]

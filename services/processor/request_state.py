@@ -41,7 +41,7 @@ class RequestState:
         self.prompt_token_ids = processor.prompt_of(request)
         engine_requests = processor.make_requests(request.request_id, self.prompt_token_ids, request.params,
                                                   request.priority, request.cache_salt, request.group_id,
-                                                  request.session_id, request.tenant_id)
+                                                  request.session_id, request.tenant_id, request.lora_name)
         self.choices = [Choice(i, r, processor.output_state(self.prompt_token_ids, r.sampling_params))
                         for i, r in enumerate(engine_requests)]
         self._first = True

@@ -76,7 +76,8 @@ def predicted_cached_tokens(num_matched_blocks: int, num_prompt_tokens: int, blo
 def prompt_chain(request: EngineCoreRequest, info: EngineInfo) -> list[BlockHash]:
     """The block-hash chain the engine `info` describes gives the request's prompt: the engine's own
     (services/engine/request.py hashes the same tokens with the same block size, model id and salt)."""
-    return hash_token_blocks(request.prompt_token_ids, info.block_size, info.model_id, request.cache_salt)
+    return hash_token_blocks(request.prompt_token_ids, info.block_size, info.model_id, request.cache_salt,
+                             lora_name=request.lora_name)
 
 
 def session_score(session_id: str, address: str) -> bytes:

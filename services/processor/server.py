@@ -45,6 +45,7 @@ from services.common.config import (
     DisaggregationConfig,
     FleetConfig,
     GrammarLimits,
+    LoRAConfig,
     PROCESSOR_MODEL_FIELDS,
     ModelConfig,
     PrefixIndexConfig,
@@ -323,10 +324,12 @@ async def serve(models: Sequence[ModelConfig], engines: Mapping[str, EngineClien
                 metrics: Callable[[Mapping[str, int]], Mapping[str, ProcessorMetrics]] | None = None,
                 security: RpcSecurity = RpcSecurity(),
                 tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
-                grammar_limits: GrammarLimits = GrammarLimits()) -> None:
+                grammar_limits: GrammarLimits = GrammarLimits(), *,
+                adapters: Mapping[str, str] | None = None) -> None:
     """Serve until SIGTERM/SIGINT. Each model is resolved for its tokenizer only; no weights load.
     The caller owns `engines` (open_model_engines: each served name's engines). `metrics` makes
-    each model's metrics once its engines' context lengths (their token buckets' top) are known."""
+    each model's metrics once its engines' context lengths (their token buckets' top) are known.
+    `adapters`: LoRA adapters by name -> their served base model."""
     # Before waiting for an engine: a bad model or --chat-template fails at once.
     tokenizers = {m.name: load_model_tokenizer(m) for m in models}
     infos = dict(zip([m.name for m in models],
@@ -339,7 +342,7 @@ async def serve(models: Sequence[ModelConfig], engines: Mapping[str, EngineClien
     processor = ModelProcessors({
         name: AsyncProcessor(Processor.for_tokenizer(tokenizer, path, infos[name].max_model_len, grammar_limits),
                              engines[name], model_metrics.get(name), tokenizer_threads)
-        for name, (tokenizer, path) in tokenizers.items()})
+        for name, (tokenizer, path) in tokenizers.items()}, adapters)
     service_metrics = next(iter(model_metrics.values())).service if model_metrics else None
     interceptors = [service_metrics.grpc.server_interceptor()] if service_metrics is not None else []
     server = RpcServer(serving.host, serving.port, [SERVICE_NAME], interceptors, security, serving.unix_socket)
@@ -369,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, SecurityConfig, ENV_PREFIX)
     add_flags(parser, DisaggregationConfig, ENV_PREFIX, only=["prefill_engine_address", "prefill_threshold"])
     add_flags(parser, GrammarLimits, ENV_PREFIX, exclude=GRAMMAR_COMPILE_FIELDS)
+    add_flags(parser, LoRAConfig, ENV_PREFIX, only=["enable_lora", "lora_modules"])
     return parser
 
 
@@ -382,6 +386,7 @@ class ProcessorArgs(NamedTuple):
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     grammar_limits: GrammarLimits = GrammarLimits()
     fleet: FleetConfig = FleetConfig()
+    adapters: dict[str, str] = {}  # LoRA adapters by name -> their served base model (read only)
 
     @property
     def models(self) -> tuple[ModelConfig, ...]:
@@ -402,14 +407,18 @@ def parse_args(argv: list[str] | None = None) -> ProcessorArgs:
     if len(fleet.model) > 1 and disaggregation.prefill_engine_address:
         parser.error("--prefill-engine-address serves one model: give one --model")
     model = fleet.model_configs(build(parser, ModelConfig, args))[0]
+    try:
+        adapters = build(parser, LoRAConfig, args).parents(fleet.names)
+    except ValueError as exc:
+        parser.error(str(exc))
     return ProcessorArgs(service, model, build(parser, ServingConfig, args),
                          build(parser, SecurityConfig, args), build(parser, RoutingConfig, args), prefix_index,
-                         disaggregation, build(parser, GrammarLimits, args), fleet)
+                         disaggregation, build(parser, GrammarLimits, args), fleet, adapters)
 
 
 def main(argv: list[str] | None = None) -> int:
     parsed = parse_args(argv)
-    service, _, serving, security_config, routing, prefix_index, disaggregation, grammar_limits, fleet = parsed
+    service, _, serving, security_config, routing, prefix_index, disaggregation, grammar_limits, fleet, _ = parsed
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s processor: %(message)s")
     security = RpcSecurity.load(security_config, PROCESSOR)  # the processor's own port and its calls to engines
     service_metrics = ServiceMetrics.create("processor")
@@ -425,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                                       Routing(routing, prefix_index, router_metrics, disaggregation,
                                               decider_metrics)) as engines:
             await serve(parsed.models, engines, serving, service.startup_timeout, metrics, security,
-                        service.tokenizer_threads, grammar_limits)
+                        service.tokenizer_threads, grammar_limits, adapters=parsed.adapters)
 
     endpoint = MetricsEndpoint.start(service_metrics.registry, serving.host, serving.metrics_port)
     try:

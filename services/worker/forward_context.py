@@ -1,5 +1,5 @@
 """The forward context: the one global of the worker, holding what attention layers need for one
-model forward (metadata, the backend's per-step plan, the KV caches). Entered with a context
+model forward (metadata, the backend's per-step plan, the KV caches, the LoRA segments). Entered with a context
 manager that refuses nesting."""
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ class ForwardContext:
     plan: Any  # the backend's per-step plan, built once and shared by all layers
     kv_caches: list[torch.Tensor]
     backend: Any  # AttentionBackend
+    # LoRA: the step's request segments and their adapters' slots (services/worker/lora/manager.py
+    # LoRAMapping); None when no request of the step runs with an adapter.
+    lora: Any = None
 
 
 class _Holder:

@@ -39,6 +39,7 @@ class InputBatch:
         self.block_table = torch.zeros((max_num_reqs, max_blocks), dtype=torch.int32)  # [rows, blocks]
         self.block_table_np = self.block_table.numpy()
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.lora_ids = np.zeros(max_num_reqs, dtype=np.int64)  # each row's LoRA adapter id; 0: the base model
         self.req_ids: list[str] = []
         self.row_of: dict[str, int] = {}
         self.states: list[CachedRequestState] = []
@@ -66,6 +67,7 @@ class InputBatch:
         self.num_tokens[row] = len(tokens)
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
+        self.lora_ids[row] = 0 if new.lora_request is None else new.lora_request.lora_int_id
         self.append_blocks(row, new.block_ids)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -90,6 +92,7 @@ class InputBatch:
             nb = self.num_blocks[last]
             self.block_table_np[row, :nb] = self.block_table_np[last, :nb]
             self.num_blocks[row] = nb
+            self.lora_ids[row] = self.lora_ids[last]
         self.req_ids.pop()
         self.states.pop()
 

@@ -21,6 +21,7 @@ from services.worker.attention import AttentionBackend, AttentionMetadata
 from services.worker.forward_context import ForwardContext, set_forward_context
 from services.worker.grammar_bitmask import apply_grammar_bitmask
 from services.worker.input_batch import CachedRequestState, InputBatch
+from services.worker.lora.manager import LoRAManager
 from services.worker.parallel_group import TensorParallelGroup
 from services.worker.sampler import Sampler, compute_prompt_logprobs, gather_logprobs
 from services.worker.sampling_metadata import RequestSamplingTensors, SamplingMetadata
@@ -42,8 +43,11 @@ class ModelRunner:
         max_model_len: int,
         vocab_size: int,
         tp: TensorParallelGroup | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
+        """`lora`: the adapters' state when LoRA is on (its layers already around the model's)."""
         self.model = model
+        self.lora = lora
         self.tp = tp or TensorParallelGroup()
         self.kv_caches = kv_caches
         self.backend = backend
@@ -79,6 +83,11 @@ class ModelRunner:
         # Its token-id lists become tensors here, once (ValueError for an id outside the vocabulary):
         # each step then costs the same whatever their lengths.
         tensors = RequestSamplingTensors.of(new.sampling_params, new.stop_token_ids, self.vocab_size, self.device)
+        if new.lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {new.lora_request.lora_name!r} asked of a worker without LoRA: "
+                                 "start it with --enable-lora")
+            self.lora.add(new.lora_request)
         self.batch.add(new, tensors)
 
     @torch.inference_mode()
@@ -125,7 +134,8 @@ class ModelRunner:
             query_lens_cpu=q_lens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        context = ForwardContext(meta, self.backend.plan(meta), self.kv_caches, self.backend)
+        lora = None if self.lora is None else self.lora.mapping(batch.lora_ids[rows], meta.query_start_loc)
+        context = ForwardContext(meta, self.backend.plan(meta), self.kv_caches, self.backend, lora)
         with set_forward_context(context):
             hidden = self.model(input_ids.to(self.device), positions_t.to(self.device))  # [num_tokens, hidden]
 

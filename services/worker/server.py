@@ -35,10 +35,11 @@ from typing import TypeVar
 import grpc
 
 from services.common.clients import WorkerClient
-from services.common.config import (CacheConfig, DisaggregationConfig, ModelConfig, ParallelConfig, SecurityConfig,
-                                   ServingConfig, WorkerConfig)
+from services.common.config import (CacheConfig, DisaggregationConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                                   SecurityConfig, ServingConfig, WorkerConfig)
 from services.common.errors import EngineDeadError, answers_with_status
 from services.common.flags import add_flags, build
+from services.common.lora import check_adapter
 from services.common.ports import DEFAULT_PORTS
 from services.common.rpc import convert
 from services.common.rpc.kvmesh.v1 import worker_pb2, worker_pb2_grpc
@@ -312,7 +313,20 @@ def build_parser() -> argparse.ArgumentParser:
         add_flags(parser, config_class, ENV_PREFIX)
     add_flags(parser, DisaggregationConfig, ENV_PREFIX, only=["kv_transfer_address", "kv_transfer_timeout"])
     add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})
+    add_flags(parser, LoRAConfig, ENV_PREFIX)
     return parser
+
+
+def build_lora(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LoRAConfig:
+    """The LoRA flags, each --lora-modules folder checked (a usage error, before the model loads; the
+    worker checks the shapes once it has the model's config)."""
+    lora = build(parser, LoRAConfig, args)
+    try:
+        for module in lora.lora_modules:
+            check_adapter(module.path, lora.max_lora_rank)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return lora
 
 
 def store_secret(config: SecurityConfig) -> str | None:
@@ -327,11 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     model_config, cache_config, worker_config, parallel_config, serving, security_config = (
         build(parser, c, args)
         for c in (ModelConfig, CacheConfig, WorkerConfig, ParallelConfig, ServingConfig, SecurityConfig))
+    lora = build_lora(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker: %(message)s")
     security = RpcSecurity.load(security_config)  # before the model loads: a bad file fails at once
     step_thread = StepThread()  # the model loads where it will compute: one OpenMP team (step_thread.py)
     worker = step_thread.submit(Worker, model_config, cache_config, worker_config, parallel_config,
-                                build(parser, DisaggregationConfig, args), store_secret(security_config)).result()
+                                build(parser, DisaggregationConfig, args), store_secret(security_config),
+                                lora=lora).result()
     metrics = WorkerMetrics(ServiceMetrics.create("worker"), model_config.served_model_name or worker.info.model_id)
     metrics.watch_forward(worker.model, worker.device)
     endpoint = MetricsEndpoint.start(metrics.service.registry, serving.host, serving.metrics_port)

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh_kernels import cpu_decoder, cpu_fused_ops
+from kvmesh_kernels import cpu_decoder, cpu_fused_ops, cpu_lora
 from services.common.clients import WorkerInfo
-from services.common.config import (CacheConfig, DisaggregationConfig, ModelConfig, ParallelConfig, WorkerConfig,
-                                   default_cache_dir)
+from services.common.config import (CacheConfig, DisaggregationConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                                   WorkerConfig, default_cache_dir)
+from services.common.lora import check_adapter
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.attention import get_attention_backend
@@ -31,6 +32,8 @@ from services.worker.loader import load_model, resolve_model
 from services.worker.model_runner import ModelRunner
 from services.worker import native_decoder
 from services.worker.kv_transfer import KVTransferEndpoint
+from services.worker.lora.layers import SlotShape
+from services.worker.lora.manager import LoRAManager
 from services.worker.parallel_group import TensorParallelGroup
 
 
@@ -46,8 +49,11 @@ def gemm_dtype_layers(model: torch.nn.Module) -> list[BlockWeightHolder]:
 class Worker:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, worker_config: WorkerConfig,
                  parallel_config: ParallelConfig = ParallelConfig(),
-                 disaggregation: DisaggregationConfig = DisaggregationConfig(), secret: str | None = None) -> None:
-        """`secret`: the internal token, which guards the tensor-parallel and KV-transfer stores."""
+                 disaggregation: DisaggregationConfig = DisaggregationConfig(), secret: str | None = None, *,
+                 lora: LoRAConfig = LoRAConfig()) -> None:
+        """`secret`: the internal token, which guards the tensor-parallel and KV-transfer stores.
+        `lora`: with enable_lora, LoRA layers around the model's projections, and --lora-modules'
+        folders checked against the model (ValueError naming what is wrong)."""
         self.device = torch.device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, model_config.quantization, model_config.model, self.device)
         self.cache_config = cache_config
@@ -64,7 +70,12 @@ class Worker:
         if gguf_weights is not None and gemm_dtype != torch.float32:
             use_gemm_dtype(gemm_dtype_layers(self.model), gemm_dtype)
         self.backend = get_attention_backend(worker_config.attention_backend, self.device, cache_dir)
-        if self.device.type == "cpu" and cpu_decoder.available(cache_dir):
+        self.lora = self._enable_lora(lora) if lora.enable_lora else None
+        if self.lora is not None and self.device.type == "cpu":
+            cpu_lora.available(cache_dir)  # built once here; without a compiler the LoRA layers use torch's
+        # The native decoder runs the layers' base weights only: with LoRA on, the model goes layer by
+        # layer through the LoRA layers (the native path does not know LoRA).
+        if self.device.type == "cpu" and self.lora is None and cpu_decoder.available(cache_dir):
             native_decoder.enable(self.model)  # the CPU's small steps as one native call, where it can
         max_len = self.hf_config.max_position_embeddings
         if model_config.max_model_len is not None:
@@ -79,6 +90,13 @@ class Worker:
                                block_size=cache_config.block_size, rank=self.tp.rank, world_size=self.tp.size,
                                kv_transfer_endpoint=self.kv_transfer.endpoint_id if self.kv_transfer else "")
         self.runner: ModelRunner | None = None
+
+    def _enable_lora(self, lora: LoRAConfig) -> LoRAManager:
+        base_config = self.hf_config.to_dict()
+        for module in lora.lora_modules:  # a bad folder stops the worker now, not a request later
+            check_adapter(module.path, lora.max_lora_rank, base_config)
+        slots = SlotShape(lora.max_loras, lora.max_lora_rank, self.dtype, self.device)
+        return LoRAManager(self.model, slots, lora.cpu_loras, base_config)
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -97,7 +115,7 @@ class Worker:
     def initialize_cache(self, num_blocks: int, max_num_reqs: int) -> None:
         kv_caches = allocate_kv_caches(self.kv_cache_spec, num_blocks, self.device)
         self.runner = ModelRunner(self.model, kv_caches, self.backend, self.cache_config.block_size,
-                                  max_num_reqs, self.info.max_model_len, self.info.vocab_size, self.tp)
+                                  max_num_reqs, self.info.max_model_len, self.info.vocab_size, self.tp, self.lora)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_cache() first"

@@ -50,6 +50,7 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("run without TRITON_INTERPRET: the kernels must be compiled, not interpreted")
     from kvmesh_kernels.paged_attention import TILE_N, _paged_attention_kernel, _split_kv_reduce_kernel
+    from kvmesh_kernels.lora_triton import _lora_expand_kernel, _lora_shrink_kernel
     from kvmesh_kernels.reshape_and_cache import _reshape_and_cache_kernel
 
     # (dtype, num_splits, group, head_size, block_size, window, soft cap): each path and feature once.
@@ -76,6 +77,15 @@ def main() -> None:
     compile_kernel(_reshape_and_cache_kernel,
                    {"key_ptr": "*bf16", "value_ptr": "*bf16", "kv_cache_ptr": "*bf16", "slot_mapping_ptr": "*i64"},
                    dict(NUM_KV_HEADS=8, HEAD_SIZE=128, BLOCK_SIZE=16, BLOCK_T=4, HEADS_PAD=8, HEAD_PAD=128))
+    # LoRA: a decode batch (16-row programs) in bfloat16 and a prefill (64-row programs) in float32.
+    for dtype, block_m in (("bf16", 16), ("fp32", 64)):
+        lora_pointers = {"y_ptr": "*fp32", "x_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+                         "b_ptr": f"*{dtype}", "seg_indptr_ptr": "*i32", "seg_slots_ptr": "*i32"}
+        precision = "ieee" if dtype == "fp32" else "tf32"
+        compile_kernel(_lora_shrink_kernel, lora_pointers, dict(
+            BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=128, DOT_FP32=False, DOT_PRECISION=precision))
+        compile_kernel(_lora_expand_kernel, lora_pointers, dict(
+            BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=16, DOT_PRECISION=precision, ROUND_BF16=False))
 
 if __name__ == "__main__":
     main()

@@ -31,6 +31,7 @@ from services.common.engine_output import EngineCoreOutput, EngineCoreRequest, P
 from services.common.model_runner_output import ModelRunnerOutput, TokenLogprobs
 from services.common.rpc.kvmesh.v1 import common_pb2, engine_pb2, processor_pb2, worker_pb2
 from services.common.sampling_params import SamplingParams
+from services.common.lora import LoRARequest
 from services.common.scheduler_output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
 from services.common.structured_outputs import StructuredOutputs
 
@@ -122,7 +123,7 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.SchedulerOutpu
                 req_id=r.req_id, prompt_token_ids=r.prompt_token_ids, output_token_ids=r.output_token_ids,
                 sampling_params=sampling_params_to_proto(r.sampling_params),
                 stop_token_ids=sorted(r.stop_token_ids), block_ids=r.block_ids,
-                num_computed_tokens=r.num_computed_tokens)
+                num_computed_tokens=r.num_computed_tokens, lora_request=_lora_request_to_proto(r.lora_request))
             for r in out.scheduled_new_reqs
         ],
         scheduled_cached_reqs=worker_pb2.CachedRequests(
@@ -157,7 +158,9 @@ def scheduler_output_from_proto(m: worker_pb2.SchedulerOutput) -> SchedulerOutpu
                            output_token_ids=list(r.output_token_ids),
                            sampling_params=sampling_params_from_proto(r.sampling_params),
                            stop_token_ids=frozenset(r.stop_token_ids), block_ids=list(r.block_ids),
-                           num_computed_tokens=r.num_computed_tokens)
+                           num_computed_tokens=r.num_computed_tokens,
+                           lora_request=_lora_request_from_proto(r.lora_request) if r.HasField("lora_request")
+                           else None)
             for r in m.scheduled_new_reqs
         ],
         scheduled_cached_reqs=[
@@ -172,6 +175,16 @@ def scheduler_output_from_proto(m: worker_pb2.SchedulerOutput) -> SchedulerOutpu
         num_preempted=m.num_preempted,
         grammar_bitmask=GrammarBitmask(list(m.grammar_req_ids), m.grammar_bitmask) if m.grammar_req_ids else None,
     )
+
+
+def _lora_request_to_proto(lora: LoRARequest | None) -> worker_pb2.LoRARequest | None:
+    if lora is None:
+        return None
+    return worker_pb2.LoRARequest(lora_name=lora.lora_name, lora_int_id=lora.lora_int_id, lora_path=lora.lora_path)
+
+
+def _lora_request_from_proto(m: worker_pb2.LoRARequest) -> LoRARequest:
+    return LoRARequest(m.lora_name, m.lora_int_id, m.lora_path)  # ValueError for a bad one
 
 
 def model_runner_output_to_proto(out: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:
@@ -207,7 +220,7 @@ def engine_request_to_proto(r: EngineCoreRequest) -> engine_pb2.EngineRequest:
         request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
         sampling_params=sampling_params_to_proto(r.sampling_params), eos_token_ids=r.eos_token_ids,
         priority=r.priority, cache_salt=r.cache_salt, group_id=r.group_id,
-        prefill_engine_address=r.prefill_engine_address, tenant_id=r.tenant_id,
+        prefill_engine_address=r.prefill_engine_address, tenant_id=r.tenant_id, lora_name=r.lora_name,
     )
 
 
@@ -222,7 +235,7 @@ def engine_request_from_proto(m: engine_pb2.EngineRequest) -> EngineCoreRequest:
         priority=m.priority, cache_salt=m.cache_salt if m.HasField("cache_salt") else None,
         group_id=m.group_id if m.HasField("group_id") else None,
         prefill_engine_address=m.prefill_engine_address if m.HasField("prefill_engine_address") else None,
-        tenant_id=_tenant_id(m),
+        tenant_id=_tenant_id(m), lora_name=m.lora_name if m.HasField("lora_name") else None,
     )
 
 

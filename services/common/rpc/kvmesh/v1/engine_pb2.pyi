@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "priority", "cache_salt", "group_id", "prefill_engine_address", "tenant_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "priority", "cache_salt", "group_id", "prefill_engine_address", "tenant_id", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class EngineRequest(_message.Message):
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -27,7 +28,8 @@ class EngineRequest(_message.Message):
     group_id: str
     prefill_engine_address: str
     tenant_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., group_id: _Optional[str] = ..., prefill_engine_address: _Optional[str] = ..., tenant_id: _Optional[str] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., group_id: _Optional[str] = ..., prefill_engine_address: _Optional[str] = ..., tenant_id: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request", "receiver_endpoints", "first_block", "block_ids", "tag")

@@ -80,7 +80,7 @@ class InitializeCacheResponse(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
 class NewRequestData(_message.Message):
-    __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params", "stop_token_ids", "block_ids", "num_computed_tokens")
+    __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params", "stop_token_ids", "block_ids", "num_computed_tokens", "lora_request")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class NewRequestData(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_REQUEST_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -95,7 +96,18 @@ class NewRequestData(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
-    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+    lora_request: LoRARequest
+    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., lora_request: _Optional[_Union[LoRARequest, _Mapping]] = ...) -> None: ...
+
+class LoRARequest(_message.Message):
+    __slots__ = ("lora_name", "lora_int_id", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_INT_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_int_id: _Optional[int] = ..., lora_path: _Optional[str] = ...) -> None: ...
 
 class CachedRequests(_message.Message):
     __slots__ = ("req_ids", "num_computed_tokens", "num_new_blocks", "new_block_ids")

@@ -60,7 +60,9 @@ def add_flags(parser: argparse.ArgumentParser, config_class: type, env_prefix: s
     """A flag per field of `config_class` (or of those named by `only`, less `exclude`), in a group
     of its own. `defaults` replaces a field's default for this program (e.g. a service's port)."""
     group = parser.add_argument_group(config_class.__name__)
-    for f in _selected(config_class, only, exclude):
+    selected = _selected(config_class, only, exclude)
+    parser.__dict__.setdefault("kvmesh_configs", []).append((config_class, tuple(f.name for f in selected)))
+    for f in selected:
         meta = f.metadata
         kind, repeated = _value_type(config_class, f.name)
         parse = meta.get("parse") or (str if kind is Path else kind)
@@ -118,6 +120,11 @@ def build(parser: argparse.ArgumentParser, config_class: type[T], args: argparse
     except ValueError as exc:
         parser.error(str(exc))
         raise  # parser.error exits; for type checkers
+
+
+def configs_of(parser: argparse.ArgumentParser) -> list[tuple[type, tuple[str, ...]]]:
+    """The config classes `parser` has flags of (add_flags), each with the fields it took, in order."""
+    return list(parser.__dict__.get("kvmesh_configs", ()))
 
 
 def to_argv(config: object, *, only: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services.procs import PYTHON, REPO_ROOT, Serve, free_port, gateway_over
+from tests.services.procs import REPO_ROOT, Serve, free_port, gateway_command, gateway_over
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +38,8 @@ def serve(serve: Serve) -> Iterator[Serve]:
 def lonely_gateway() -> Iterator[int]:
     """A gateway whose processor address nobody listens on: its port."""
     port, dead = free_port(), free_port()
-    proc = subprocess.Popen([PYTHON, "-m", "services.cli", "gateway", "--processor-address", f"127.0.0.1:{dead}",
-                             "--served-model-name", "smollm2", "--api-key", API_KEY, "--root-path", ROOT_PATH,
-                             "--timeout", "1", "--port", str(port)],
+    proc = subprocess.Popen(gateway_command(processor_address=f"127.0.0.1:{dead}", served_model_name="smollm2",
+                                            api_key=API_KEY, root_path=ROOT_PATH, timeout=1, port=port),
                             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60

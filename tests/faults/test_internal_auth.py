@@ -20,7 +20,6 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +46,8 @@ from services.engine.client import GrpcEngineClient
 from services.processor.client import GrpcProcessorClient
 from services.worker.client import SESSION_METADATA_KEY, GrpcWorkerClient
 from services.worker.step_channel import HANDSHAKE_TIMEOUT, StepChannel
-from tests.services.procs import PYTHON, REPO_ROOT, ServiceProcess, free_port, grpc_health_status, start_service
+from tests.services.procs import PYTHON, REPO_ROOT, ServiceProcess, free_port, grpc_health_status
+from tests.services.procs import engine_command, running_stack, worker_command
 
 TOKEN = "the-internal-token-of-this-test"
 KV_BYTES = 64 * 2**20
@@ -79,18 +79,9 @@ def token_dir() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def stack(model_path: Path, token_dir: Path) -> Iterator[Stack]:
-    token_flag = ["--internal-token-file", str(token_dir / "token")]
-    ports = [free_port() for _ in range(3)]
-    with ExitStack() as exits:
-        worker = start_service([PYTHON, "-m", "services.worker.server", "--model", str(model_path), "--dtype", "float32",
-                                "--port", str(ports[0]), "--kv-cache-memory", str(KV_BYTES), *token_flag], ports[0])
-        exits.callback(worker.kill)
-        engine = start_service([PYTHON, "-m", "services.engine.server", "--worker-address", worker.address,
-                                "--port", str(ports[1]), *token_flag], ports[1])
-        exits.callback(engine.kill)
-        processor = start_service([PYTHON, "-m", "services.processor.server", "--model", str(model_path),
-                                   "--engine-address", engine.address, "--port", str(ports[2]), *token_flag], ports[2])
-        exits.callback(processor.kill)
+    token = {"internal_token_file": token_dir / "token"}
+    with running_stack(worker=dict(model=model_path, dtype="float32", kv_cache_memory=KV_BYTES, **token),
+                       engine=token, processor=dict(model=model_path, **token)) as (worker, engine, processor, _):
         yield Stack(worker, engine, processor, RpcSecurity(TOKEN))
 
 
@@ -158,9 +149,8 @@ def test_the_token_opens_every_service(stack: Stack):
 
 def test_an_empty_token_file_is_refused_at_start(tmp_path: Path):
     (tmp_path / "token").write_text("\n")
-    port = free_port()
-    result = subprocess.run([PYTHON, "-m", "services.engine.server", "--worker-address", f"127.0.0.1:{free_port()}",
-                             "--port", str(port), "--internal-token-file", str(tmp_path / "token")],
+    result = subprocess.run(engine_command(worker_address=f"127.0.0.1:{free_port()}", port=free_port(),
+                                           internal_token_file=tmp_path / "token"),
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "is empty" in result.stderr
 
@@ -366,11 +356,10 @@ def tls_worker(model_path: Path, token_dir: Path, certs: Path) -> Iterator[tuple
                             tls_server_name="kvmesh-internal")
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="kvmesh-tls-worker-", suffix=".log", delete=False)
-    proc = subprocess.Popen([PYTHON, "-m", "services.worker.server", "--model", str(model_path), "--dtype", "float32", "--port", str(port),
-                             "--kv-cache-memory", str(KV_BYTES), "--owner-lease", str(OWNER_LEASE),
-                             "--internal-token-file", str(config.internal_token_file),
-                             "--tls-cert-file", str(config.tls_cert_file), "--tls-key-file", str(config.tls_key_file),
-                             "--tls-ca-file", str(config.tls_ca_file)],
+    proc = subprocess.Popen(worker_command(model=model_path, dtype="float32", port=port, kv_cache_memory=KV_BYTES,
+                                           owner_lease=OWNER_LEASE, internal_token_file=config.internal_token_file,
+                                           tls_cert_file=config.tls_cert_file, tls_key_file=config.tls_key_file,
+                                           tls_ca_file=config.tls_ca_file),
                             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     worker = ServiceProcess(proc, port, Path(log.name))
     security = RpcSecurity.load(config)

@@ -38,7 +38,7 @@ from services.prefix_index.redis_index import RedisAccess, redis_acl_rule
 from services.processor.client import GrpcProcessorClient
 from services.processor.index_engines import AllowList
 from tests.redis_server import RedisServer
-from tests.services.procs import PYTHON, REPO_ROOT, ServiceProcess, free_port, start_service
+from tests.services.procs import REPO_ROOT, ServiceProcess, free_port, processor_command, running_stack, start_service
 
 pytestmark = pytest.mark.anyio
 
@@ -94,9 +94,10 @@ class SecuredRedis(RedisServer):
     def access(self) -> RedisAccess:
         return RedisAccess(self.url, USER, PASSWORD)
 
-    def flags(self) -> list[str]:
-        return ["--prefix-index", self.url, "--prefix-index-username", USER,
-                "--prefix-index-password-file", str(self.dir / "password")]
+    def fields(self) -> dict[str, object]:
+        """The prefix-index fields of a service that reaches this Redis as the ACL user."""
+        return {"prefix_index": self.url, "prefix_index_username": USER,
+                "prefix_index_password_file": self.dir / "password"}
 
     def admin(self) -> aioredis.Redis:
         return aioredis.Redis(port=self.port, password=ADMIN_PASSWORD)
@@ -160,15 +161,15 @@ async def test_a_wrong_password_fails_the_start_with_a_clear_message(redis_serve
     never the password; a missing password file names the file."""
     wrong = "not-the-password-of-this-test"
     (tmp_path / "wrong").write_text(wrong)
-    base = [PYTHON, "-m", "services.processor.server", "--engine-address", f"127.0.0.1:{free_port()}",
-            "--port", str(free_port()), "--metrics-port", "0", "--prefix-index", redis_server.url, "--prefix-index-username", USER]
-    refused = subprocess.run([*base, "--prefix-index-password-file", str(tmp_path / "wrong")], cwd=REPO_ROOT,
+    base = dict(engine_address=f"127.0.0.1:{free_port()}", port=free_port(), metrics_port=0,
+                prefix_index=redis_server.url, prefix_index_username=USER)
+    refused = subprocess.run(processor_command(**base, prefix_index_password_file=tmp_path / "wrong"), cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0
     assert "refused kvmesh's credentials" in refused.stderr, refused.stderr[-2000:]
     assert "invalid username-password pair" in refused.stderr  # Redis's own WRONGPASS reason
     assert wrong not in refused.stderr + refused.stdout
-    missing = subprocess.run([*base, "--prefix-index-password-file", str(tmp_path / "absent")], cwd=REPO_ROOT,
+    missing = subprocess.run(processor_command(**base, prefix_index_password_file=tmp_path / "absent"), cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0
     assert f"cannot read --prefix-index-password-file {tmp_path / 'absent'}" in missing.stderr, missing.stderr[-2000:]
@@ -217,18 +218,13 @@ def stack(model_path: Path) -> Iterator[Stack]:
         workdir = Path(exits.enter_context(tempfile.TemporaryDirectory(prefix="kvmesh-redis-trust-stack-")))
         redis = SecuredRedis()
         exits.callback(redis.close)
-        (workdir / "token").write_text(TOKEN + "\n")
-        token_flag = ["--internal-token-file", str(workdir / "token")]
-        ports = [free_port() for _ in range(2)]
-        worker = start_service([PYTHON, "-m", "services.worker.server", "--model", str(model_path), "--dtype",
-                                "float32", "--port", str(ports[0]), "--metrics-port", "0", "--kv-cache-memory", str(KV_BYTES), *token_flag],
-                               ports[0])
-        exits.callback(worker.kill)
-        engine = start_service([PYTHON, "-m", "services.engine.server", "--worker-address", worker.address,
-                                "--port", str(ports[1]), "--metrics-port", "0", "--heartbeat-ttl", str(HEARTBEAT_TTL), *redis.flags(),
-                                *token_flag], ports[1])
-        exits.callback(engine.kill)
-        yield Stack(redis, worker, engine, workdir / "token", RpcSecurity(TOKEN))
+        token = workdir / "token"
+        token.write_text(TOKEN + "\n")
+        worker, engine, _, _ = exits.enter_context(running_stack(
+            worker=dict(model=model_path, dtype="float32", metrics_port=0, kv_cache_memory=KV_BYTES,
+                        internal_token_file=token),
+            engine=dict(metrics_port=0, heartbeat_ttl=HEARTBEAT_TTL, internal_token_file=token, **redis.fields())))
+        yield Stack(redis, worker, engine, token, RpcSecurity(TOKEN))
 
 
 async def until(predicate, timeout: float, what: str) -> None:
@@ -351,11 +347,10 @@ async def test_the_processor_dials_only_vouched_engines(stack: Stack, model_path
     try:
         for fake in fakes:
             await forger.heartbeat(fake.address, 1, EngineLoad(0, 0, 1000, 0.0))  # idle: a router's favourite
-        processor = await asyncio.to_thread(start_service, [
-            PYTHON, "-m", "services.processor.server", "--model", str(model_path), "--port", str(port), "--metrics-port", "0",
-            "--engines-from-index", "--engine-allowed-address", stack.engine.address,
-            "--engine-allowed-address", allowed.address, "--routing", "least-load",
-            "--internal-token-file", str(stack.token_file), *stack.redis.flags()], port)
+        processor = await asyncio.to_thread(start_service, processor_command(
+            model=model_path, port=port, metrics_port=0, engines_from_index=True,
+            engine_allowed_address=[stack.engine.address, allowed.address], routing="least-load",
+            internal_token_file=stack.token_file, **stack.redis.fields()), port)
         client = GrpcProcessorClient(processor.address, timeout=30, stream_timeout=120, security=stack.security)
         try:
             for i in range(6):

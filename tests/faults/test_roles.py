@@ -15,7 +15,6 @@ import asyncio
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from services.processor.client import GrpcProcessorClient
 from services.worker.client import SESSION_METADATA_KEY
 from services.worker.step_channel import StepChannel
 from tests.faults.test_internal_auth import OPEN_METHODS, call_raw
-from tests.services.procs import PYTHON, ServiceProcess, free_port, grpc_health_status, start_service
+from tests.services.procs import ServiceProcess, free_port, grpc_health_status, running_stack
 
 pytestmark = pytest.mark.slow
 
@@ -69,25 +68,16 @@ def stack(model_path: Path, tmp_path_factory) -> Iterator[Stack]:
     for role in ROLES:
         (tokens / f"{role}-token").write_text(f"the-{role}-token-of-this-test\n")
 
-    def holds(*roles: str) -> list[str]:
-        return [arg for role in roles for arg in (f"--{role}-token-file", str(tokens / f"{role}-token"))]
+    def holds(*roles: str) -> dict[str, Path]:
+        return {f"{role}_token_file": tokens / f"{role}-token" for role in roles}
 
-    ports = [free_port() for _ in range(4)]
-    with ExitStack() as exits:
-        worker = start_service([PYTHON, "-m", "services.worker.server", "--model", str(model_path), "--dtype",
-                                "float32", "--port", str(ports[0]), "--kv-cache-memory", str(KV_BYTES),
-                                "--owner-lease", str(OWNER_LEASE), "--metrics-port", str(ports[3]),
-                                *holds(ENGINE)], ports[0])
-        exits.callback(worker.kill)
-        engine = start_service([PYTHON, "-m", "services.engine.server", "--worker-address", worker.address,
-                                "--port", str(ports[1]), *holds(PROCESSOR, ENGINE)], ports[1])
-        exits.callback(engine.kill)
-        processor = start_service([PYTHON, "-m", "services.processor.server", "--model", str(model_path),
-                                   "--engine-address", engine.address, "--port", str(ports[2]),
-                                   *holds(GATEWAY, PROCESSOR)], ports[2])
-        exits.callback(processor.kill)
+    metrics_port = free_port()
+    with running_stack(worker=dict(model=model_path, dtype="float32", kv_cache_memory=KV_BYTES, owner_lease=OWNER_LEASE,
+                                   metrics_port=metrics_port, **holds(ENGINE)),
+                       engine=holds(PROCESSOR, ENGINE),
+                       processor=dict(model=model_path, **holds(GATEWAY, PROCESSOR))) as (worker, engine, processor, _):
         credentials = {role: RpcSecurity((tokens / f"{role}-token").read_text().strip(), role=role) for role in ROLES}
-        yield Stack(worker, engine, processor, f"http://127.0.0.1:{ports[3]}/metrics", credentials)
+        yield Stack(worker, engine, processor, f"http://127.0.0.1:{metrics_port}/metrics", credentials)
 
 
 def refused_count(stack: Stack, reason: str) -> float:

@@ -17,7 +17,6 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack
 from pathlib import Path
 
 import httpx2 as httpx
@@ -30,7 +29,7 @@ from services.common.errors import EngineDeadError
 from services.common.metrics import fetch_page
 from services.common.sampling_params import SamplingParams
 from services.engine.client import GrpcEngineClient
-from tests.services.procs import PYTHON, free_port, grpc_health_status, start_service
+from tests.services.procs import grpc_health_status, running_stack
 from tests.services.procs import Serve, gone, serve_child_pid, serving, start_serve
 from tests.unit.test_metrics import samples
 
@@ -192,16 +191,9 @@ def test_serve_gives_up_after_max_restarts(model_path: Path):
 def engine_and_worker(model_path: Path) -> Iterator[tuple]:
     """Function-scoped: the test kills the worker. Liveness checked every 0.2 s with a 1 s timeout,
     and no cut of prefill chunks, so that a 2,000-token step runs far longer than that."""
-    with ExitStack() as exits:
-        ports = [free_port(), free_port()]
-        worker = start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path), "--dtype", "float32",
-                                "--port", str(ports[0]), "--kv-cache-memory", str(128 * 2**20)], ports[0])
-        exits.callback(worker.kill)
-        engine = start_service([PYTHON, "-m", "services.cli", "engine", "--worker-address", worker.address,
-                                "--port", str(ports[1]), "--worker-liveness-interval", "0.2",
-                                "--worker-liveness-timeout", "1", "--exit-grace", "0.5",
-                                "--target-step-seconds", "0"], ports[1])
-        exits.callback(engine.kill)
+    with running_stack(worker=dict(model=model_path, dtype="float32", kv_cache_memory=128 * 2**20),
+                       engine=dict(worker_liveness_interval=0.2, worker_liveness_timeout=1, exit_grace=0.5,
+                                   target_step_seconds=0)) as (worker, engine, _, _):
         yield worker, engine
 
 

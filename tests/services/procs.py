@@ -1,9 +1,14 @@
 """Start a service as a real subprocess on a free loopback port, wait until it is healthy, and
 never leave it behind.
 
-    with running_service(["python", "-m", "services.worker.server", "--port", str(port)], port) as worker:
+    with running_service(worker_command(model=model_path, port=port), port) as worker:
         ...                       # worker.address == "127.0.0.1:<port>"
     # the whole process group is SIGKILLed on the way out, whatever happened
+
+`worker_command(**fields)` (and engine_, processor_, gateway_command) is `kvmesh worker` with a flag
+for each config field given, spelled by to_argv as `kvmesh serve` spells its children's: a field the
+service has no flag for is a TypeError here, not a usage error in the child. `running_stack` starts
+a worker, its engine and, if asked, a processor and a gateway over them, each dialling the one before.
 
 `health="grpc"` polls the standard grpc.health.v1 Check until SERVING; `health="http"` polls an
 HTTP GET (default `/health`) until 200. A process that exits while starting fails at once with
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -25,19 +31,25 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import openai
 
 from services.common import processes
 from services.common.clients import EngineStats
 from services.common.config import SecurityConfig
+from services.common.flags import configs_of, to_argv
 # The tests take their probes from here.
 from services.common.processes import grpc_health_status, grpc_serving, http_ok  # noqa: F401
 from services.common.rpc.security import RpcSecurity
 from services.common.unix_socket import socket_path
+from services.engine import server as engine_server
 from services.engine.client import GrpcEngineClient
+from services.gateway import server as gateway_server
+from services.processor import server as processor_server
+from services.worker import server as worker_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -123,6 +135,76 @@ def running_service(cmd: Sequence[str], port: int, **kwargs) -> Iterator[Service
     finally:
         service.kill()
         service.log_path.unlink(missing_ok=True)
+
+
+# The configs each service's parser takes flags of (its build_parser), with the same selections.
+# Each service's parser (its flags are its configs' fields, services/common/flags.py add_flags).
+SERVICE_PARSERS = {"worker": worker_server.build_parser, "engine": engine_server.build_parser,
+                   "processor": processor_server.build_parser, "gateway": gateway_server.build_parser}
+
+
+def service_command(kind: str, *extra: str, **values: Any) -> list[str]:
+    """`kvmesh <kind>` with a flag for each of `values` (config fields: `kv_cache_memory=2**27`;
+    one value for a repeatable flag's field is one flag), then `extra` as written. The configs are
+    built, so a bad value fails here too."""
+    argv, left = [], dict(values)
+    for config_class, names in configs_of(SERVICE_PARSERS[kind]()):
+        given = {f.name: _field_value(f.default, left.pop(f.name)) for f in fields(config_class)
+                 if f.name in left and f.name in names}
+        if given:
+            argv += to_argv(config_class(**given), only=given)
+    if left:
+        raise TypeError(f"kvmesh {kind} has no flag for {', '.join(sorted(left))}")
+    return [PYTHON, "-m", "services.cli", kind, *argv, *extra]
+
+
+def _field_value(default: object, value: object) -> object:
+    """A single value (or a list) for a tuple field becomes a tuple."""
+    if isinstance(default, tuple) and not isinstance(value, tuple):
+        return tuple(value) if isinstance(value, list) else (value,)
+    return value
+
+
+worker_command = functools.partial(service_command, "worker")
+engine_command = functools.partial(service_command, "engine")
+processor_command = functools.partial(service_command, "processor")
+gateway_command = functools.partial(service_command, "gateway")
+
+
+@contextlib.contextmanager
+def running_kvmesh(kind: str, env: Mapping[str, str] | None = None, **values: Any) -> Iterator[ServiceProcess]:
+    """`kvmesh <kind>` with `values` (service_command) on a free port, once healthy; killed on the way out."""
+    port = free_port()
+    with running_service(service_command(kind, port=port, **values), port,
+                         health="http" if kind == "gateway" else "grpc", env=env) as service:
+        yield service
+
+
+class ServiceStack(NamedTuple):
+    """What running_stack started, in order (None: not asked for)."""
+
+    worker: ServiceProcess
+    engine: ServiceProcess
+    processor: ServiceProcess | None
+    gateway: ServiceProcess | None
+
+
+UPSTREAM = {"engine": "worker_address", "processor": "engine_address", "gateway": "processor_address"}
+
+
+@contextlib.contextmanager
+def running_stack(worker: Mapping[str, Any], engine: Mapping[str, Any], processor: Mapping[str, Any] | None = None,
+                  gateway: Mapping[str, Any] | None = None) -> Iterator[ServiceStack]:
+    """Each service given fields (running_kvmesh) started in order, dialling the one before it: a
+    worker, its engine, then a processor and a gateway if given theirs. All killed on the way out."""
+    assert processor is not None or gateway is None, "a gateway needs a processor"
+    with contextlib.ExitStack() as exits:
+        started: list[ServiceProcess] = []
+        for kind, values in zip(("worker", "engine", "processor", "gateway"), (worker, engine, processor, gateway)):
+            if values is not None:
+                upstream = {UPSTREAM[kind]: started[-1].address} if started else {}
+                started.append(exits.enter_context(running_kvmesh(kind, **upstream, **values)))
+        yield ServiceStack(*started, *[None] * (4 - len(started)))
 
 
 @dataclass
@@ -225,9 +307,9 @@ def gateway_over(serve: Serve, extra_args: Sequence[str] = ()) -> Iterator[Serve
     changes only gateway flags, in seconds instead of a whole stack. What it yields is `serve` seen
     through that gateway: its API, its pid under "gateway", its log."""
     port = free_port()
-    argv = [PYTHON, "-m", "services.cli", "gateway", "--processor-address", serve.services["processor"]["address"],
-            "--gateway-token-file", str(serve.token_file), "--served-model-name", SHARED_MODEL_NAME,
-            "--host", "127.0.0.1", "--port", str(port), *extra_args]
+    argv = gateway_command(*extra_args, processor_address=serve.services["processor"]["address"],
+                           gateway_token_file=serve.token_file, served_model_name=SHARED_MODEL_NAME,
+                           host="127.0.0.1", port=port)
     with running_service(argv, port, health="http", http_path="/health") as gateway:
         services = {**serve.services, "gateway": {"address": gateway.address, "pid": gateway.proc.pid,
                                                   "metrics": f"{gateway.url}/metrics"}}

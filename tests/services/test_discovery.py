@@ -37,7 +37,7 @@ from services.engine.client import GrpcEngineClient
 from services.processor import server as processor_server
 from services.processor.engine_set import EngineSet
 from tests.services.fake_kube import FakeKubeApi, endpoint, endpoint_slice
-from tests.services.procs import PYTHON, ServiceProcess, free_port, grpc_health_status, start_service
+from tests.services.procs import ServiceProcess, free_port, grpc_health_status, running_kvmesh
 
 pytestmark = pytest.mark.anyio
 
@@ -322,26 +322,18 @@ def stack(model_path: Path, tmp_path_factory) -> Iterator[Stack]:
     with FakeKubeApi() as api, ExitStack() as exits:
         env = {"KUBECONFIG": str(write_kubeconfig(tmp_path_factory.mktemp("kube"), api.url)),
                "KUBERNETES_SERVICE_HOST": ""}
-        ports = {name: free_port() for name in ("worker", "engine", "processor")}
-        worker = start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path), "--dtype", "float32",
-                                "--port", str(ports["worker"]), "--metrics-port", "0",
-                                "--kv-cache-memory", str(64 * 2**20)], ports["worker"])
-        exits.callback(worker.kill)
+        worker = exits.enter_context(running_kvmesh("worker", model=model_path, dtype="float32", metrics_port=0,
+                                                    kv_cache_memory=64 * 2**20))
         # The engine must pick its pair by hostname: worker-1 is on a port where nothing listens.
         api.apply(endpoint_slice("workers-y", "workers", [endpoint("127.0.0.1", True, "kvmesh-worker-1")],
                                  ports={"grpc": free_port()}))
         api.apply(endpoint_slice("workers-x", "workers", [endpoint("127.0.0.1", True, "kvmesh-worker-0")],
-                                 ports={"grpc": ports["worker"]}))
-        engine = start_service([PYTHON, "-m", "services.cli", "engine", "--worker-service", "workers",
-                                "--worker-hostname", "kvmesh-worker-0", "--namespace", "test",
-                                "--port", str(ports["engine"]), "--metrics-port", "0"], ports["engine"], env=env)
-        exits.callback(engine.kill)
-        api.apply(engine_slice(True, ports["engine"]))
-        processor = start_service([PYTHON, "-m", "services.cli", "processor", "--model", str(model_path),
-                                   "--engine-service", "engines", "--namespace", "test",
-                                   "--port", str(ports["processor"]), "--metrics-port", "0", "--engine-timeout", "2"],
-                                  ports["processor"], env=env)
-        exits.callback(processor.kill)
+                                 ports={"grpc": worker.port}))
+        engine = exits.enter_context(running_kvmesh("engine", env, worker_service="workers", namespace="test",
+                                                    worker_hostname="kvmesh-worker-0", metrics_port=0))
+        api.apply(engine_slice(True, engine.port))
+        processor = exits.enter_context(running_kvmesh("processor", env, model=model_path, engine_service="engines",
+                                                       namespace="test", metrics_port=0, engine_timeout=2))
         yield Stack(api, engine, processor)
 
 

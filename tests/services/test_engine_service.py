@@ -9,8 +9,8 @@ import gc
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -21,7 +21,7 @@ from services import LLM, SamplingParams
 from services.common.engine_output import EngineCoreRequest
 from services.common.errors import EngineDeadError
 from services.engine.client import GrpcEngineClient
-from tests.services.procs import PYTHON, ServiceProcess, free_port, grpc_health_status, start_service
+from tests.services.procs import ServiceStack as Stack, grpc_health_status, running_stack
 
 KV_BYTES = 64 * 2**20
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time, in a small village by the sea,",
@@ -30,21 +30,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12)
 ENDLESS = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
 
 
-@dataclass
-class Stack:
-    worker: ServiceProcess
-    engine: ServiceProcess
-
-
-def start_stack(model_path: Path, exits: ExitStack, engine_args: tuple[str, ...] = ()) -> Stack:
-    worker_port, engine_port = free_port(), free_port()
-    worker = start_service([PYTHON, "-m", "services.worker.server", "--model", str(model_path), "--dtype", "float32",
-                            "--port", str(worker_port), "--kv-cache-memory", str(KV_BYTES)], worker_port)
-    exits.callback(worker.kill)
-    engine = start_service([PYTHON, "-m", "services.engine.server", "--worker-address", worker.address,
-                            "--port", str(engine_port), "--max-num-batched-tokens", "64", *engine_args], engine_port)
-    exits.callback(engine.kill)
-    return Stack(worker, engine)
+def start_stack(model_path: Path, exits: ExitStack, **engine: Any) -> Stack:
+    return exits.enter_context(running_stack(worker=dict(model=model_path, dtype="float32", kv_cache_memory=KV_BYTES),
+                                             engine=dict(max_num_batched_tokens=64, **engine)))
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +160,7 @@ def test_killed_worker_fails_streams_health_and_new_requests_fast(model_path: Pa
     """Then, after its --exit-grace (long here, to look at the dead engine), the engine exits 1."""
     requests = engine_requests(offline, ENDLESS, "doomed-")[:2]
     with ExitStack() as exits:
-        stack = start_stack(model_path, exits, ("--exit-grace", "5"))
+        stack = start_stack(model_path, exits, exit_grace=5)
 
         async def main():
             client = GrpcEngineClient(stack.engine.address, timeout=5)

@@ -12,7 +12,6 @@ import hashlib
 import json
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from services.gateway.auth import ANONYMOUS, PUBLIC_PATHS, APIKeyMiddleware, Ten
 from services.processor.async_processor import AsyncProcessor
 from services.processor.processor import Processor
 from services.processor.tokenizer import load_tokenizer
-from tests.services.procs import free_port, running_service
+from tests.services.procs import free_port, gateway_command, running_service
 from tests.unit.test_gateway import MAX_MODEL_LEN, MODEL, ScriptedEngine
 
 KEYS = ["sk-first-key", "sk-second-key"]
@@ -180,8 +179,7 @@ def test_a_key_file_is_read_at_start_and_an_empty_one_is_refused(tmp_path: Path)
     keys.write_text("# mounted from a Secret\nsk-from-file\n\n")
     assert api_keys_from(["c"], {}, keys) == ["c", "sk-from-file"]
     port = free_port()
-    with running_service([sys.executable, "-m", "services.cli", "gateway", "--processor-address",
-                          f"127.0.0.1:{free_port()}", "--port", str(port), "--api-key-file", str(keys)],
+    with running_service(gateway_command(processor_address=f"127.0.0.1:{free_port()}", port=port, api_key_file=keys),
                          port, health="http", http_path="/version"):
         assert_401(raw_request(port, "GET", "/v1/models"), "no key")
         assert_401(raw_request(port, "GET", "/v1/models", {"Authorization": "Bearer sk-other"}), "wrong key")
@@ -191,8 +189,7 @@ def test_a_key_file_is_read_at_start_and_an_empty_one_is_refused(tmp_path: Path)
     empty.write_text("\n# no key here\n")
     with pytest.raises(ValueError, match="holds no key"):
         api_keys_from(None, {}, empty)
-    result = subprocess.run([sys.executable, "-m", "services.cli", "gateway", "--api-key-file", str(empty)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(gateway_command(api_key_file=empty), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--api-key-file" in result.stderr and "holds no key" in result.stderr
 
 

@@ -16,7 +16,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import ExitStack, aclosing
+from contextlib import aclosing
 from pathlib import Path
 
 import pytest
@@ -38,7 +38,7 @@ from services.engine.metrics import EngineLabels, PublisherMetrics
 from services.engine.server import EngineServiceArgs, engine_identity, start_engine
 from services.prefix_index import RedisPrefixIndex
 from tests.redis_server import RedisServer
-from tests.services.procs import PYTHON, free_port, start_service
+from tests.services.procs import running_stack
 from tests.unit.test_async_engine import ScriptedWorker, until
 
 pytestmark = pytest.mark.anyio
@@ -305,15 +305,9 @@ def test_the_engine_service_publishes_names_itself_and_clears_itself_at_sigterm(
                                                                                  redis_server: RedisServer):
     namespace = f"t{uuid.uuid4().hex[:8]}"
     tokens = prompt(7, 80)  # 5 blocks of 16
-    with ExitStack() as exits:
-        worker_port, engine_port = free_port(), free_port()
-        worker = start_service([PYTHON, "-m", "services.worker.server", "--model", str(model_path), "--dtype", "float32",
-                                "--port", str(worker_port), "--kv-cache-memory", str(32 * 2**20)], worker_port)
-        exits.callback(worker.kill)
-        engine = start_service([PYTHON, "-m", "services.engine.server", "--worker-address", worker.address,
-                                "--port", str(engine_port), "--prefix-index", redis_server.url,
-                                "--prefix-index-namespace", namespace, "--heartbeat-ttl", "3"], engine_port)
-        exits.callback(engine.kill)
+    with running_stack(worker=dict(model=model_path, dtype="float32", kv_cache_memory=32 * 2**20),
+                       engine=dict(prefix_index=redis_server.url, prefix_index_namespace=namespace,
+                                   heartbeat_ttl=3)) as (_, engine, _, _):
 
         async def main():
             client = GrpcEngineClient(engine.address, timeout=10)
@@ -330,7 +324,7 @@ def test_the_engine_service_publishes_names_itself_and_clears_itself_at_sigterm(
                 await index.close()
 
         info, engines = asyncio.run(main())
-        assert info.engine_id == f"127.0.0.1:{engine_port}"
+        assert info.engine_id == engine.address
         assert abs(info.epoch - time.time_ns()) < 300 * 10**9  # its start time, in ns
         assert engines[info.engine_id].epoch == info.epoch and engines[info.engine_id].load is not None
         assert engine.terminate(timeout=15) == 0, engine.log()

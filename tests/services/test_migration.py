@@ -21,7 +21,7 @@ from services.engine.client import GrpcEngineClient
 from services.processor.async_processor import AsyncProcessor
 from services.processor.engine_set import EngineSet
 from services.processor.processor import Processor
-from tests.services.procs import PYTHON, ServiceProcess, free_port, start_service
+from tests.services.procs import ServiceProcess, engine_command, free_port, start_service, worker_command
 
 pytestmark = pytest.mark.anyio
 
@@ -46,11 +46,9 @@ class Pair:
 
     def start(self) -> None:
         worker_port, engine_port = free_port(), free_port()
-        self.worker = start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(self.model_path), "--dtype", "float32",
-                                     "--port", str(worker_port), "--kv-cache-memory", str(KV_BYTES),
-                                     "--max-model-len", str(MAX_MODEL_LEN)], worker_port)
-        self.engine = start_service([PYTHON, "-m", "services.cli", "engine", "--worker-address", self.worker.address,
-                                     "--port", str(engine_port)], engine_port)
+        self.worker = start_service(worker_command(model=self.model_path, dtype="float32", port=worker_port,
+                                                   kv_cache_memory=KV_BYTES, max_model_len=MAX_MODEL_LEN), worker_port)
+        self.engine = start_service(engine_command(worker_address=self.worker.address, port=engine_port), engine_port)
 
     def running(self) -> bool:
         return all(p is not None and p.proc.poll() is None for p in (self.worker, self.engine))

@@ -9,7 +9,6 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import httpx2 as httpx
@@ -21,7 +20,7 @@ from services.engine.client import GrpcEngineClient
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.request import RequestStatus
 from services.engine.scheduler import Scheduler
-from tests.services.procs import PYTHON, ServiceProcess, free_port, start_service
+from tests.services.procs import ServiceStack, running_stack
 from tests.unit.test_scheduler import BLOCK, make_request, step
 
 KV_BYTES = 64 * 2**20
@@ -31,26 +30,11 @@ SLOW = {"prompt": "Tell me a long story about the sea.", "max_tokens": MAX_TOKEN
 
 
 @pytest.fixture(scope="module")
-def stack(model_path: Path) -> Iterator[dict[str, ServiceProcess]]:
-    with ExitStack() as exits:
-        ports = {name: free_port() for name in ("worker", "engine", "processor", "gateway")}
-        argv = {
-            "worker": ["--model", str(model_path), "--dtype", "float32", "--kv-cache-memory", str(KV_BYTES), "--max-num-seqs", "1"],
-            "engine": ["--max-num-seqs", "1", "--max-num-waiting", "1"],
-            "processor": ["--model", str(model_path), "--served-model-name", "smollm2"],
-            "gateway": ["--served-model-name", "smollm2"],
-        }
-        upstream = {"engine": "--worker-address", "processor": "--engine-address", "gateway": "--processor-address"}
-        services: dict[str, ServiceProcess] = {}
-        previous = None
-        for name, service_argv in argv.items():
-            if previous is not None:
-                service_argv = [*service_argv, upstream[name], services[previous].address]
-            services[name] = start_service([PYTHON, "-m", "services.cli", name, *service_argv, "--port",
-                                            str(ports[name])], ports[name],
-                                           health="http" if name == "gateway" else "grpc")
-            exits.callback(services[name].kill)
-            previous = name
+def stack(model_path: Path) -> Iterator[ServiceStack]:
+    with running_stack(worker=dict(model=model_path, dtype="float32", kv_cache_memory=KV_BYTES, max_num_seqs=1),
+                       engine=dict(max_num_seqs=1, max_num_waiting=1),
+                       processor=dict(model=model_path, served_model_name="smollm2"),
+                       gateway=dict(served_model_name="smollm2")) as services:
         yield services
 
 
@@ -64,7 +48,7 @@ async def engine_stats(address: str) -> EngineStats:
 
 def test_a_full_engine_answers_503_with_retry_after_and_drains(stack):
     async def main() -> None:
-        async with httpx.AsyncClient(base_url=stack["gateway"].url, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=stack.gateway.url, timeout=120) as client:
             replies = await asyncio.gather(*(client.post("/v1/completions", json={**SLOW, "stream": i % 2 == 1})
                                              for i in range(10)))
             statuses = sorted(r.status_code for r in replies)
@@ -85,13 +69,13 @@ def test_a_full_engine_answers_503_with_retry_after_and_drains(stack):
 
             deadline = time.monotonic() + 15
             while True:
-                stats = await engine_stats(stack["engine"].address)
+                stats = await engine_stats(stack.engine.address)
                 if stats.num_running == stats.num_waiting == stats.num_used_blocks == 0:
                     break
                 assert time.monotonic() < deadline, f"the engine still holds requests: {stats}"
                 await asyncio.sleep(0.1)
         # Nothing is stuck: the next request is served (on a new connection: uvicorn closes idle ones).
-        async with httpx.AsyncClient(base_url=stack["gateway"].url, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=stack.gateway.url, timeout=120) as client:
             r = await client.post("/v1/completions", json={**SLOW, "max_tokens": 2})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 

@@ -11,12 +11,11 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import anyio
-import pytest
 
 from services.common.clients import GenerateRequest
 from services.common.sampling_params import SamplingParams
 from services.processor.client import GrpcProcessorClient
-from tests.services.procs import PYTHON, free_port, start_service
+from tests.services.procs import free_port, running_kvmesh, running_stack
 
 KV_BYTES = 32 * 2**20
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 8
@@ -34,21 +33,12 @@ def metric(page: str, name: str, **labels: str) -> float:
 
 def test_a_processor_over_two_engines_follows_the_prefix(model_path: Path):
     with ExitStack() as exits:
-        engines = []
-        for _ in range(2):
-            worker_port, engine_port = free_port(), free_port()
-            worker = start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path), "--dtype", "float32", "--port",
-                                    str(worker_port), "--kv-cache-memory", str(KV_BYTES)], worker_port)
-            exits.callback(worker.kill)
-            engine = start_service([PYTHON, "-m", "services.cli", "engine", "--worker-address", worker.address,
-                                    "--port", str(engine_port)], engine_port)
-            exits.callback(engine.kill)
-            engines.append(engine)
-        port, metrics_port = free_port(), free_port()
-        processor = start_service([PYTHON, "-m", "services.cli", "processor", "--model", str(model_path),
-                                   "--engine-address", engines[0].address, "--engine-address", engines[1].address,
-                                   "--port", str(port), "--metrics-port", str(metrics_port)], port)
-        exits.callback(processor.kill)
+        engines = [exits.enter_context(running_stack(worker=dict(model=model_path, dtype="float32",
+                                                                 kv_cache_memory=KV_BYTES), engine={})).engine
+                   for _ in range(2)]
+        metrics_port = free_port()
+        processor = exits.enter_context(running_kvmesh("processor", model=model_path, metrics_port=metrics_port,
+                                                       engine_address=[e.address for e in engines]))
 
         async def ask(request_id: str, question: str) -> int:
             client = GrpcProcessorClient(processor.address, timeout=30)

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import openai
@@ -21,16 +22,14 @@ from services.engine.engine_core import EngineCore
 from services.engine.executor import GroupWorkerClient
 from services.worker.client import GrpcWorkerClient
 from tests.services.procs import (
-    PYTHON,
     SHARED_MAX_MODEL_LEN,
     Serve,
     ServiceProcess,
     child_processes,
     client_for,
-    free_port,
     gone,
     http_ok,
-    running_service,
+    running_kvmesh,
     serve_child_pid,
     serving,
 )
@@ -40,22 +39,16 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-def worker_flags(model_path: Path, kv_cache_memory: str) -> list[str]:
+def running_worker(model_path: Path, kv_cache_memory: int) -> AbstractContextManager[ServiceProcess]:
     # --owner-lease 0: a new engine session may take a worker over as soon as the last one let go.
-    return ["--model", str(model_path), "--dtype", "float32", "--max-model-len", str(SHARED_MAX_MODEL_LEN),
-            "--kv-cache-memory", kv_cache_memory, "--owner-lease", "0"]
-
-
-def worker_cmd(model_path: Path, port: int, kv_cache_memory: str) -> list[str]:
-    return [PYTHON, "-m", "services.cli", "worker", *worker_flags(model_path, kv_cache_memory), "--port", str(port)]
+    return running_kvmesh("worker", model=model_path, dtype="float32", max_model_len=SHARED_MAX_MODEL_LEN,
+                          kv_cache_memory=kv_cache_memory, owner_lease=0)
 
 
 @pytest.fixture(scope="module")
 def two_workers(model_path: Path) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     """Two workers of size 1 with KV caches of different sizes."""
-    a_port, b_port = free_port(), free_port()
-    with running_service(worker_cmd(model_path, a_port, "32MiB"), a_port) as a, \
-            running_service(worker_cmd(model_path, b_port, "16MiB"), b_port) as b:
+    with running_worker(model_path, 32 * 2**20) as a, running_worker(model_path, 16 * 2**20) as b:
         yield a, b
 
 

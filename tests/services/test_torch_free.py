@@ -12,9 +12,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-import pytest
-
-from tests.services.procs import PYTHON, REPO_ROOT, free_port, running_service
+from tests.services.procs import PYTHON, REPO_ROOT, free_port, gateway_command, processor_command, running_service
 
 PROCESSOR_CORE = """
 import json, sys
@@ -80,10 +78,8 @@ def test_processor_and_gateway_processes_map_no_libtorch(tmp_path: Path) -> None
     # loaded (it then waits for the engine), which is when it would have loaded torch.
     with socket.create_server(("127.0.0.1", 0)) as engine:
         engine.settimeout(240)
-        processor_port = free_port()
-        cmd = [PYTHON, "-m", "services.cli", "processor", "--engine-address",
-               f"127.0.0.1:{engine.getsockname()[1]}", "--port", str(processor_port),
-               "--cache-dir", str(tmp_path), "--metrics-port", "0"]
+        cmd = processor_command(engine_address=f"127.0.0.1:{engine.getsockname()[1]}", port=free_port(),
+                                cache_dir=tmp_path, metrics_port=0)
         processor = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
         try:
@@ -96,7 +92,6 @@ def test_processor_and_gateway_processes_map_no_libtorch(tmp_path: Path) -> None
             processor.kill()
             processor.wait()
     gateway_port = free_port()
-    with running_service([PYTHON, "-m", "services.cli", "gateway", "--processor-address",
-                          f"127.0.0.1:{free_port()}", "--port", str(gateway_port)],
+    with running_service(gateway_command(processor_address=f"127.0.0.1:{free_port()}", port=gateway_port),
                          gateway_port, health="http", http_path="/version") as gateway:
         assert torch_libraries(gateway.proc.pid) == set()

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
 import httpx2 as httpx
-import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tests.services.procs import PYTHON, free_port, grpc_health_status, start_service
+from tests.services.procs import grpc_health_status, running_stack
 
 KV_BYTES = 128 * 2**20
 ENDLESS = {"prompt": "Tell me a long story.", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
@@ -31,22 +29,9 @@ def assert_5xx_openai_error(response: httpx.Response) -> None:
 
 def test_killed_worker_fails_requests_and_health_at_once(model_path: Path):
     """Also: the processor registers health and reflection, and its health follows its engine's."""
-    with ExitStack() as exits:
-        ports = {name: free_port() for name in ("worker", "engine", "processor", "gateway")}
-        worker = start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path), "--dtype", "float32",
-                                "--port", str(ports["worker"]), "--kv-cache-memory", str(KV_BYTES)], ports["worker"])
-        exits.callback(worker.kill)
-        engine = start_service([PYTHON, "-m", "services.cli", "engine", "--worker-address", worker.address,
-                                "--port", str(ports["engine"])], ports["engine"])
-        exits.callback(engine.kill)
-        processor = start_service([PYTHON, "-m", "services.cli", "processor", "--model", str(model_path),
-                                   "--served-model-name", "smollm2", "--engine-address", engine.address, "--port", str(ports["processor"])],
-                                  ports["processor"])
-        exits.callback(processor.kill)
-        gateway = start_service([PYTHON, "-m", "services.cli", "gateway", "--processor-address", processor.address,
-                                 "--served-model-name", "smollm2", "--port", str(ports["gateway"])],
-                                ports["gateway"], health="http")
-        exits.callback(gateway.kill)
+    with running_stack(worker=dict(model=model_path, dtype="float32", kv_cache_memory=KV_BYTES), engine={},
+                       processor=dict(model=model_path, served_model_name="smollm2"),
+                       gateway=dict(served_model_name="smollm2")) as (worker, engine, processor, gateway):
 
         assert grpc_health_status(processor.address, service=PROCESSOR) == health_pb2.HealthCheckResponse.SERVING
         with grpc.insecure_channel(processor.address) as channel:

@@ -27,7 +27,7 @@ from services.common.config import (
     ServingConfig,
     WorkerConfig,
 )
-from services.common.flags import add_flags, build, to_argv
+from services.common.flags import add_flags, build, configs_of, to_argv
 from services.engine import server as engine_server
 from services.gateway import server as gateway_server
 from services.processor import server as processor_server
@@ -110,6 +110,16 @@ def test_a_bad_environment_value_is_a_usage_error():
 def test_sizes_read_as_memory_sizes():
     assert parse(CacheConfig, ["--kv-cache-memory", "1.5GiB"]).kv_cache_memory == 3 * 2**29
     assert parse(CacheConfig, ["--kv-cache-memory", "128M"]).kv_cache_memory == 2**27
+
+
+def test_a_parser_names_the_configs_it_has_flags_of_with_their_fields():
+    """What the tests' command builder (tests/services/procs.py) reads to spell a service's flags."""
+    parser = argparse.ArgumentParser()
+    add_flags(parser, ModelConfig, None, only=["model", "dtype"])
+    add_flags(parser, CacheConfig, None, exclude=["kv_cache_memory"])
+    assert configs_of(parser) == [(ModelConfig, ("model", "dtype")),
+                                  (CacheConfig, tuple(f.name for f in fields(CacheConfig) if f.name != "kv_cache_memory"))]
+    assert configs_of(argparse.ArgumentParser()) == []
 
 
 def test_serve_hands_each_child_exactly_its_configs():

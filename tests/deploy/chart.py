@@ -4,6 +4,7 @@ binary, no cluster, no network), as `helm template` would."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,26 @@ def example_values(example: str) -> dict[str, Any]:
     return {} if name is None else helm.values_from_yaml((CHART_DIR / name).read_text())
 
 
-def render(values: dict[str, Any] | None = None) -> dict[str, str]:
+# Rendered charts by their values' JSON: a render takes about half a second, and the examples are
+# rendered by many tests.
+_RENDERED: dict[str, dict[str, str]] = {}
+
+
+def render(values: dict[str, Any] | None = None, *, fresh: bool = False) -> dict[str, str]:
     """Template path (relative to the chart) -> rendered text, for the templates that render
     something. Raises helm.HelmValuesError when the values break the schema, helm.HelmRenderError
-    when a template fails."""
+    when a template fails. The same values give the first render's output (generated tokens
+    included) unless `fresh`."""
+    key = json.dumps(values or {}, sort_keys=True)
+    if not fresh and key in _RENDERED:
+        return dict(_RENDERED[key])
+    _RENDERED[key] = _render(values or {})
+    return dict(_RENDERED[key])
+
+
+def _render(values: dict[str, Any]) -> dict[str, str]:
     with helm.Chart.load(CHART_DIR) as chart:
-        rendered = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+        rendered = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
     prefix = f"{chart_name()}/"
     out = {}
     for path, text in rendered.items():

@@ -879,7 +879,7 @@ def test_a_token_seed_gives_the_same_role_tokens_on_every_render() -> None:
     seed = {"internalAuth": {"tokenSeed": "s" * 40}}
 
     def tokens(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        return {o["metadata"]["name"]: o for o in objects(render(values))
+        return {o["metadata"]["name"]: o for o in objects(render(values, fresh=True))
                 if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-token")}
 
     first, second = tokens(seed), tokens(seed)

@@ -10,10 +10,10 @@ to both at once (a small fan-out executor, as the engine's does) and reads rank 
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors import safe_open
 
 from services.common.config import (CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, WorkerConfig,
                                     default_cache_dir)
@@ -36,9 +37,10 @@ from services.worker.gguf_weights import gguf_weights_for
 from services.worker.loader import load_model
 from services.worker.parallel_group import TensorParallelGroup, free_loopback_address
 from services.worker.worker import Worker
+from tests.model.families import Family, random_prompts
 from tests.model.hf_reference import HFReference
 from tests.model.prompts import conversations, long_text, raw_prompts
-from tests.services.procs import PYTHON, ServiceProcess, free_port, start_service
+from tests.services.procs import ServiceProcess, free_port, start_service, worker_command
 
 pytestmark = pytest.mark.slow  # torch.distributed groups of worker processes
 
@@ -99,10 +101,9 @@ def start_group(model_path: Path, size: int, kv_bytes: int, timeout: float,
 
     def start(rank: int) -> ServiceProcess:
         port = free_port()
-        return start_service([PYTHON, "-m", "services.cli", "worker", "--model", str(model_path), "--dtype", "float32", "--port", str(port),
-                              "--kv-cache-memory", str(kv_bytes), "--tensor-parallel-size", str(size),
-                              "--rank", str(rank), "--distributed-address", address,
-                              "--distributed-timeout", str(timeout), "--attention-backend", attention_backend],
+        return start_service(worker_command(model=model_path, dtype="float32", port=port, kv_cache_memory=kv_bytes,
+                                            tensor_parallel_size=size, rank=rank, distributed_address=address,
+                                            distributed_timeout=timeout, attention_backend=attention_backend),
                              port, env=env)
 
     with ThreadPoolExecutor(size) as pool:
@@ -132,12 +133,15 @@ def prompts(model_path: Path) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    # Every length class of the equivalence prompts once (tests/model/test_hf_equivalence.py runs them
+    # all at TP=1): 1, 12, 268 and 1,394 tokens (the longest, whose room in the KV cache leaves too
+    # little for the others: preemption), two chats (39 and 245 tokens).
     chats = [apply_chat_template(tokenizer, c) for c in conversations()]
-    raws = [tokenizer.encode(p) for p in raw_prompts()]
+    raws = sorted((tokenizer.encode(p) for p in raw_prompts()), key=len)
     prefix = tokenizer.encode(long_text(9))[:300]  # two prompts that share 18 full blocks: a prefix hit
     shared = [prefix + tokenizer.encode(" Question one: what is this about?"),
               prefix + tokenizer.encode(" Question two: who wrote it?")]
-    return chats + raws + shared
+    return [chats[0], chats[-1], raws[0], raws[len(raws) // 2], raws[-3], raws[-1], *shared]
 
 
 def preempting_num_blocks(prompts: list[list[int]]) -> int:
@@ -204,43 +208,50 @@ def test_tp2_matches_tp1_and_hugging_face(model_path: Path, prompts: list[list[i
     assert sum(o.num_cached_tokens for o in outputs) > 0, "no prefix hit"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_every_attention_backend_takes_sharded_heads(model_path: Path, prompts: list[list[int]],
-                                                     tp1_outputs: list[Generated], backend: str):
-    """The run above uses the `cpu` backend; the others, on a few prompts, chunked. Triton runs under
-    its interpreter on a CPU, a few seconds a step: one short prompt in 16-token chunks, fewer tokens."""
-    triton = backend == "triton"
-    picked = [0] if triton else [0, len(prompts) - 1]
-    length = 4 if triton else MAX_NEW_TOKENS
-    budget = 16 if triton else 128
-    assert len(prompts[picked[-1]]) > budget, "the prompt must be chunked"
+def test_every_attention_backend_takes_sharded_heads(model_families: dict[str, Family], backend: str):
+    """The run above uses the `cpu` backend; the others on a tiny Mistral (tests/model/families.py:
+    4 query heads over 2 KV heads, one of each pair per rank, a 16-token window the long prompt
+    crosses), its prompts prefilled in 16-token chunks: Triton's interpreter runs each kernel's
+    programs in Python, seconds a step on the default model."""
+    family = model_families["mistral"]
+    prompts = random_prompts((5, 40), seed=3)
     with ExitStack() as exits:
-        ranks = start_group(model_path, 2, 64 * RANK0_BLOCK_BYTES, 30.0, backend)
+        ranks = start_group(family.path, 2, 64 * family.block_bytes, 30.0, backend)
         for rank in ranks:
             exits.callback(rank.kill)
         executor = FanOutExecutor([GrpcWorkerClient(r.address) for r in ranks])
         exits.callback(executor.close)
-        outputs = generate(executor.engine(replace(SCHEDULER, max_num_batched_tokens=budget)),
-                           [prompts[i] for i in picked], replace(GREEDY, max_tokens=length))
-    partings = sum(compare_to_reference(ours, tp1_outputs[i].token_ids, tp1_outputs[i].logprobs, f"{backend}: prompt {i}",
-                                        length=length)
-                   for i, ours in zip(picked, outputs))
-    print(f"{backend}: {len(picked)} prompts, {partings} near-tie partings")
-    assert partings <= 1, f"{partings} partings in {len(picked)} prompts: more than float noise"
+        outputs = generate(executor.engine(replace(SCHEDULER, max_num_batched_tokens=16)), prompts)
+    partings = 0
+    for i, (prompt, ours) in enumerate(zip(prompts, outputs)):
+        ref = family.reference(prompt, ours.token_ids)
+        partings += compare_to_reference(ours, ref.token_ids, ref.logprobs, f"{backend}: prompt {i}",
+                                         teacher_forced=True)
+    print(f"{backend}: {len(prompts)} prompts, {partings} near-tie partings")
+    assert partings <= 1, f"{partings} partings in {len(prompts)} prompts: more than float noise"
 
 
 # --- the shards each rank holds ---------------------------------------------------------------------
 
 
 def _load_rank(rank: int, size: int, address: str, model_path: str, results: dict) -> None:
-    """In a spawned process: join the group, load this rank's shards, report shapes and memory."""
+    """In a spawned process: join the group and load this rank's shards as floats from the converted
+    folder (their shapes, the memory they took), then kept in the GGUF file's blocks (how many
+    weights stay in blocks, and whether each equals its float shard bit for bit)."""
     torch.set_num_threads(1)
     before = _anon_rss()
     tp = TensorParallelGroup.create(ParallelConfig(size, rank, address, 30.0), torch.device("cpu"))
-    model, _ = load_model(Path(model_path), torch.float32, torch.device("cpu"), tp)
-    results[rank] = ({n: tuple(p.shape) for n, p in model.named_parameters()}, _anon_rss() - before,
-                     sum(p.numel() * p.element_size() for p in model.parameters()))
+    cpu = torch.device("cpu")
+    floats, _ = load_model(Path(model_path), torch.float32, cpu, tp)
+    rss = _anon_rss() - before
+    float_modules = dict(floats.named_modules())
+    blocks, _ = load_model(Path(model_path), torch.float32, cpu, tp,
+                           gguf_weights_for("gguf", "smollm2", cpu, torch.float32, default_cache_dir()))
+    kept = [(name, m.block_weight) for name, m in blocks.named_modules() if getattr(m, "block_weight", None)]
+    results[rank] = ({n: tuple(p.shape) for n, p in floats.named_parameters()}, rss,
+                     sum(p.numel() * p.element_size() for p in floats.parameters()),
+                     len(kept), all(torch.equal(w.dequantize(), float_modules[name].weight) for name, w in kept))
     tp.close()
 
 
@@ -250,35 +261,12 @@ def _anon_rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
 
-def _compare_rank_blocks(rank: int, size: int, address: str, model_path: str, results: dict) -> None:
-    """In a spawned process: this rank's shards kept in the GGUF file's blocks against the
-    same shards loaded as floats from the converted folder: (weights kept in blocks, all bit for bit)."""
-    torch.set_num_threads(1)
-    tp = TensorParallelGroup.create(ParallelConfig(size, rank, address, 30.0), torch.device("cpu"))
-    cpu = torch.device("cpu")
-    weights = gguf_weights_for("gguf", "smollm2", cpu, torch.float32, default_cache_dir())
-    blocks, _ = load_model(Path(model_path), torch.float32, cpu, tp, weights)
-    floats = dict(load_model(Path(model_path), torch.float32, cpu, tp)[0].named_modules())
-    kept = [(name, m.block_weight) for name, m in blocks.named_modules() if getattr(m, "block_weight", None)]
-    results[rank] = (len(kept), all(torch.equal(w.dequantize(),
-                                                floats[name].weight) for name, w in kept))
-    tp.close()
-
-
-def test_each_rank_keeps_its_shards_in_the_gguf_blocks(model_path: Path):
-    # Rows of q|k|v by KV head, o_proj's and down_proj's columns (384 / 192, 768: whole blocks of 32),
-    # half the vocabulary each: every weight of both ranks stays in blocks, equal to its float shard.
-    ranks = load_in_processes(model_path, 2, _compare_rank_blocks)
-    assert ranks == {0: (1 + 4 * 30, True), 1: (1 + 4 * 30, True)}
-
-
-def load_in_processes(model_path: Path, size: int,
-                      target: Callable[[int, int, str, str, dict], None] = _load_rank) -> dict:
+def load_in_processes(model_path: Path, size: int) -> dict:
     context = mp.get_context("spawn")
     with context.Manager() as manager:
         results = manager.dict()
         address = free_loopback_address()
-        procs = [context.Process(target=target, args=(r, size, address, str(model_path), results))
+        procs = [context.Process(target=_load_rank, args=(r, size, address, str(model_path), results))
                  for r in range(size)]
         for p in procs:
             p.start()
@@ -288,27 +276,29 @@ def load_in_processes(model_path: Path, size: int,
         return dict(results)
 
 
-def test_each_rank_holds_its_shards_and_half_the_weights(model_path: Path):
-    (full, full_rss, full_bytes), = load_in_processes(model_path, 1).values()
+def test_each_rank_holds_its_shards_in_the_gguf_blocks_and_half_the_weights(model_path: Path):
     ranks = load_in_processes(model_path, 2)
+    with safe_open(model_path / "model.safetensors", framework="pt") as f:  # the whole model, float32
+        full_bytes = sum(math.prod(f.get_slice(name).get_shape()) * 4 for name in f.keys())
     layer = "model.layers.0."
     # 9 q heads and 3 KV heads of 64: rank 0 takes KV heads 0-1 with their 6 q heads, rank 1 KV head 2 with 3.
-    assert full[layer + "self_attn.qkv_proj.weight"] == ((9 + 3 + 3) * 64, 576)
     assert ranks[0][0][layer + "self_attn.qkv_proj.weight"] == ((6 + 2 + 2) * 64, 576)
     assert ranks[1][0][layer + "self_attn.qkv_proj.weight"] == ((3 + 1 + 1) * 64, 576)
     assert ranks[0][0][layer + "self_attn.o_proj.weight"] == (576, 6 * 64)
     assert ranks[1][0][layer + "self_attn.o_proj.weight"] == (576, 3 * 64)
     for rank in (0, 1):
-        shapes = ranks[rank][0]
+        shapes, rss, weight_bytes, num_kept, equal = ranks[rank]
         assert shapes[layer + "mlp.gate_up_proj.weight"] == (2 * 768, 576)
         assert shapes[layer + "mlp.down_proj.weight"] == (576, 768)
         assert shapes["model.embed_tokens.weight"] == (49152 // 2, 576)
         assert shapes[layer + "input_layernorm.weight"] == (576,)  # norms are whole on every rank
-    for rank, (_, rss, weight_bytes) in ranks.items():
         print(f"rank {rank}/2: weights {weight_bytes / 2**20:.1f} MiB, anon RSS +{rss / 2**20:.1f} MiB; "
-              f"TP=1: weights {full_bytes / 2**20:.1f} MiB, anon RSS +{full_rss / 2**20:.1f} MiB")
+              f"the whole model: {full_bytes / 2**20:.1f} MiB")
         assert 0.3 < weight_bytes / full_bytes < 0.6
-        assert rss < 0.7 * full_rss, "a rank should hold about half of the weights, never the whole model"
+        assert rss < 0.7 * full_bytes, "a rank should hold about half of the weights, never the whole model"
+        # Rows of q|k|v by KV head, o_proj's and down_proj's columns (384 / 192, 768: whole blocks of 32),
+        # half the vocabulary each: every weight of both ranks stays in blocks, equal to its float shard.
+        assert (num_kept, equal) == (1 + 4 * 30, True)
 
 
 # --- a dead peer ---------------------------------------------------------------------------------------

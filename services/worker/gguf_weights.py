@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --quantization -> the blocks a checkpoint's weights are quantized to at load.
 _AT_LOAD = {"int8": QuantType.Q8_0, "f16": QuantType.F16}
+# Block types the kernel does not read whose values Q8_0 holds exactly: Q4_0's and Q5_0's are
+# d * (q - 8) and d * (q - 16) with an f16 scale d per 32 weights, as Q8_0's are d * q8. llama.cpp's
+# K-quant mixes fall back to Q5_0 (and Q4_0) for rows that are not a multiple of 256 weights
+# (Gemma 3 270M's 640): widened, they take the native kernel instead of float32 at 1.5x their bytes.
+_WIDENED_TO_Q8_0 = {gguf.GGMLQuantizationType.Q4_0: 4, gguf.GGMLQuantizationType.Q5_0: 5}
 # GGUF architecture -> whether its q and k rows are permuted (see the module's docstring). Gemma 3's
 # norm weights are stored plus one (transformers subtracts it); norms are 1-D, never kept in blocks.
 _ARCHITECTURES = {"llama": True, "qwen2": False, "gemma3": False}
@@ -63,7 +68,13 @@ class GGUFWeights:
         self.num_kv_heads = self.file.field(f"{self.architecture}.attention.head_count_kv")
         dequantized = sorted({gguf.GGMLQuantizationType(t.tensor_type).name for t in self.tensors.values()
                               if len(t.shape) == 2 and t.tensor_type != gguf.GGMLQuantizationType.F32
-                              and t.tensor_type not in cpu_quant_matmul.FILE_TYPES})
+                              and t.tensor_type not in cpu_quant_matmul.FILE_TYPES
+                              and t.tensor_type not in _WIDENED_TO_Q8_0})
+        widened = sorted({gguf.GGMLQuantizationType(t.tensor_type).name for t in self.tensors.values()
+                          if len(t.shape) == 2 and t.tensor_type in _WIDENED_TO_Q8_0})
+        if widened:
+            logger.info("%s: %s weights widened to Q8_0 blocks at load (the same values)", path.name,
+                        ", ".join(widened))
         if dequantized:
             logger.info("%s: %s weights dequantized to float32 at load (the kernel keeps %s blocks)", path.name,
                         ", ".join(dequantized), ", ".join(t.name for t in cpu_quant_matmul.FILE_TYPES))
@@ -76,14 +87,18 @@ class GGUFWeights:
         tensor = self.tensors.get(f"{gguf_name}.{suffix}") if gguf_name else None
         if tensor is None or len(tensor.shape) != 2:
             return None
-        try:
-            qtype = QuantType(int(tensor.tensor_type))
-        except ValueError:
-            return None
-        if qtype not in cpu_quant_matmul.FILE_TYPES:
-            return None
         cols, rows = (int(n) for n in tensor.shape)  # GGUF lists the fastest dimension first
         data = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
+        if tensor.tensor_type in _WIDENED_TO_Q8_0:
+            data = widen_to_q8_0(data, _WIDENED_TO_Q8_0[tensor.tensor_type])
+            qtype = QuantType.Q8_0
+        else:
+            try:
+                qtype = QuantType(int(tensor.tensor_type))
+            except ValueError:
+                return None
+        if qtype not in cpu_quant_matmul.FILE_TYPES:
+            return None
         if cols % cpu_quant_matmul.block_weights(qtype) or data.shape[1] != cpu_quant_matmul.row_bytes(qtype, cols):
             return None
         order = self._row_order(gguf_name, rows)
@@ -109,6 +124,22 @@ class GGUFWeights:
         for name, source in weights:
             blocks = self.blocks(name)
             yield name, source if blocks is None else blocks
+
+
+def widen_to_q8_0(data: np.ndarray, bits: int) -> np.ndarray:
+    """[rows, row_bytes] Q4_0 (bits 4) or Q5_0 (bits 5) blocks -> the same values as Q8_0 blocks.
+    A block is its f16 scale, (Q5_0) 32 fifth bits in a little-endian uint32, then 16 bytes whose low
+    nibbles are weights 0-15 and high nibbles weights 16-31; Q8_0 is the scale and 32 int8 weights."""
+    rows = data.shape[0]
+    blocks = data.reshape(-1, 18 if bits == 4 else 22)
+    scale, packed = blocks[:, :2], blocks[:, -16:]
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.int16)  # [blocks, 32]
+    if bits == 5:
+        high = blocks[:, 2:6].copy().view("<u4")  # [blocks, 1]
+        q |= (((high >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int16)
+    q -= 1 << (bits - 1)
+    out = np.concatenate([scale, q.astype(np.int8).view(np.uint8)], axis=1)  # [blocks, 34]
+    return np.ascontiguousarray(out.reshape(rows, -1))
 
 
 class LoadQuantizedWeights:

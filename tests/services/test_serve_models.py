@@ -10,6 +10,7 @@ in-process `LLM`.
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from services.common.metrics import fetch_page
 from services.common.sampling_params import SamplingParams
 from tests.model.families import Family
 from tests.model.prompts import long_text
-from tests.services.procs import SERVE_KV_BYTES, SHARED_MAX_MODEL_LEN, Serve, serving
+from tests.services.procs import SERVE_KV_BYTES, SHARED_MAX_MODEL_LEN, Serve, greedy_token_ids, serving
 
 SMOLLM2 = "smollm2"
 FAMILIES = ("llama3", "qwen2", "gemma3")  # three model classes; each more costs a worker and an engine process
@@ -55,14 +56,6 @@ def client(stack: Serve) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.api, api_key="unused", timeout=120, max_retries=0)
 
 
-def served_tokens(stack: Serve, model: str) -> list[int]:
-    completion = client(stack).completions.create(
-        model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=0)
-    assert completion.model == model
-    return [int(t.removeprefix("token_id:")) for t in completion.choices[0].logprobs.tokens]
-
-
 def test_models_lists_every_model(stack: Serve, model_families: dict[str, Family]) -> None:
     """Each with its context: --max-model-len caps a model's own, never raises it."""
     own = {name: model_families[name].reference.hf_model.config.max_position_embeddings for name in FAMILIES}
@@ -75,7 +68,7 @@ def test_each_model_answers_as_it_does_alone(stack: Serve, offline: LLM, model_f
     """`offline` is SmolLM2 alone in this process (tests/conftest.py)."""
     expected = {SMOLLM2: greedy(offline), **{name: alone(model_families[name].path) for name in FAMILIES}}
     assert len({tuple(tokens) for tokens in expected.values()}) == len(expected)  # else a wrong pool could pass
-    assert {model: served_tokens(stack, model) for model in expected} == expected
+    assert {model: greedy_token_ids(stack, model, PROMPT, MAX_TOKENS) for model in expected} == expected
     # The tiny families' folders carry no chat template: SmolLM2's own chats.
     chat = client(stack).chat.completions.create(model=SMOLLM2, messages=[{"role": "user", "content": "Hi"}],
                                                  max_tokens=2, temperature=0)
@@ -93,8 +86,13 @@ def test_an_unknown_model_is_404(stack: Serve) -> None:
 
 def test_metrics_carry_each_model_name(stack: Serve) -> None:
     """Run after the requests above: every model's engine counted its own requests."""
-    page = fetch_page(f"{stack.url}/metrics", 10.0)
+    def counted(page: str, model: str) -> bool:
+        return any(line.startswith("vllm:request_success_total{") and f'model_name="{model}"' in line
+                   and not line.endswith(" 0.0") for line in page.splitlines())
+
+    deadline = time.monotonic() + 10  # a finished request is counted once its engine's step is done
+    while not all(counted(page := fetch_page(f"{stack.url}/metrics", 10.0), m) for m in (SMOLLM2, *FAMILIES)):
+        assert time.monotonic() < deadline, page[-3000:]
+        time.sleep(0.2)
     for model in (SMOLLM2, *FAMILIES):
-        assert any(line.startswith("vllm:request_success_total{") and f'model_name="{model}"' in line
-                   and not line.endswith(" 0.0") for line in page.splitlines()), page[-3000:]
         assert f'vllm:request_params_n_count{{model_name="{model}"}}' in page

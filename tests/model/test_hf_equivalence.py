@@ -105,23 +105,19 @@ def test_greedy_batch_matches_hf(llm, hf_reference, prompt_token_ids):
 
 
 @pytest.mark.slow  # the whole prompt set again under another engine config: `make test`, not test-fast
-def test_chunked_prefill_matches_hf(model_path, hf_reference, prompt_token_ids):
-    llm = LLM(model=str(model_path), dtype="float32", kv_cache_memory=TEST_KV_BYTES, max_num_batched_tokens=64)
-    outputs = llm.generate(prompt_token_ids, GREEDY)
-    check_all(llm, hf_reference, prompt_token_ids, outputs, "chunked prefill (64-token budget)")
-
-
-@pytest.mark.slow  # the whole prompt set again under another engine config: `make test`, not test-fast
-def test_preemption_matches_hf(model_path, hf_reference, prompt_token_ids):
-    # Room for the longest prompt and its output, far less than all prompts together.
+def test_chunked_prefill_and_preemption_match_hf(model_path, hf_reference, prompt_token_ids):
+    """A 64-token step budget (prompts read in chunks next to other requests' decodes) and room in the
+    KV cache for the longest prompt and its output, far less than all prompts together (preemption:
+    requests give their blocks back and recompute)."""
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # layers, block size, kv heads, head size, fp32
     num_blocks = -(-(max(map(len, prompt_token_ids)) + MAX_NEW_TOKENS) // 16) + 8
-    llm = LLM(model=str(model_path), dtype="float32", kv_cache_memory=num_blocks * block_bytes)
+    llm = LLM(model=str(model_path), dtype="float32", kv_cache_memory=num_blocks * block_bytes,
+              max_num_batched_tokens=64)
     assert llm.engine.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks
     outputs = llm.generate(prompt_token_ids, GREEDY)
     assert llm.engine.stats().num_preemptions > 0, "the small KV cache should have forced preemption"
     print(f"preemptions: {llm.engine.stats().num_preemptions}")
-    check_all(llm, hf_reference, prompt_token_ids, outputs, "preemption")
+    check_all(llm, hf_reference, prompt_token_ids, outputs, "chunked prefill (64-token budget) and preemption")
 
 
 def test_shared_prefix_hits_cache_and_matches_hf(llm, hf_reference):

@@ -25,6 +25,7 @@ def test_gpu_check_smoke_runs_every_section(tmp_path: Path) -> None:
     assert "all sections passed" in text and "FAILED" not in text
 
 
+@pytest.mark.slow  # a fresh process that imports the GPU check (torch, Triton, the model code)
 def test_a_difference_over_the_tolerance_fails_its_section() -> None:
     # In a process of its own: importing the script decides compiled or interpreted for Triton.
     code = ("import sys; sys.argv = ['gpu_check', '--smoke']; sys.path.insert(0, 'scripts'); import gpu_check as g\n"

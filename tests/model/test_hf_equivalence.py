@@ -99,6 +99,7 @@ def assert_no_leaks(llm: LLM) -> None:
     assert llm.worker.runner.batch.num_reqs == 0
 
 
+@pytest.mark.slow  # the whole prompt set, both ways of holding the weights: `make test`, not test-fast
 def test_greedy_batch_matches_hf(llm, hf_reference, prompt_token_ids):
     outputs = llm.generate(prompt_token_ids, GREEDY)
     check_all(llm, hf_reference, prompt_token_ids, outputs, "continuous batching")

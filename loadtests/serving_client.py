@@ -100,9 +100,9 @@ class LoadResult(NamedTuple):
 
 
 async def send(client: httpx.AsyncClient, endpoint: Endpoint, messages: list[dict[str, str]], max_tokens: int,
-               timeout: float) -> RequestResult:
+               timeout: float, model: str | None = None) -> RequestResult:
     chat = endpoint.api == "chat"
-    body = {"model": endpoint.model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+    body = {"model": model or endpoint.model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             **({"messages": messages} if chat else {"prompt": transcript(messages)}), **endpoint.extra_body}
     path = "/v1/chat/completions" if chat else "/v1/completions"
     result = RequestResult(start=time.perf_counter())
@@ -159,7 +159,7 @@ async def run_session(client: httpx.AsyncClient, endpoint: Endpoint, session: Se
     """The session's requests one after another, each turn carrying the answers so far."""
     messages = list(session.messages)
     for turn in range(session.num_requests):
-        result = await send(client, endpoint, messages, max_tokens, timeout)
+        result = await send(client, endpoint, messages, max_tokens, timeout, session.model)
         results.append(result)
         if not result.ok:
             skipped = session.num_requests - turn - 1

@@ -51,6 +51,7 @@ FOLLOW_UPS = [
 class Session:
     messages: Conversation  # the first request's messages
     follow_ups: tuple[str, ...] = ()  # user turns sent after each answer (multi-turn only)
+    model: str | None = None  # the model (or LoRA adapter) its requests name; None: the endpoint's
 
     @property
     def num_requests(self) -> int:

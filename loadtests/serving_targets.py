@@ -79,6 +79,7 @@ class ServerConfig:
     llama_file_type: str = "f16"  # models/smollm2-<this>.gguf: f16, f32, bf16, q8_0, q4_1; "model": --model's own GGUF
     llama_slots: int = 32
     llama_repack: bool = True  # llama-server's --repack / --no-repack
+    kvmesh_args: tuple[str, ...] = ()  # more flags for kvmesh and inprocess (LoRA adapters, say)
 
 
 @contextmanager
@@ -121,7 +122,7 @@ def server_command(target: str, config: ServerConfig, port: int) -> list[str]:
         entry = ["services.cli", "serve", "--print-addresses"] if target == "kvmesh" else ["loadtests.inprocess_server"]
         return [sys.executable, "-m", *entry, "--model", config.model, *common,
                 "--kv-cache-memory", str(config.kv_cache_memory), "--max-num-seqs", str(config.max_num_seqs),
-                "--max-num-batched-tokens", str(config.max_num_batched_tokens)]
+                "--max-num-batched-tokens", str(config.max_num_batched_tokens), *config.kvmesh_args]
     if target == "transformers":
         if not is_serve_available():
             raise TargetUnavailable("`transformers serve` needs pydantic, fastapi, uvicorn and openai; "

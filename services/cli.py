@@ -56,6 +56,7 @@ from services.common.config import (
     GRAMMAR_COMPILE_FIELDS,
     GrammarLimits,
     Limits,
+    GATEWAY_LORA_FIELDS,
     LoRAConfig,
     PROCESSOR_MODEL_FIELDS,
     ModelConfig,
@@ -389,7 +390,7 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
         # Each model's engines and workers get its LoRA adapters only (their folders).
         lora = replace(spec.lora, lora_modules=spec.lora.modules_of(model.name, fleet.names))
         for rank, worker in enumerate(group.workers):
-            argvs[worker] = [*to_argv(model), *to_argv(spec.cache), *to_argv(lora),
+            argvs[worker] = [*to_argv(model), *to_argv(spec.cache), *to_argv(lora, exclude=GATEWAY_LORA_FIELDS),
                              *to_argv(replace(spec.worker, max_num_seqs=spec.scheduler.max_num_seqs)),
                              *serving(worker), *parallel_argv(spec.parallel, layout, group, rank),
                              *transfer_argv(spec.disaggregation, group, ["kv_transfer_address", "kv_transfer_timeout"])]
@@ -402,7 +403,7 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
                                *transfer_argv(spec.disaggregation, group, ["engine_role", "kv_lease",
                                                                            "kv_transfer_timeout",
                                                                            "remote_prefill_timeout"]),
-                               *to_argv(spec.grammar_limits), *to_argv(lora, exclude=["max_cpu_loras"])]
+                               *to_argv(spec.grammar_limits), *to_argv(lora, exclude=["max_cpu_loras", *GATEWAY_LORA_FIELDS])]
     # Disaggregated: the processor routes to the decode engines and names the prefill ones to them.
     engines = tuple(layout.address(g.engine) for g in layout.groups if g.role != "prefill")
     prefill = DisaggregationConfig(prefill_engine_address=tuple(
@@ -418,7 +419,7 @@ def service_argvs(spec: ServeSpec, layout: Layout, security: SecurityConfig = Se
     gateway = replace(spec.gateway, processor_address=layout.address("processor"),
                       aggregate_metrics=tuple(layout.metrics_url(name) for name in layout.internal))
     argvs["gateway"] = [*to_argv(gateway), *to_argv(fleet, only=["served_model_name"]), *to_argv(spec.limits),
-                        *to_argv(spec.lora, only=["enable_lora", "lora_modules"]),
+                        *to_argv(spec.lora, only=["enable_lora", "lora_modules", "allow_runtime_lora_updating"]),
                         *to_argv(spec.grammar_limits, exclude=GRAMMAR_COMPILE_FIELDS),
                         *to_argv(ServingConfig(spec.serve.host, spec.serve.port, spec.serve.grace),
                                  only=["host", "port", "grace"])]

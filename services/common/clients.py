@@ -59,6 +59,25 @@ class KVTransferWorker(Protocol):
 # ----------------------------------------------------------------------------- processor <- engine
 
 @dataclass(frozen=True, slots=True)
+class LoRAState:
+    """An engine's LoRA adapters by name: those it serves, those its running and waiting requests
+    run with, and those its workers hold in their `max_loras` slots (what a router's adapter affinity
+    and vLLM's vllm:lora_requests_info read). Names sorted."""
+
+    adapters: tuple[str, ...] = ()
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    loaded: tuple[str, ...] = ()
+    max_loras: int = 0
+    num_deferred: int = 0  # waiting requests held back only because their adapter has no slot free
+
+    @property
+    def active(self) -> frozenset[str]:
+        """Adapters a request would find in place: in a slot, or run or queued by a request."""
+        return frozenset(self.running) | frozenset(self.waiting) | frozenset(self.loaded)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -67,6 +86,7 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    lora: LoRAState | None = None  # None: LoRA off
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +128,12 @@ class EngineClient(Protocol):
     async def match_prefix(self, block_hashes: Sequence[bytes]) -> PrefixMatch:
         """How many leading blocks of `block_hashes` (services/common/hashing.py) the engine's
         prefix cache holds now, and its load. ValueError for a malformed chain."""
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Serve the PEFT folder `lora_path` as `lora_name` from now on. ValueError for a bad
+        folder, a name in use, or an engine without LoRA."""
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Refuse new requests naming `lora_name` from now on; those in flight finish with it, then
+        its slot and host memory are freed. ModelNotFoundError for a name not served."""
 
 
 # ----------------------------------------------------------------------------- gateway <- processor
@@ -200,4 +226,10 @@ class ProcessorClient(Protocol):
     async def model_info(self, model: str = "") -> EngineInfo:
         """`model`'s engine info (a served model name; "": the first). ModelNotFoundError for one
         the processor does not serve."""
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, base_model_name: str = "") -> None:
+        """Serve a LoRA adapter on every engine of `base_model_name` ("": the first model), named as
+        a model from now on. ValueError for a bad folder or a name in use."""
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Stop serving the adapter everywhere (requests in flight finish). ModelNotFoundError for
+        one not served."""
     async def is_healthy(self) -> bool: ...

@@ -243,6 +243,10 @@ class ParallelConfig:
                 raise ValueError(f"distributed_address must be host:port, got {self.distributed_address!r}")
 
 
+# LoRAConfig's fields only the gateway reads (engines and workers take the adapters from load RPCs).
+GATEWAY_LORA_FIELDS = ["allow_runtime_lora_updating"]
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """LoRA adapters served next to a base model, vLLM's flags (services/common/lora.py reads the
@@ -259,6 +263,10 @@ class LoRAConfig:
     max_lora_rank: int = option(16, "the largest adapter rank served (slots are padded to it)", minimum=1)
     max_cpu_loras: int | None = option(
         None, "adapters kept loaded in host memory, least recently used evicted (default: --max-loras)", minimum=1)
+    allow_runtime_lora_updating: bool = option(
+        False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+               "VLLM_ALLOW_RUNTIME_LORA_UPDATING): any client with an API key may then load a folder of the "
+               "engines' disks")
 
     def __post_init__(self) -> None:
         # LLM(lora_modules=["a=/path"]) hands strings; flags hand parsed entries.
@@ -267,6 +275,8 @@ class LoRAConfig:
         check_fields(self)
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
+        if self.allow_runtime_lora_updating and not self.enable_lora:
+            raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
         names = [m.name for m in self.lora_modules]
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules names an adapter twice: {', '.join(names)}")

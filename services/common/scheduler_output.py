@@ -59,6 +59,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     num_preempted: int = 0
     grammar_bitmask: GrammarBitmask | None = None  # None: no request samples under a grammar this step
+    # LoRA adapters unloaded since the last step, by id: the worker drops their slots and host memory.
+    removed_lora_ids: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -225,6 +225,12 @@ class AsyncEngine:
     async def match_prefix(self, block_hashes: Sequence[bytes]) -> PrefixMatch:
         return self.core.match_prefix(block_hashes)
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        await self.call_in_loop(lambda: self.core.add_lora(lora_name, lora_path))
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await self.call_in_loop(lambda: self.core.remove_lora(lora_name))
+
     @property
     def identity(self) -> EngineIdentity:
         return EngineIdentity(self._info.engine_id, self._info.epoch)
@@ -343,13 +349,15 @@ class AsyncEngine:
         return items
 
     def _has_pending_work(self) -> bool:
-        # Finished ids alone still need a step: the worker must drop their state.
-        return self.core.has_unfinished_requests() or self.core.has_finished_requests()
+        # Finished ids (and unloaded adapters) alone still need a step: the worker must drop their state.
+        return (self.core.has_unfinished_requests() or self.core.has_finished_requests()
+                or self.core.has_removed_loras())
 
     def _step(self) -> list[tuple[str, Item]]:
         start = time.perf_counter()
         scheduler_output = self.core.schedule()
-        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+        if (scheduler_output.is_empty and not scheduler_output.finished_req_ids
+                and not scheduler_output.removed_lora_ids):
             # Nothing could be scheduled this time (cannot last: running requests free their
             # blocks as they finish); wait a little, or until new work arrives.
             self._wake.wait(IDLE_SCHEDULE_WAIT)

@@ -61,6 +61,16 @@ class GrpcEngineClient(AsyncGrpcClient):
                                                  timeout=self.timeout)
         return convert.prefix_match_from_proto(reply)
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        with raising_errors():
+            await self._stub.LoadLoRAAdapter(engine_pb2.LoadLoRAAdapterRequest(lora_name=lora_name, lora_path=lora_path),
+                                             timeout=self.timeout)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        with raising_errors():
+            await self._stub.UnloadLoRAAdapter(engine_pb2.UnloadLoRAAdapterRequest(lora_name=lora_name),
+                                               timeout=self.timeout)
+
     async def prefill(self, task: PrefillTask, timeout: float) -> AsyncIterator[PrefillProgress]:
         """Disaggregation: have this (prefill) engine compute a prompt and send its blocks;
         the token first, then `sent`. `timeout`: the whole call's deadline."""

@@ -6,10 +6,10 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from services.common.clients import EngineStats, PrefixMatch, WorkerClient, WorkerInfo
+from services.common.clients import EngineStats, LoRAState, PrefixMatch, WorkerClient, WorkerInfo
 from services.common.config import GrammarLimits, LoRAConfig, SchedulerConfig
 from services.common.hashing import BlockHash
-from services.common.lora import LoRARequest
+from services.common.lora import LoRARequest, base_config_of, check_adapter
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import GrammarBitmask, SchedulerOutput
@@ -17,7 +17,7 @@ from services.common.validation import check_engine_request
 from services.engine.chunk_policy import AdaptiveChunking
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.kv_event_queue import KVEventQueue
-from services.engine.lora_registry import LoRARegistry, LoRAStepLimit
+from services.engine.lora_registry import LoRARegistry, LoRASlots, LoRAStepLimit
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler
 from services.engine.structured_output import GrammarError, StructuredOutputManager
@@ -54,6 +54,12 @@ class EngineCore:
         self.max_model_len = min(worker_info.max_model_len, num_blocks * self.block_size)
         # LoRA: the adapters by name (None: LoRA off, a request naming one is refused).
         self.loras = LoRARegistry(lora.lora_modules) if lora.enable_lora else None
+        self.max_loras, self.max_lora_rank = lora.max_loras, lora.max_lora_rank
+        self.lora_slots = LoRASlots(lora.max_loras)  # which adapters the worker's slots hold
+        # Unloaded adapters whose last requests are still in flight, by id: the worker drops each
+        # once none is left (SchedulerOutput.removed_lora_ids).
+        self._retiring: dict[int, LoRARequest] = {}
+        self.lora_state: LoRAState | None = None  # as of the last step; stats() reads it from any thread
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, scheduler_config.enable_prefix_caching,
                                                kv_events)
         self.scheduler = Scheduler(
@@ -74,6 +80,7 @@ class EngineCore:
         # Outputs of requests their grammar ended outside a step's results: failed compiles, and
         # requests whose grammar is complete (they end at once, without sampling an EOS).
         self._grammar_outputs: list[EngineCoreOutput] = []
+        self._update_lora_state()
 
     @classmethod
     def create(cls, worker: WorkerClient, scheduler_config: SchedulerConfig,
@@ -104,6 +111,60 @@ class EngineCore:
             raise ValueError(f"LoRA adapter {request.lora_name!r} asked of an engine without LoRA: start it with "
                              "--enable-lora")
         return self.loras.resolve(request.lora_name)
+
+    def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Serve the PEFT folder `path` as `name` from the next step on (engine-loop thread): its
+        folder, rank and modules checked, and its shapes too when the model is a folder with a
+        config.json. ValueError naming the problem, or a name already served."""
+        if self.loras is None:
+            raise ValueError("LoRA adapters are off on this engine: start it with --enable-lora")
+        if not name or not path:
+            raise ValueError("Both 'lora_name' and 'lora_path' must be provided.")
+        check_adapter(path, self.max_lora_rank, base_config_of(self.worker_info.model_path))
+        lora = self.loras.load(name, path)
+        self._update_lora_state()
+        return lora
+
+    def remove_lora(self, name: str) -> None:
+        """Refuse new requests naming `name` at once (ModelNotFoundError when not served); its
+        requests in flight finish with it, and the worker frees it after the last (engine-loop thread)."""
+        if self.loras is None:
+            raise ValueError("LoRA adapters are off on this engine: start it with --enable-lora")
+        lora = self.loras.remove(name)
+        self._retiring[lora.lora_int_id] = lora
+        self._update_lora_state()
+
+    def has_removed_loras(self) -> bool:
+        """Unloaded adapters the worker still holds: a step (even an empty one) frees the idle ones."""
+        return bool(self._retiring)
+
+    def _retire_loras(self, output: SchedulerOutput) -> None:
+        """Tell the worker to drop the unloaded adapters no request holds any more."""
+        held = {r.lora_request.lora_int_id for r in (*self.scheduler.requests.values(),
+                                                     *self._waiting_for_grammar.values())
+                if r.lora_request is not None}
+        output.removed_lora_ids = sorted(set(self._retiring) - held)
+        for lora_id in output.removed_lora_ids:
+            del self._retiring[lora_id]
+            self.lora_slots.remove(lora_id)
+
+    def _update_lora_state(self) -> None:
+        """The snapshot stats() and the metrics read (vLLM's running / waiting adapters, plus the
+        served ones and those in slots). Once a step, over the requests held: no per-token work."""
+        if self.loras is None:
+            return
+        running = {r.lora_request.lora_name for r in self.scheduler.running if r.lora_request is not None}
+        waiting = [r.lora_request for r in (*self.scheduler.waiting, *self._waiting_for_grammar.values())
+                   if r.lora_request is not None]
+        # vLLM's "deferred": waiting for a slot, not for capacity (every slot runs another adapter).
+        full = len(running) >= self.max_loras
+        names = {**{i: lora.lora_name for i, lora in self._retiring.items()},
+                 **{self.loras.resolve(n).lora_int_id: n for n in self.loras.names}}
+        self.lora_state = LoRAState(
+            adapters=tuple(sorted(self.loras.names)), running=tuple(sorted(running)),
+            waiting=tuple(sorted({lora.lora_name for lora in waiting})),
+            loaded=tuple(sorted(names[i] for i in self.lora_slots.loaded if i in names)),
+            max_loras=self.max_loras, num_deferred=sum(full and lora.lora_name not in running for lora in waiting))
 
     def add_request(self, request: EngineCoreRequest) -> None:
         engine_request = self.make_request(request)
@@ -184,6 +245,13 @@ class EngineCore:
         self._finish_complete_grammars()
         output = self.scheduler.schedule()
         output.grammar_bitmask = self._grammar_bitmask(output)
+        if self.loras is not None:
+            if self._retiring:
+                self._retire_loras(output)
+            requests = self.scheduler.requests
+            self.lora_slots.step(requests[r].lora_request.lora_int_id for r in output.num_scheduled_tokens
+                                 if requests[r].lora_request is not None)
+            self._update_lora_state()
         return output
 
     def _grammar_bitmask(self, output: SchedulerOutput) -> GrammarBitmask | None:
@@ -199,7 +267,9 @@ class EngineCore:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        return self.take_grammar_outputs() + self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.take_grammar_outputs() + self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._update_lora_state()
+        return outputs
 
     def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         """How long a step took (schedule to outputs): the prefill chunks that follow are sized from
@@ -234,6 +304,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=manager.prefix_cache_queries,
             prefix_cache_hits=manager.prefix_cache_hits,
+            lora=self.lora_state,
         )
 
     def match_prefix(self, block_hashes: Sequence[BlockHash]) -> PrefixMatch:

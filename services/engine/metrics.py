@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from services.common.clients import EngineStats
+from services.common.clients import EngineStats, LoRAState
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.metrics import COMPONENT, STEP_BUCKETS, build_1_2_5_buckets
 from services.common.scheduler_output import SchedulerOutput
@@ -272,16 +272,19 @@ class _SchedulerCollector:
         stats = self._stats()
         names = ["model_name", "engine"]
         usage = stats.num_used_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
-        # Every waiting request waits for capacity: kvmesh defers none (no LoRA budget, no KV
-        # transfer to wait for), so vLLM's `deferred` is always 0.
+        # vLLM's `deferred`: waiting requests held back only because their LoRA adapter has no slot
+        # this step (the --max-loras budget); every other waiting request waits for capacity.
+        deferred = stats.lora.num_deferred if stats.lora is not None else 0
         by_reason = GaugeMetricFamily(
             "vllm:num_requests_waiting_by_reason",
             "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; "
             "'deferred' = deferred by transient constraints. Sum of all reasons equals vllm:num_requests_waiting.",
             labels=[*names, "reason"])
-        by_reason.add_metric([*self._values, "capacity"], stats.num_waiting)
-        by_reason.add_metric([*self._values, "deferred"], 0)
+        by_reason.add_metric([*self._values, "capacity"], stats.num_waiting - deferred)
+        by_reason.add_metric([*self._values, "deferred"], deferred)
         yield by_reason
+        if stats.lora is not None:
+            yield self._lora_info(stats.lora)
         for family, value in (
             (GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
                                labels=names), stats.num_running),
@@ -299,6 +302,18 @@ class _SchedulerCollector:
         ):
             family.add_metric(self._values, value)
             yield family
+
+
+    def _lora_info(self, lora: LoRAState) -> GaugeMetricFamily:
+        """vLLM's vllm:lora_requests_info: the adapters of the running and of the waiting requests
+        (comma-separated) and --max-loras as labels, the time of the reading as its value (routers
+        such as llm-d read the newest series). One series, the current one: none lingers."""
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   labels=["model_name", "engine", "max_lora", "waiting_lora_adapters",
+                                           "running_lora_adapters"])
+        family.add_metric([*self._values, str(lora.max_loras), ",".join(lora.waiting), ",".join(lora.running)],
+                          time.time())
+        return family
 
 
 class _GrammarCacheCollector:

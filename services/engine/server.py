@@ -46,6 +46,7 @@ from services.common.clients import EngineClient
 from services.common.config import (
     DisaggregationConfig,
     EngineServiceConfig,
+    GATEWAY_LORA_FIELDS,
     GrammarLimits,
     LoRAConfig,
     ModelConfig,
@@ -143,6 +144,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     @answers_with_status
     async def MatchPrefix(self, request: engine_pb2.MatchPrefixRequest, context) -> engine_pb2.MatchPrefixResponse:
         return convert.prefix_match_to_proto(await self.engine.match_prefix(convert.block_hashes_from_proto(request)))
+
+    @answers_with_status
+    async def LoadLoRAAdapter(self, request: engine_pb2.LoadLoRAAdapterRequest,
+                              context) -> engine_pb2.LoadLoRAAdapterResponse:
+        await self.engine.load_lora_adapter(request.lora_name, request.lora_path)
+        return engine_pb2.LoadLoRAAdapterResponse()
+
+    @answers_with_status
+    async def UnloadLoRAAdapter(self, request: engine_pb2.UnloadLoRAAdapterRequest,
+                                context) -> engine_pb2.UnloadLoRAAdapterResponse:
+        await self.engine.unload_lora_adapter(request.lora_name)
+        return engine_pb2.UnloadLoRAAdapterResponse()
 
 
 def disaggregation_of(engine: EngineClient) -> Disaggregation | None:
@@ -311,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, GrammarLimits, ENV_PREFIX)
     add_flags(parser, DisaggregationConfig, ENV_PREFIX, only=["engine_role", "kv_lease", "kv_transfer_timeout",
                                                                       "remote_prefill_timeout"])
-    add_flags(parser, LoRAConfig, ENV_PREFIX, exclude=["max_cpu_loras"])
+    add_flags(parser, LoRAConfig, ENV_PREFIX, exclude=["max_cpu_loras", *GATEWAY_LORA_FIELDS])
     return parser
 
 

@@ -17,7 +17,8 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from services.common.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig, ServingConfig, WorkerConfig
+from services.common.config import (GATEWAY_LORA_FIELDS, CacheConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                                    ServingConfig, WorkerConfig)
 from services.common.flags import to_argv
 from services.common.processes import LOOPBACK, ChildSpec, Supervisor, free_ports, grpc_serving
 from services.common.rpc.security import ENGINE, RpcSecurity
@@ -53,7 +54,7 @@ class WorkerProcesses:
         supervisor = Supervisor(internal_grace=STOP_GRACE)
         ranks = [ChildSpec(f"worker-r{rank}",
                            [*to_argv(model), *to_argv(cache), *to_argv(worker), *to_argv(ServingConfig(LOOPBACK, port)),
-                            *to_argv(replace(group, rank=rank)), *to_argv(security), *to_argv(lora)],
+                            *to_argv(replace(group, rank=rank)), *to_argv(security), *to_argv(lora, exclude=GATEWAY_LORA_FIELDS)],
                            address, lambda address=address: grpc_serving(address))
                  for rank, (port, address) in enumerate(zip(ports, addresses))]
         try:

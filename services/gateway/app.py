@@ -19,13 +19,14 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.clients import GenerateRequest, ProcessorClient
+from services.common.errors import ModelNotFoundError
 from services.common.lora import LoRAModule
 from services.common.prompt_size import PromptSize, prompt_size
 from services.common.sampling_params import SamplingParams
@@ -47,6 +48,7 @@ from services.gateway.protocol import (
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     SamplingRequest,
@@ -54,6 +56,7 @@ from services.gateway.protocol import (
     StreamOptions,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from services.gateway.sampling import to_sampling_params
 from services.gateway.structured import validate_structured_outputs
@@ -163,6 +166,17 @@ def create_app(processor: ProcessorClient, served_model_name: str | Sequence[str
         async def tokenizer_info() -> JSONResponse:
             return JSONResponse(await processor.tokenizer_info())
 
+    if options.allow_runtime_lora_updating:  # off by default, as vLLM's: a 404 then
+        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+            await api.load_lora_adapter(body)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+            await api.unload_lora_adapter(body)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
         return _json(await api.tokenize(body))
@@ -185,6 +199,7 @@ class ApiOptions:
     tool_call_parser: str | None = None  # with tool_choice "auto" (None: "auto" is refused)
     cache_salt_per_api_key: bool = False  # every request's cache_salt starts with its key's hash
     lora_modules: tuple[LoRAModule, ...] = ()  # LoRA adapters: requests may name them as their model
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     @classmethod
     def of(cls, gateway: GatewayConfig) -> ApiOptions:
@@ -327,6 +342,26 @@ class _API:
                               await self.context_length(model))
         await validate_structured_outputs(body, params.structured_outputs, self.grammar_limits)  # off the loop
         return params
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> None:
+        """Load it on every engine of the first model (through the processor); requests may name it
+        as their model from then on. 400 for a bad folder or a name in use."""
+        if body.lora_name in self.served_model_names or body.lora_name in self.adapters:
+            raise bad_request(f"The lora adapter '{body.lora_name}' has already been loaded.", "lora_name")
+        await self.processor.load_lora_adapter(body.lora_name, body.lora_path)
+        self.adapters[body.lora_name] = LoRAModule(body.lora_name, body.lora_path)
+        self.adapter_parents[body.lora_name] = self.served_model_names[0]
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> None:
+        """New requests naming it get a 404 at once; those in flight finish. 404 for one not served."""
+        try:
+            await self.processor.unload_lora_adapter(body.lora_name)
+        except ModelNotFoundError:
+            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "NotFoundError",
+                           "lora_name", 404) from None
+        finally:  # gone from the processor either way
+            self.adapters.pop(body.lora_name, None)
+            self.adapter_parents.pop(body.lora_name, None)
 
     def _served(self, model: str | None) -> str:
         """The served model a request names (none: the first); 404 model_not_found for another."""

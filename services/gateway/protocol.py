@@ -249,6 +249,21 @@ class DetokenizeRequest(OpenAIRequest):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(OpenAIRequest):
+    """vLLM's /v1/load_lora_adapter: serve the PEFT folder `lora_path` (on the engines' disks) as a
+    model named `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIRequest):
+    """vLLM's /v1/unload_lora_adapter (its `lora_int_id` is accepted and ignored: names are unique)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 # ----------------------------------------------------------------------------- responses
 
 

@@ -83,7 +83,8 @@ async def serve(gateway: GatewayConfig, served_model_name: str | Sequence[str], 
                                     metrics=GrpcMetrics(metrics.registry, "gateway"), security=security)
     app = create_app(processor, served_model_name, health_timeout=gateway.timeout, metrics=metrics, limits=limits,
                      api_keys=api_keys, priority_api_keys=priority_api_keys, session_header=gateway.session_header,
-                     options=replace(ApiOptions.of(gateway), lora_modules=lora.lora_modules),
+                     options=replace(ApiOptions.of(gateway), lora_modules=lora.lora_modules,
+                                     allow_runtime_lora_updating=lora.allow_runtime_lora_updating),
                      grammar_limits=grammar_limits)
     # root_path: a proxy serves the API under it and strips it (vLLM's --root-path, the same ASGI root_path).
     config = uvicorn.Config(app, host=serving.host, port=serving.port, timeout_graceful_shutdown=serving.grace,
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(parser, GrammarLimits, ENV_PREFIX, exclude=GRAMMAR_COMPILE_FIELDS)
     add_flags(parser, ServingConfig, ENV_PREFIX, only=["host", "port", "grace"], defaults={"port": DEFAULT_PORT})
     add_flags(parser, SecurityConfig, ENV_PREFIX)
-    add_flags(parser, LoRAConfig, ENV_PREFIX, only=["enable_lora", "lora_modules"])
+    add_flags(parser, LoRAConfig, ENV_PREFIX, only=["enable_lora", "lora_modules", "allow_runtime_lora_updating"])
     return parser
 
 

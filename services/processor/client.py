@@ -16,7 +16,7 @@ from services.common.metrics import GrpcMetrics
 from services.common.rpc import convert
 from services.common.rpc.client import AsyncGrpcClient
 from services.common.rpc.convert import generate_delta_from_proto, generate_request_to_proto
-from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
+from services.common.rpc.kvmesh.v1 import engine_pb2, processor_pb2, processor_pb2_grpc
 from services.common.rpc.security import RpcSecurity
 from services.common.rpc.server import service_name
 
@@ -66,3 +66,15 @@ class GrpcProcessorClient(AsyncGrpcClient):
         with raising_errors():
             reply = await self._stub.GetModelInfo(processor_pb2.GetModelInfoRequest(model=model), timeout=self.timeout)
         return convert.engine_info_from_proto(reply)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, base_model_name: str = "") -> None:
+        adapter = engine_pb2.LoadLoRAAdapterRequest(lora_name=lora_name, lora_path=lora_path)
+        with raising_errors():
+            await self._stub.LoadLoRAAdapter(processor_pb2.LoadLoRAAdapterCall(adapter=adapter,
+                                                                              base_model_name=base_model_name),
+                                             timeout=self.timeout)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        with raising_errors():
+            await self._stub.UnloadLoRAAdapter(engine_pb2.UnloadLoRAAdapterRequest(lora_name=lora_name),
+                                               timeout=self.timeout)

@@ -17,23 +17,31 @@ caller sees one uninterrupted stream. The engine that failed it is marked unheal
 next health check says otherwise. A request id under which `max_engine_deaths` engines died is
 failed instead (EngineDeaths), now and when it comes again: what kills engines is not replayed on
 every engine of the fleet in turn.
+
+LoRA: a request for an adapter goes to an engine holding it (services/processor/lora_affinity.py),
+from the engines' reported adapters (their stats, re-read in the background) and this processor's
+own requests in flight. An adapter loaded or unloaded at run time is loaded on, or unloaded from,
+every ready engine: all of them or none.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
-from services.common.clients import EngineClient, EngineInfo, EngineStats, PrefixMatch
+from services.common.clients import EngineClient, EngineInfo, EngineStats, LoRAState, PrefixMatch
 from services.common.config import RoutingConfig
 from services.common.discovery import Endpoint
-from services.common.errors import EngineDeadError
+from services.common.errors import EngineDeadError, InternalError, ModelNotFoundError
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.prefix_index.engines_index import EnginesPrefixIndex, ask_engines
 from services.prefix_index.index import PrefixIndex
+from services.processor.lora_affinity import STATE_MAX_AGE
 from services.processor.metrics import RouterMetrics
 from services.processor.migration import MIGRATABLE_ERRORS, EngineDeaths, Migration
 from services.processor.router import Route, Router
@@ -49,6 +57,13 @@ class EngineMember:
     healthy: bool = True  # its last health check said SERVING (assumed until checked)
     in_flight: int = 0  # engine requests streaming now
     info: EngineInfo | None = None  # its model, block size and index id, once asked (kv-aware routing)
+    # LoRA affinity: its last stats (its adapters) and when read (time.monotonic), and this
+    # processor's requests in flight on it by adapter.
+    stats: EngineStats | None = None
+    stats_read_at: float = float("-inf")
+    lora_in_flight: Counter[str] = field(default_factory=Counter)
+    lora_routed: set[str] = field(default_factory=set)  # sent it since its last stats read began
+    stats_refresh: asyncio.Task[None] | None = None
 
     @property
     def address(self) -> str:
@@ -113,7 +128,31 @@ class EngineSet:
         candidates = [m for m in ready if m.healthy] or ready
         if self.router.config.routing == "kv-aware" and len(candidates) > 1:
             await self._fetch_infos(candidates)
+        if request.lora_name is not None and len(candidates) > 1:
+            await self._refresh_stats(candidates)
         return await self.router.route(candidates, request)
+
+    async def _refresh_stats(self, members: Sequence[EngineMember]) -> None:
+        """Each member's stats (its adapters): read now the first time, within the index timeout;
+        later re-read in the background once older than STATE_MAX_AGE, the last read serving meanwhile."""
+        now = time.monotonic()
+        stale = [m for m in members if now - m.stats_read_at > STATE_MAX_AGE
+                 and (m.stats_refresh is None or m.stats_refresh.done())]
+        for member in stale:
+            member.stats_refresh = asyncio.create_task(self._read_stats(member))
+        unread = [m.stats_refresh for m in members if m.stats is None and m.stats_refresh is not None]
+        if unread:
+            await asyncio.wait(unread)
+
+    async def _read_stats(self, member: EngineMember) -> None:
+        routed = set(member.lora_routed)  # the engine's answer accounts for these
+        try:
+            member.stats = await asyncio.wait_for(member.client.stats(), self.index_timeout_s)
+        except (ConnectionError, TimeoutError, EngineDeadError, InternalError) as e:
+            logger.debug("engine %s: no stats: %s", member.address, e)
+        else:
+            member.lora_routed -= routed
+        member.stats_read_at = time.monotonic()
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         """One stream for `request`, moved to another engine when its engine dies mid-stream."""
@@ -163,6 +202,9 @@ class EngineSet:
         """`request`'s outputs from `member`, counted in its load and owned by it while they flow;
         `predicted` (the route's cached tokens, if it predicted) is checked against the first output."""
         member.in_flight += 1
+        if request.lora_name is not None:
+            member.lora_in_flight[request.lora_name] += 1
+            member.lora_routed.add(request.lora_name)
         self._owners[request.request_id] = member
         try:
             async with aclosing(member.client.generate(request)) as stream:  # closing early aborts it there
@@ -173,6 +215,10 @@ class EngineSet:
                     yield output
         finally:
             member.in_flight -= 1
+            if request.lora_name is not None:
+                member.lora_in_flight[request.lora_name] -= 1
+                if not member.lora_in_flight[request.lora_name]:
+                    del member.lora_in_flight[request.lora_name]
             self._retire_if_idle(member)
 
     async def match_prefix(self, block_hashes: Sequence[bytes]) -> PrefixMatch:
@@ -223,10 +269,55 @@ class EngineSet:
         return await ready[-1].client.info()
 
     async def stats(self) -> EngineStats:
-        """The ready engines' stats, summed."""
+        """The ready engines' stats, summed (their adapters joined)."""
         ready = [m for m in self.members.values() if m.ready]
         stats = await asyncio.gather(*(m.client.stats() for m in ready))
-        return EngineStats(**{f.name: sum(getattr(s, f.name) for s in stats) for f in fields(EngineStats)})
+        return EngineStats(**{f.name: sum(getattr(s, f.name) for s in stats) for f in fields(EngineStats)
+                              if f.name != "lora"}, lora=_joined([s.lora for s in stats if s.lora is not None]))
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """On every ready engine, or none: a failure unloads it from those that took it, and raises
+        the first engine's error (ValueError for a bad folder or a name in use)."""
+        ready = self._ready_or_fail()
+        results = await asyncio.gather(*(m.client.load_lora_adapter(lora_name, lora_path) for m in ready),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        self._forget_stats(ready)
+        if not failed:
+            return
+        loaded = [m for m, r in zip(ready, results) if not isinstance(r, BaseException)]
+        undone = await asyncio.gather(*(m.client.unload_lora_adapter(lora_name) for m in loaded),
+                                      return_exceptions=True)
+        for member, result in zip(loaded, undone):
+            if isinstance(result, BaseException):
+                logger.warning("engine %s keeps LoRA adapter %s after a failed load: %s", member.address,
+                               lora_name, result)
+        raise failed[0]
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """From every ready engine; ModelNotFoundError when none served it (an engine that restarted
+        since the load does not: that is no failure)."""
+        ready = self._ready_or_fail()
+        results = await asyncio.gather(*(m.client.unload_lora_adapter(lora_name) for m in ready),
+                                       return_exceptions=True)
+        self._forget_stats(ready)
+        errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, ModelNotFoundError)]
+        if errors:
+            raise errors[0]
+        if all(isinstance(r, ModelNotFoundError) for r in results):
+            raise ModelNotFoundError(lora_name)
+
+    def _ready_or_fail(self) -> list[EngineMember]:
+        ready = [m for m in self.members.values() if m.ready]
+        if not ready:
+            raise ConnectionError(f"no ready engine in service {self.service}")
+        return ready
+
+    @staticmethod
+    def _forget_stats(members: Sequence[EngineMember]) -> None:
+        """Their adapters changed: the next LoRA request reads them again."""
+        for member in members:
+            member.stats_read_at = float("-inf")
 
     async def is_healthy(self) -> bool:
         """True while at least one ready engine says SERVING; records each one's answer for choose()."""
@@ -239,6 +330,10 @@ class EngineSet:
         return any(m.healthy for m in ready)
 
     async def close(self) -> None:
+        refreshes = [m.stats_refresh for m in self.members.values() if m.stats_refresh is not None]
+        for task in refreshes:
+            task.cancel()
+        await asyncio.gather(*refreshes, return_exceptions=True)
         await asyncio.gather(*(m.client.close() for m in self.members.values()), *self._closing)
         self.members.clear()
 
@@ -250,3 +345,15 @@ class EngineSet:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
         logger.info("engine %s retired", member.endpoint.address)
+
+
+def _joined(states: Sequence[LoRAState]) -> LoRAState | None:
+    """The adapters of several engines as one pool's (None: none has LoRA on)."""
+    if not states:
+        return None
+
+    def union(name: str) -> tuple[str, ...]:
+        return tuple(sorted({a for s in states for a in getattr(s, name)}))
+
+    return LoRAState(union("adapters"), union("running"), union("waiting"), union("loaded"),
+                     sum(s.max_loras for s in states), sum(s.num_deferred for s in states))

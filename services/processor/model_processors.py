@@ -6,7 +6,8 @@ template and pool of engines), each call handed to the one its `model` names.
 
 A call that names no model goes to the first; one naming a LoRA adapter goes to its base model's, the
 adapter's name as the request's lora_name; one naming a model not served is ModelNotFoundError
-(NOT_FOUND on the wire). A `ProcessorClient` itself, so the servicer is the same over one model or several.
+(NOT_FOUND on the wire). Adapters loaded at run time join the table once every engine of their base
+model took them, and leave it at once when unloaded. A `ProcessorClient` itself, so the servicer is the same over one model or several.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class ModelProcessors:
         self.processors = dict(processors)
         self.adapters = dict(adapters or {})
         self.default = next(iter(self.processors))
+        # One load or unload at a time: two loads of one name must not both pass the check below,
+        # and the loser's rollback unload the winner's adapter.
+        self._lora_lock = asyncio.Lock()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -60,6 +64,29 @@ class ModelProcessors:
 
     async def model_info(self, model: str = "") -> EngineInfo:
         return await self.of(model).model_info()
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, base_model_name: str = "") -> None:
+        if not lora_name or not lora_path:
+            raise ValueError("Both 'lora_name' and 'lora_path' must be provided.")
+        base = base_model_name or self.default
+        if base not in self.processors:
+            raise ModelNotFoundError(base)
+        async with self._lora_lock:
+            if lora_name in self.processors or lora_name in self.adapters:
+                raise ValueError(f"The lora adapter '{lora_name}' has already been loaded.")
+            await self.processors[base].engine.load_lora_adapter(lora_name, lora_path)
+            self.adapters[lora_name] = base
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        async with self._lora_lock:
+            base = self.adapters.get(lora_name)
+            if base is None:
+                raise ModelNotFoundError(lora_name)
+            del self.adapters[lora_name]  # no new request for it, whatever the engines answer
+            try:
+                await self.processors[base].engine.unload_lora_adapter(lora_name)
+            except ModelNotFoundError:  # its engines restarted since: nothing left to unload
+                pass
 
     async def is_healthy(self) -> bool:
         """True while some model has a healthy engine: a model whose engines are all down answers

@@ -108,5 +108,11 @@ class PrefillDecider:
     async def match_prefix(self, block_hashes: Sequence[bytes]) -> PrefixMatch:
         return await self.decode.match_prefix(block_hashes)
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        await self.decode.load_lora_adapter(lora_name, lora_path)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await self.decode.unload_lora_adapter(lora_name)
+
     async def close(self) -> None:
         await self.decode.close()

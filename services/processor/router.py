@@ -14,6 +14,9 @@ kv-aware, in order:
     no candidate holds the prompt's first block      -> least-load                 (no_hit)
     else                                             -> the lowest cost            (prefix_hit)
 
+A request for a LoRA adapter is routed among the engines holding it, under every policy but
+round-robin (services/processor/lora_affinity.py); `lora_affinity` when that leaves one.
+
 "Queued" is the larger of what this processor has in flight on the engine and what the engine last
 told the index (running + waiting, every processor's requests). Those loads change with heartbeats
 (every heartbeat_ttl / 3), so they are read from the index at most every `states_max_age` seconds, in
@@ -37,6 +40,7 @@ from services.common.config import RoutingConfig
 from services.common.engine_output import EngineCoreRequest
 from services.common.hashing import BlockHash, hash_token_blocks
 from services.prefix_index.index import EngineState, PrefixIndex
+from services.processor.lora_affinity import LoRACandidate, adapter_candidates
 from services.processor.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
@@ -45,13 +49,13 @@ logger = logging.getLogger(__name__)
 # Why each policy chooses what it chooses: the `reason` label of kvmesh_router_decisions_total.
 REASONS = {
     "round-robin": ("only_one", "round_robin"),
-    "least-load": ("only_one", "least_load"),
-    "session": ("only_one", "session", "least_load"),
-    "kv-aware": ("only_one", "imbalance", "no_index", "index_down", "no_hit", "prefix_hit"),
+    "least-load": ("only_one", "lora_affinity", "least_load"),
+    "session": ("only_one", "lora_affinity", "session", "least_load"),
+    "kv-aware": ("only_one", "lora_affinity", "imbalance", "no_index", "index_down", "no_hit", "prefix_hit"),
 }
 
 
-class Candidate(Protocol):
+class Candidate(LoRACandidate, Protocol):
     """What the router reads of an engine (services/processor/engine_set.py EngineMember)."""
 
     @property
@@ -111,8 +115,11 @@ class Router:
         start = time.perf_counter()
         candidates = sorted(candidates, key=lambda c: c.address)  # a stable order for turns and ties
         policy = self.config.routing
+        affine = len(candidates) > 1 and request.lora_name is not None and policy != "round-robin"
+        if affine:
+            candidates = adapter_candidates(candidates, request.lora_name, self.config.routing_imbalance)
         if len(candidates) == 1:
-            route = Route(candidates[0], "only_one", None)
+            route = Route(candidates[0], "lora_affinity" if affine else "only_one", None)
         elif policy == "round-robin":
             route = Route(self._in_turn(candidates), "round_robin", None)
         elif policy == "least-load" or (policy == "session" and not request.session_id):

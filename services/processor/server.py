@@ -61,7 +61,7 @@ from services.common.metrics import GrpcMetrics, MetricsEndpoint, ServiceMetrics
 from services.common.model_files import model_id_of, resolve_tokenizer
 from services.common.ports import DEFAULT_PORTS, default_address
 from services.common.rpc import convert
-from services.common.rpc.kvmesh.v1 import processor_pb2, processor_pb2_grpc
+from services.common.rpc.kvmesh.v1 import engine_pb2, processor_pb2, processor_pb2_grpc
 from services.common.rpc.security import PROCESSOR, RpcSecurity
 from services.common.rpc.server import RpcServer, service_name
 from services.engine.client import GrpcEngineClient
@@ -121,6 +121,17 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
     @answers_with_status
     async def GetModelInfo(self, request: processor_pb2.GetModelInfoRequest, context):
         return convert.engine_info_to_proto(await self.processor.model_info(request.model))
+
+    @answers_with_status
+    async def LoadLoRAAdapter(self, request: processor_pb2.LoadLoRAAdapterCall, context):
+        await self.processor.load_lora_adapter(request.adapter.lora_name, request.adapter.lora_path,
+                                               request.base_model_name)
+        return engine_pb2.LoadLoRAAdapterResponse()
+
+    @answers_with_status
+    async def UnloadLoRAAdapter(self, request: engine_pb2.UnloadLoRAAdapterRequest, context):
+        await self.processor.unload_lora_adapter(request.lora_name)
+        return engine_pb2.UnloadLoRAAdapterResponse()
 
 
 async def wait_for_engine(engine: EngineClient, timeout: float) -> EngineInfo:

@@ -65,6 +65,9 @@ class ModelRunner:
         # all-reduces add up token by token). A set's order differs between processes.
         for req_id in sorted(out.finished_req_ids):
             self.batch.remove(req_id)
+        for lora_id in out.removed_lora_ids:  # after their last requests left the batch
+            if self.lora is not None:
+                self.lora.remove(lora_id)
         for new in out.scheduled_new_reqs:
             try:
                 self._add(new)

@@ -35,7 +35,7 @@ from typing import TypeVar
 import grpc
 
 from services.common.clients import WorkerClient
-from services.common.config import (CacheConfig, DisaggregationConfig, LoRAConfig, ModelConfig, ParallelConfig,
+from services.common.config import (GATEWAY_LORA_FIELDS, CacheConfig, DisaggregationConfig, LoRAConfig, ModelConfig, ParallelConfig,
                                    SecurityConfig, ServingConfig, WorkerConfig)
 from services.common.errors import EngineDeadError, answers_with_status
 from services.common.flags import add_flags, build
@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_flags(parser, config_class, ENV_PREFIX)
     add_flags(parser, DisaggregationConfig, ENV_PREFIX, only=["kv_transfer_address", "kv_transfer_timeout"])
     add_flags(parser, ServingConfig, ENV_PREFIX, defaults={"port": DEFAULT_PORT, "metrics_port": DEFAULT_METRICS_PORT})
-    add_flags(parser, LoRAConfig, ENV_PREFIX)
+    add_flags(parser, LoRAConfig, ENV_PREFIX, exclude=GATEWAY_LORA_FIELDS)
     return parser
 
 

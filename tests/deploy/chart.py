@@ -20,7 +20,7 @@ NAMESPACE = "kvmesh"
 # The example values files, by the name of their golden output (None: the chart's defaults).
 EXAMPLES: dict[str, str | None] = {"default": None, "cpu": "values-cpu.yaml", "gpu": "values-gpu.yaml",
                                    "fleet": "values-fleet.yaml", "tp2": "values-tp2.yaml",
-                                   "pd": "values-pd.yaml", "models": "values-models.yaml"}
+                                   "pd": "values-pd.yaml", "models": "values-models.yaml", "lora": "values-lora.yaml"}
 # Not a manifest: the install message.
 NOTES = "templates/NOTES.txt"
 

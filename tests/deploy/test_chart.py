@@ -24,8 +24,9 @@ from kubernetes_validate.utils import schema_contents
 from services.cli import SERVICES
 from services.engine import server as engine_server
 from services.common.config import (DisaggregationConfig, EngineServiceConfig, FleetConfig, GatewayConfig,
-                                   PrefixIndexConfig, RoutingConfig)
+                                   LoRAConfig, PrefixIndexConfig, RoutingConfig)
 from services.common.flags import build
+from services.common.lora import LoRAModule
 from services.prefix_index.redis_index import REDIS_ACL_COMMANDS
 from tests.deploy.chart import CHART_DIR, EXAMPLES, GOLDEN_DIR, NAMESPACE, example_values, find, golden_manifest, manifest, objects, render
 from tests.services.procs import free_port
@@ -482,7 +483,7 @@ def test_an_existing_shared_token_goes_to_every_component() -> None:
 
 
 def test_each_install_draws_its_own_token() -> None:
-    tokens = {find(objects(render()), "Secret", "kvmesh-gateway-token")["data"]["token"] for _ in range(2)}
+    tokens = {find(objects(render(fresh=True)), "Secret", "kvmesh-gateway-token")["data"]["token"] for _ in range(2)}
     assert len(tokens) == 2
 
 
@@ -1053,3 +1054,31 @@ def test_the_charts_redis_acl_works_on_a_real_redis(tmp_path: Path) -> None:
     finally:
         server.kill()
         server.wait(10)
+
+
+def test_lora_adapters_reach_every_component_from_their_volume() -> None:
+    """values-lora.yaml: each service's own parser reads the flags the chart gives it; engines and
+    workers mount the adapters' claim read-only; without lora.enabled nothing of it renders."""
+    objs = objects(render(example_values("lora")))
+    modules = (LoRAModule("sql", "/adapters/sql"), LoRAModule("chat", "/adapters/chat"))
+    for component in COMPONENTS:
+        args = pod_spec(objs, component)["containers"][0]["args"]
+        parser = importlib.import_module(SERVICES[component]).build_parser()
+        lora = build(parser, LoRAConfig, parser.parse_args(args[1:]))
+        assert lora.enable_lora and lora.lora_modules == modules, component
+        sizes = (2, 16, 4 if component == "worker" else None) if component in ("engine", "worker") else (1, 16, None)
+        assert (lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) == sizes, component
+        assert lora.allow_runtime_lora_updating == (component == "gateway"), component
+    for component in ("engine", "worker"):
+        pod = pod_spec(objs, component)
+        volume = volume_of(pod, pod["containers"][0], "/adapters/sql")
+        assert volume["persistentVolumeClaim"] == {"claimName": "kvmesh-adapters", "readOnly": True}
+    for component in ("gateway", "processor"):
+        assert not [v for v in pod_spec(objs, component)["volumes"] if v["name"] == "lora-adapters"]
+    default = objects(render())
+    for component in COMPONENTS:
+        assert not [a for a in pod_spec(default, component)["containers"][0]["args"] if "lora" in a], component
+    for values in ({"lora": {"adapters": [{"name": "sql"}]}}, {"lora": {"maxLoras": 0}},
+                   {"lora": {"adaptors": []}}, {"lora": {"storage": {"mountPath": "adapters"}}}):
+        with pytest.raises(helm.HelmValuesError):
+            render(values)

@@ -197,6 +197,33 @@ def test_an_unknown_adapter_or_a_bad_folder_is_refused(llm: LLM, llama: Family, 
                 kv_cache_memory=KV_BLOCKS * llama.block_bytes)
 
 
+def test_an_adapter_loaded_at_run_time_runs_and_leaves_nothing_once_unloaded(
+        llm: LLM, adapters: dict[str, Adapter]) -> None:
+    """vLLM's load / unload: the engine registers the folder under a fresh id; unloaded while its
+    request runs, the request finishes with it, then the worker drops its slot, host memory and id."""
+    prompt = random_prompts((9,), seed=31)[0]
+    expected = tokens(llm.generate([prompt], SHORT, lora_request=adapters["c"].request))[0]
+    live = llm.engine.add_lora("live", str(adapters["c"].path))
+    assert live.lora_int_id not in {a.lora_int_id for a in adapters.values()}
+    request = llm.processor.make_requests("live-0", prompt, SHORT, lora_name="live")[0]
+    llm.engine.add_request(request)
+    got = [t for o in llm.engine.step() for t in o.new_token_ids]
+    assert live.lora_int_id in llm.worker.lora.slots.slot_ids and "live" in llm.engine.lora_state.loaded
+    llm.engine.remove_lora("live")
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'live'"):
+        llm.engine.check_request(llm.processor.make_requests("live-1", prompt, SHORT, lora_name="live")[0])
+    for _ in range(2 * SHORT.max_tokens):  # bounded: the request has max_tokens - 1 steps left
+        if not (llm.engine.has_unfinished_requests() or llm.engine.has_removed_loras()):
+            break
+        got += [t for o in llm.engine.step() for t in o.new_token_ids]
+    assert got == expected
+    lora = llm.worker.lora
+    assert live.lora_int_id not in lora.slots.slot_ids and live.lora_int_id not in lora.cache
+    assert live.lora_int_id not in lora._requests and live.lora_int_id not in llm.engine.lora_slots.loaded
+    assert "live" not in llm.engine.lora_state.adapters and "live" not in llm.engine.lora_state.loaded
+    llm.engine.check_integrity()
+
+
 @pytest.mark.slow  # a torch.distributed group of two worker processes
 def test_tensor_parallel_2_gives_the_tokens_of_size_1(llm: LLM, llama: Family, adapters: dict[str, Adapter]) -> None:
     prompts = random_prompts((9, 30), seed=9)

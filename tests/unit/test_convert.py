@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 
 import pytest
 
-from services.common.clients import EngineInfo, EngineStats, WorkerInfo
+from services.common.clients import EngineInfo, EngineStats, LoRAState, WorkerInfo
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput, TokenLogprobs
 from services.common.rpc import convert
@@ -69,6 +70,7 @@ def test_scheduler_output_round_trip():
         finished_req_ids={"x", "y"},
         num_preempted=1,
         grammar_bitmask=GrammarBitmask(["d", "a"], bytes(range(16))),
+        removed_lora_ids=[2, 7],
     )
     assert convert.scheduler_output_from_proto(convert.scheduler_output_to_proto(out)) == out
     empty = SchedulerOutput([], [], {}, 0)
@@ -119,6 +121,10 @@ def test_engine_output_round_trip(output: EngineCoreOutput):
 def test_stats_and_info_round_trip():
     stats = EngineStats(3, 4, 17, 1024, 2, 5000, 1234)
     assert convert.engine_stats_from_proto(convert.engine_stats_to_proto(stats)) == stats
+    stats = EngineStats(3, 4, 17, 1024, 2, 5000, 1234, LoRAState(("a", "b", "c"), ("a",), ("b",), ("a", "c"), 2, 1))
+    assert convert.engine_stats_from_proto(convert.engine_stats_to_proto(stats)) == stats
+    assert convert.engine_stats_from_proto(convert.engine_stats_to_proto(replace(stats, lora=LoRAState()))).lora \
+        == LoRAState()  # LoRA on, no adapter yet: not the same as off
     info = EngineInfo("smollm2", "/models/smollm2", 8192, 16, role="decode", kv_transfer_endpoints=("a:1/x", "b:2/y"))
     assert convert.engine_info_from_proto(convert.engine_info_to_proto(info)) == info
     worker = WorkerInfo("smollm2", "/models/smollm2", 49152, 8192, 16)
@@ -126,7 +132,7 @@ def test_stats_and_info_round_trip():
 
 
 @pytest.mark.parametrize("cls, message_type", [
-    (WorkerInfo, worker_pb2.WorkerInfo), (EngineInfo, engine_pb2.EngineInfo), (EngineStats, engine_pb2.EngineStats),
+    (WorkerInfo, worker_pb2.WorkerInfo), (EngineInfo, engine_pb2.EngineInfo), (LoRAState, engine_pb2.LoRAState),
 ])
 def test_conversions_by_name_cover_every_field_of_both_sides(cls, message_type):
     """fields_to_proto / fields_from_proto match fields by name: the two sides must name the same ones."""

@@ -6,20 +6,24 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from services.common.clients import EngineStats, LoRAState
 from services.common.config import LoRAConfig
+from services.common.errors import ModelNotFoundError
 from services.common.flags import add_flags, build, to_argv
 from services.common.hashing import hash_token_blocks
 from services.common.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoRAModule, LoRARequest, parse_lora_module
 from services.common.sampling_params import SamplingParams
-from services.engine.lora_registry import LoRARegistry, LoRAStepLimit
+from services.engine.lora_registry import LoRARegistry, LoRASlots, LoRAStepLimit
 from services.engine.request import Request
 from services.worker.lora.cpu_cache import AdapterCache
+from services.processor.lora_affinity import adapter_candidates
 from services.worker.lora.slots import SlotManager
 
 
@@ -140,3 +144,77 @@ def test_the_host_cache_keeps_the_most_recently_used(tmp_path: Path) -> None:
     assert torch.equal(weights[1], torch.full((8, 2), 2.0))  # B with the scaling folded in
     with pytest.raises(ValueError, match="LoRA adapter id 1 is .*/a on this worker, not /elsewhere"):
         cache.get(LoRARequest("a", 1, "/elsewhere"))
+
+
+def test_the_registry_loads_under_fresh_ids_and_removes_by_name() -> None:
+    registry = LoRARegistry([LoRAModule("a", "/a"), LoRAModule("b", "/b")])
+    assert registry.load("c", "/c") == LoRARequest("c", 3, "/c")
+    with pytest.raises(ValueError, match="The lora adapter 'c' has already been loaded."):
+        registry.load("c", "/elsewhere")
+    assert registry.remove("c") == LoRARequest("c", 3, "/c")
+    with pytest.raises(ModelNotFoundError, match="c"):
+        registry.remove("c")
+    # Its id is never given again: a worker knows id 3 by its folder until told it is gone.
+    assert registry.load("c", "/c2") == LoRARequest("c", 4, "/c2")
+    assert registry.names == ("a", "b", "c")
+
+
+def test_the_engine_replays_the_workers_slots_and_frees_an_unloaded_adapters() -> None:
+    worker, engine = SlotManager(2), LoRASlots(2)
+    for step in ([2, 1], [3], [1, 3], [4]):
+        held = worker.assign(sorted(step), lambda slot, lora_id: None)
+        engine.step(step)
+        assert set(engine.loaded) == set(held) | {i for i in worker.slot_ids if i is not None}
+        assert sorted(engine.loaded) == sorted(i for i in worker.slot_ids if i is not None)
+    assert worker.release(4) and not worker.release(4)
+    engine.remove(4)
+    assert worker.slot_ids.count(None) == 1 and 4 not in engine.loaded
+    assert worker.assign([5], lambda slot, lora_id: None) == {5: worker.slot_ids.index(5)}
+    assert worker.slot_ids.count(None) == 0  # the freed slot, not the other adapter's
+
+
+def test_the_host_cache_forgets_an_unloaded_adapter(tmp_path: Path) -> None:
+    save_tiny_adapter(tmp_path / "a")
+    save_tiny_adapter(tmp_path / "b")
+    cache = AdapterCache(2, 4, BASE)
+    cache.get(LoRARequest("a", 1, str(tmp_path / "a")))
+    cache.remove(1)
+    assert 1 not in cache and len(cache) == 0
+    cache.get(LoRARequest("a", 1, str(tmp_path / "b")))  # the id may come back with another folder
+    assert 1 in cache
+
+
+@dataclass
+class Engine:
+    """An EngineMember as the affinity reads it."""
+
+    name: str
+    stats: EngineStats | None = None
+    in_flight: int = 0
+    lora_in_flight: dict[str, int] = field(default_factory=dict)
+    lora_routed: set[str] = field(default_factory=set)
+
+
+def reported(running: int = 0, adapters: tuple[str, ...] = ("a", "b"), loaded: tuple[str, ...] = (),
+             active: tuple[str, ...] = ()) -> EngineStats:
+    return EngineStats(running, 0, 0, 100, 0, 0, 0, LoRAState(adapters, active, (), loaded, max_loras=1))
+
+
+def names(engines: list[Engine]) -> list[str]:
+    return [e.name for e in engines]
+
+
+def test_adapter_affinity_prefers_the_engines_holding_it_until_load_says_otherwise() -> None:
+    x, y, z = Engine("x", reported(loaded=("a",))), Engine("y", reported()), Engine("z", reported(active=("b",)))
+    x.stats = reported(running=2, loaded=("a",))
+    assert names(adapter_candidates([x, y, z], "a", max_imbalance=2)) == ["x"]  # 2 more than the idlest: within
+    x.stats = reported(running=3, loaded=("a",))
+    # Too busy: every engine serving it, for the policy to pick (by load, y).
+    assert names(adapter_candidates([x, y, z], "a", max_imbalance=2)) == ["x", "y", "z"]
+    # Nobody holds it: the engines with a slot to spare (z runs `b` in its only slot).
+    assert names(adapter_candidates([y, z], "a", max_imbalance=2)) == ["y"]
+    # What this processor sent since the last report counts as held; an engine not serving it is left out.
+    z.lora_routed.add("a")
+    assert names(adapter_candidates([y, z], "a", max_imbalance=2)) == ["z"]
+    y.stats = reported(adapters=("b",))
+    assert names(adapter_candidates([y, Engine("new")], "a", max_imbalance=2)) == ["new"]

@@ -86,6 +86,8 @@ def test_every_method_has_exactly_the_callers_it_needs():
         "/kvmesh.v1.Processor/Generate": gateway, "/kvmesh.v1.Processor/GetModelInfo": gateway,
         "/kvmesh.v1.Processor/Tokenize": gateway, "/kvmesh.v1.Processor/Detokenize": gateway,
         "/kvmesh.v1.Processor/GetTokenizerInfo": gateway,
+        "/kvmesh.v1.Processor/LoadLoRAAdapter": gateway, "/kvmesh.v1.Processor/UnloadLoRAAdapter": gateway,
+        "/kvmesh.v1.Engine/LoadLoRAAdapter": processor, "/kvmesh.v1.Engine/UnloadLoRAAdapter": processor,
         "/kvmesh.v1.Engine/Generate": processor, "/kvmesh.v1.Engine/Abort": processor,
         "/kvmesh.v1.Engine/GetStats": processor, "/kvmesh.v1.Engine/MatchPrefix": processor,
         "/kvmesh.v1.Engine/GetInfo": {PROCESSOR, ENGINE},

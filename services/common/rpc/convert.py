@@ -22,6 +22,7 @@ from services.common.clients import (
     EngineStats,
     GenerateDelta,
     GenerateRequest,
+    LoRAState,
     PrefixMatch,
     Tokenized,
     TokenizeRequest,
@@ -139,6 +140,7 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.SchedulerOutpu
         num_preempted=out.num_preempted,
         grammar_req_ids=out.grammar_bitmask.req_ids if out.grammar_bitmask else (),
         grammar_bitmask=out.grammar_bitmask.bitmask if out.grammar_bitmask else b"",
+        removed_lora_ids=out.removed_lora_ids,
     )
 
 
@@ -174,6 +176,7 @@ def scheduler_output_from_proto(m: worker_pb2.SchedulerOutput) -> SchedulerOutpu
         finished_req_ids=set(m.finished_req_ids),
         num_preempted=m.num_preempted,
         grammar_bitmask=GrammarBitmask(list(m.grammar_req_ids), m.grammar_bitmask) if m.grammar_req_ids else None,
+        removed_lora_ids=list(m.removed_lora_ids),
     )
 
 
@@ -291,11 +294,15 @@ def engine_output_from_proto(m: engine_pb2.EngineOutput) -> EngineCoreOutput:
 
 
 def engine_stats_to_proto(s: EngineStats) -> engine_pb2.EngineStats:
-    return fields_to_proto(s, engine_pb2.EngineStats)
+    lora = None if s.lora is None else fields_to_proto(s.lora, engine_pb2.LoRAState)
+    return engine_pb2.EngineStats(**{f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "lora"},
+                                  lora=lora)
 
 
 def engine_stats_from_proto(m: engine_pb2.EngineStats) -> EngineStats:
-    return fields_from_proto(m, EngineStats)
+    lora = fields_from_proto(m.lora, LoRAState) if m.HasField("lora") else None
+    return EngineStats(**{f.name: getattr(m, f.name) for f in dataclasses.fields(EngineStats) if f.name != "lora"},
+                       lora=lora)
 
 
 def engine_info_to_proto(info: EngineInfo) -> engine_pb2.EngineInfo:

@@ -39,3 +39,8 @@ class AdapterCache:
         while len(self._adapters) > self.capacity:
             self._adapters.popitem(last=False)
         return weights
+
+    def remove(self, lora_id: int) -> None:
+        """Forget an unloaded adapter: its weights and its folder (the id may come back with another)."""
+        self._adapters.pop(lora_id, None)
+        self._paths.pop(lora_id, None)

@@ -3,6 +3,7 @@ request segments to slots (`LoRAMapping`, in the forward context for the LoRA la
 
     LoRAManager.wrap(model, ...)         LoRA layers around the model's projections
     manager.add(lora_request)            a new request's adapter, loaded once (ValueError: it fails alone)
+    manager.remove(lora_id)              an unloaded adapter: slot, host memory and id dropped
     manager.mapping(lora_ids, query_start_loc) -> LoRAMapping | None   once per step; None: no adapter
 """
 
@@ -41,6 +42,18 @@ class LoRAManager:
         """Load a new request's adapter (ValueError for a bad folder or a clashing id)."""
         self.cache.get(lora)
         self._requests[lora.lora_int_id] = lora
+
+    def remove(self, lora_id: int) -> None:
+        """Drop an unloaded adapter: its slot, its host memory, how to load it. No request of the
+        batch runs with it (the engine sends the removal once the last one finished)."""
+        self.slots.release(lora_id)
+        self.cache.remove(lora_id)
+        self._requests.pop(lora_id, None)
+
+    @property
+    def num_held(self) -> tuple[int, int, int]:
+        """Adapters in slots, in host memory, and known by id: all 0 once every one is unloaded."""
+        return (sum(i is not None for i in self.slots.slot_ids), len(self.cache), len(self._requests))
 
     def mapping(self, lora_ids: np.ndarray, query_start_loc: torch.Tensor) -> LoRAMapping | None:
         """The step's mapping for requests running with adapters `lora_ids` ([num_reqs], 0: none) in

@@ -32,3 +32,13 @@ class SlotManager:
         for slot in slots.values():
             self._last_used[slot] = self._step
         return slots
+
+    def release(self, lora_id: int) -> bool:
+        """Free the slot of an unloaded adapter (the next adapter takes a free slot first); whether
+        it held one."""
+        if lora_id not in self.slot_ids:
+            return False
+        slot = self.slot_ids.index(lora_id)
+        self.slot_ids[slot] = None
+        self._last_used[slot] = 0
+        return True

@@ -106,7 +106,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_used_blocks", "num_total_blocks", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("num_running", "num_waiting", "num_used_blocks", "num_total_blocks", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "lora")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class EngineStats(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_used_blocks: int
@@ -121,7 +122,46 @@ class EngineStats(_message.Message):
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    lora: LoRAState
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., lora: _Optional[_Union[LoRAState, _Mapping]] = ...) -> None: ...
+
+class LoRAState(_message.Message):
+    __slots__ = ("adapters", "running", "waiting", "loaded", "max_loras", "num_deferred")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    running: _containers.RepeatedScalarFieldContainer[str]
+    waiting: _containers.RepeatedScalarFieldContainer[str]
+    loaded: _containers.RepeatedScalarFieldContainer[str]
+    max_loras: int
+    num_deferred: int
+    def __init__(self, adapters: _Optional[_Iterable[str]] = ..., running: _Optional[_Iterable[str]] = ..., waiting: _Optional[_Iterable[str]] = ..., loaded: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., num_deferred: _Optional[int] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoadLoRAAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class GetEngineInfoRequest(_message.Message):
     __slots__ = ()

@@ -74,6 +74,16 @@ class EngineStub:
                 request_serializer=kvmesh_dot_v1_dot_engine__pb2.IdentityChallenge.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_engine__pb2.IdentityProof.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/kvmesh.v1.Engine/LoadLoRAAdapter',
+                request_serializer=kvmesh_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_engine__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/kvmesh.v1.Engine/UnloadLoRAAdapter',
+                request_serializer=kvmesh_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -137,6 +147,22 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """LoRA adapters at run time (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter): load
+        checks the folder and serves it under its name (INVALID_ARGUMENT for a bad folder or a name in
+        use); unload stops new requests naming it at once, lets those in flight finish, then frees its
+        slot and host memory in the workers (NOT_FOUND for a name not served).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +205,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.ProveIdentity,
                     request_deserializer=kvmesh_dot_v1_dot_engine__pb2.IdentityChallenge.FromString,
                     response_serializer=kvmesh_dot_v1_dot_engine__pb2.IdentityProof.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=kvmesh_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_engine__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=kvmesh_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +433,60 @@ class Engine:
             '/kvmesh.v1.Engine/ProveIdentity',
             kvmesh_dot_v1_dot_engine__pb2.IdentityChallenge.SerializeToString,
             kvmesh_dot_v1_dot_engine__pb2.IdentityProof.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Engine/LoadLoRAAdapter',
+            kvmesh_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            kvmesh_dot_v1_dot_engine__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Engine/UnloadLoRAAdapter',
+            kvmesh_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            kvmesh_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,6 +9,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoadLoRAAdapterCall(_message.Message):
+    __slots__ = ("adapter", "base_model_name")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    adapter: _engine_pb2.LoadLoRAAdapterRequest
+    base_model_name: str
+    def __init__(self, adapter: _Optional[_Union[_engine_pb2.LoadLoRAAdapterRequest, _Mapping]] = ..., base_model_name: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "params", "text", "token_ids", "chat", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens", "priority", "cache_salt", "truncate_prompt_tokens", "echo", "group_id", "session_id", "tenant_id", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

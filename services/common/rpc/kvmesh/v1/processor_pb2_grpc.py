@@ -60,6 +60,16 @@ class ProcessorStub:
                 request_serializer=kvmesh_dot_v1_dot_processor__pb2.GetTokenizerInfoRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_processor__pb2.TokenizerInfo.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/kvmesh.v1.Processor/LoadLoRAAdapter',
+                request_serializer=kvmesh_dot_v1_dot_processor__pb2.LoadLoRAAdapterCall.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_engine__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/kvmesh.v1.Processor/UnloadLoRAAdapter',
+                request_serializer=kvmesh_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class ProcessorServicer:
@@ -95,6 +105,20 @@ class ProcessorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """LoRA adapters at run time, on every engine of the base model's pool (the Engine RPCs of the
+        same names): a request may name the adapter as its model once loaded, and no longer once unloaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ProcessorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +146,16 @@ def add_ProcessorServicer_to_server(servicer, server):
                     servicer.GetTokenizerInfo,
                     request_deserializer=kvmesh_dot_v1_dot_processor__pb2.GetTokenizerInfoRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_processor__pb2.TokenizerInfo.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=kvmesh_dot_v1_dot_processor__pb2.LoadLoRAAdapterCall.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_engine__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=kvmesh_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +293,60 @@ class Processor:
             '/kvmesh.v1.Processor/GetTokenizerInfo',
             kvmesh_dot_v1_dot_processor__pb2.GetTokenizerInfoRequest.SerializeToString,
             kvmesh_dot_v1_dot_processor__pb2.TokenizerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Processor/LoadLoRAAdapter',
+            kvmesh_dot_v1_dot_processor__pb2.LoadLoRAAdapterCall.SerializeToString,
+            kvmesh_dot_v1_dot_engine__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Processor/UnloadLoRAAdapter',
+            kvmesh_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            kvmesh_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -122,7 +122,7 @@ class CachedRequests(_message.Message):
     def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerOutput(_message.Message):
-    __slots__ = ("scheduled_new_reqs", "scheduled_cached_reqs", "scheduled_req_ids", "num_scheduled_tokens", "total_num_scheduled_tokens", "finished_req_ids", "num_preempted", "grammar_req_ids", "grammar_bitmask")
+    __slots__ = ("scheduled_new_reqs", "scheduled_cached_reqs", "scheduled_req_ids", "num_scheduled_tokens", "total_num_scheduled_tokens", "finished_req_ids", "num_preempted", "grammar_req_ids", "grammar_bitmask", "removed_lora_ids")
     SCHEDULED_NEW_REQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_CACHED_REQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class SchedulerOutput(_message.Message):
     NUM_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_BITMASK_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_LORA_IDS_FIELD_NUMBER: _ClassVar[int]
     scheduled_new_reqs: _containers.RepeatedCompositeFieldContainer[NewRequestData]
     scheduled_cached_reqs: CachedRequests
     scheduled_req_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -141,7 +142,8 @@ class SchedulerOutput(_message.Message):
     num_preempted: int
     grammar_req_ids: _containers.RepeatedScalarFieldContainer[str]
     grammar_bitmask: bytes
-    def __init__(self, scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., total_num_scheduled_tokens: _Optional[int] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., num_preempted: _Optional[int] = ..., grammar_req_ids: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[bytes] = ...) -> None: ...
+    removed_lora_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., total_num_scheduled_tokens: _Optional[int] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., num_preempted: _Optional[int] = ..., grammar_req_ids: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[bytes] = ..., removed_lora_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelRunnerOutput(_message.Message):
     __slots__ = ("req_ids", "sampled_token_ids", "logprobs", "prompt_logprobs", "failed")

@@ -42,7 +42,7 @@ from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.prefix_index.engines_index import EnginesPrefixIndex, ask_engines
 from services.prefix_index.index import PrefixIndex
 from services.processor.lora_affinity import STATE_MAX_AGE
-from services.processor.metrics import RouterMetrics
+from services.processor.metrics import ModelRouterMetrics
 from services.processor.migration import MIGRATABLE_ERRORS, EngineDeaths, Migration
 from services.processor.router import Route, Router
 
@@ -82,7 +82,7 @@ class EngineSet:
 
     def __init__(self, service: str, connect: Callable[[str], EngineClient],
                  routing: RoutingConfig = RoutingConfig(), prefix_index: PrefixIndex | None = None,
-                 index_timeout_s: float = 0.5, metrics: RouterMetrics | None = None) -> None:
+                 index_timeout_s: float = 0.5, metrics: ModelRouterMetrics | None = None) -> None:
         self.service = service
         self._connect = connect  # address -> client (carries the per-call deadlines)
         self.max_migrations = routing.max_migrations  # RoutingConfig checked it

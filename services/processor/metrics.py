@@ -4,9 +4,9 @@ n choices into n engine requests: vllm:request_params_n and vllm:request_max_num
 (the most tokens any choice generated). Their labels are vLLM's less `engine`: a request's choices
 may run on different engines.
 
-The router's (kvmesh_router_*, RouterMetrics): its decisions by policy and reason, its latency, and how
-right it was: the cached tokens the engine reported in a request's first output minus the tokens the
-router predicted it would find cached.
+The router's (kvmesh_router_*, RouterMetrics), by model: its decisions by policy and reason, its
+latency, and how right it was: the cached tokens the engine reported in a request's first output minus
+the tokens the router predicted it would find cached.
 """
 
 from __future__ import annotations
@@ -31,27 +31,46 @@ PREDICTION_ERROR_BUCKETS = (*(-s for s in reversed(_ERROR_STEPS)), 0, *_ERROR_ST
 
 
 class RouterMetrics:
-    def __init__(self, service: ServiceMetrics, policy: str | None = None, reasons: Sequence[str] = ()) -> None:
-        """`policy` and its `reasons` (services/processor/router.py REASONS) are exported at 0 from the
-        start, so that dashboards and alerts see the series before the first decision."""
-        registry, component = service.registry, service.grpc.component
+    """The router's metric families in one registry, labelled by model (each pool routes its own
+    model's requests); `of(model_name)` is one model's view, what a pool's router records through."""
+
+    def __init__(self, service: ServiceMetrics, policy: str | None = None, reasons: Sequence[str] = (),
+                 models: Sequence[str] = ()) -> None:
+        """`policy` and its `reasons` (services/processor/router.py REASONS) are exported at 0 for each
+        of `models` from the start, so that dashboards and alerts see the series before the first decision."""
+        registry, self.component = service.registry, service.grpc.component
+        labels = [COMPONENT, "model_name"]
         self.decisions = Counter("kvmesh_router_decisions", "Engines chosen, by policy and reason",
-                                  [COMPONENT, "policy", "reason"], registry=registry)
-        self._component = component
-        for reason in reasons:
-            self.decisions.labels(component, policy, reason)
+                                 [*labels, "policy", "reason"], registry=registry)
         self.seconds = Histogram("kvmesh_router_seconds", "Time to choose an engine for one engine request "
-                                 "(prefix-index lookup included)", [COMPONENT], buckets=ROUTING_BUCKETS,
-                                 registry=registry).labels(component)
+                                 "(prefix-index lookup included)", labels, buckets=ROUTING_BUCKETS, registry=registry)
         self.prediction_error = Histogram(
             "kvmesh_router_prediction_error_tokens", "Cached tokens the engine reported for a request minus those "
-            "the router predicted", [COMPONENT], buckets=PREDICTION_ERROR_BUCKETS, registry=registry).labels(component)
+            "the router predicted", labels, buckets=PREDICTION_ERROR_BUCKETS, registry=registry)
         self.mispredictions = Counter(
             "kvmesh_router_mispredictions", "Requests whose reported cached tokens differed from the router's "
-            "prediction by more than one block", [COMPONENT], registry=registry).labels(component)
+            "prediction by more than one block", labels, registry=registry)
+        for model in models:
+            self.of(model)
+            for reason in reasons:
+                self.decisions.labels(self.component, model, policy, reason)
+
+    def of(self, model_name: str) -> ModelRouterMetrics:
+        return ModelRouterMetrics(self, model_name)
+
+
+class ModelRouterMetrics:
+    """One model's router metrics."""
+
+    def __init__(self, families: RouterMetrics, model_name: str) -> None:
+        labels = (families.component, model_name)
+        self.decisions, self._labels = families.decisions, labels  # the family: policy and reason vary
+        self.seconds = families.seconds.labels(*labels)
+        self.prediction_error = families.prediction_error.labels(*labels)
+        self.mispredictions = families.mispredictions.labels(*labels)
 
     def observe_decision(self, policy: str, reason: str, seconds: float) -> None:
-        self.decisions.labels(self._component, policy, reason).inc()
+        self.decisions.labels(*self._labels, policy, reason).inc()
         self.seconds.observe(seconds)
 
     def observe_prediction(self, predicted: int, actual: int, block_size: int) -> None:

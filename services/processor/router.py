@@ -41,7 +41,7 @@ from services.common.engine_output import EngineCoreRequest
 from services.common.hashing import BlockHash, hash_token_blocks
 from services.prefix_index.index import EngineState, PrefixIndex
 from services.processor.lora_affinity import LoRACandidate, adapter_candidates
-from services.processor.metrics import RouterMetrics
+from services.processor.metrics import ModelRouterMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ STATES_MAX_AGE = 0.25  # seconds; see the module docstring
 
 class Router:
     def __init__(self, config: RoutingConfig, index: PrefixIndex | None = None,
-                 index_timeout_s: float = 0.5, metrics: RouterMetrics | None = None,
+                 index_timeout_s: float = 0.5, metrics: ModelRouterMetrics | None = None,
                  states_max_age: float = STATES_MAX_AGE) -> None:
         """`states_max_age` 0: the engines' states are read with every lookup (tests that change loads)."""
         self.config = config

@@ -72,7 +72,7 @@ from services.processor.index_engines import IndexEngines
 from services.prefix_index.index import PrefixIndex
 from services.prefix_index.redis_index import RedisAccess
 from services.prefix_index.replica import PrefixIndexReplica
-from services.processor.metrics import DeciderMetrics, ProcessorMetrics, RouterMetrics
+from services.processor.metrics import DeciderMetrics, ModelRouterMetrics, ProcessorMetrics, RouterMetrics
 from services.processor.model_processors import ModelProcessors
 from services.processor.prefill_decider import OUTCOMES, PrefillDecider
 from services.common.rpc.convert import generate_delta_to_proto, generate_request_from_proto
@@ -156,14 +156,18 @@ class Routing(NamedTuple):
     disaggregation: DisaggregationConfig = DisaggregationConfig()  # prefill engines and the threshold
     decider_metrics: DeciderMetrics | None = None
 
+    def metrics_of(self, model: str) -> ModelRouterMetrics | None:
+        return None if self.metrics is None else self.metrics.of(model)
+
 
 @asynccontextmanager
 async def open_engines(config: ProcessorServiceConfig, metrics: GrpcMetrics | None = None,
-                       security: RpcSecurity = RpcSecurity(),
-                       routing: Routing = Routing()) -> AsyncIterator[EngineClient]:
+                       security: RpcSecurity = RpcSecurity(), routing: Routing = Routing(),
+                       model: str = "") -> AsyncIterator[EngineClient]:
     """The one engine at --engine-address, or an EngineSet over several, over the ready engines of
     --engine-service as they come and go, or over the index's live engines; every connection carries
-    `security`'s token (and mTLS). With --prefix-index, its expired engines are swept meanwhile."""
+    `security`'s token (and mTLS). With --prefix-index, its expired engines are swept meanwhile.
+    `model`: the served model's name, the router metrics' label."""
     connect = engine_connector(config, metrics, security)
     addresses = engine_addresses(config)
     async with AsyncExitStack() as stack:
@@ -174,7 +178,7 @@ async def open_engines(config: ProcessorServiceConfig, metrics: GrpcMetrics | No
             yield decide_prefill(engine, routing)
             return
         engines = EngineSet(config.engine_service or "engines", connect, routing.config, index,
-                            routing.index.prefix_index_timeout, routing.metrics)
+                            routing.index.prefix_index_timeout, routing.metrics_of(model))
         stack.push_async_callback(engines.close)
         await follow_engines(stack, config, index, engines.update, security)
         yield decide_prefill(engines, routing)
@@ -188,7 +192,7 @@ async def open_model_engines(config: ProcessorServiceConfig, models: Sequence[st
     Several: an EngineSet per model over the one discovery, each engine in the pool of the model it
     says it serves (services/processor/engine_pools.py)."""
     if len(models) == 1:
-        async with open_engines(config, metrics, security, routing) as engine:
+        async with open_engines(config, metrics, security, routing, models[0]) as engine:
             yield {models[0]: engine}
         return
     if routing.disaggregation.prefill_engine_address:
@@ -199,7 +203,7 @@ async def open_model_engines(config: ProcessorServiceConfig, models: Sequence[st
         index = await open_routing_index(stack, config, routing.index)
         pools = EnginePools({model: EngineSet(f"{config.engine_service or 'engines'} of {model}", connect,
                                               routing.config, index, routing.index.prefix_index_timeout,
-                                              routing.metrics)
+                                              routing.metrics_of(model))
                              for model in models}, lambda address: ask_model_name(connect, address))
         stack.push_async_callback(pools.close)
         await follow_engines(stack, config, index, pools.update, security)
@@ -439,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         return ProcessorMetrics.for_models(service_metrics, max_model_lens)
 
     async def run() -> None:
-        router_metrics = RouterMetrics(service_metrics, routing.routing, REASONS[routing.routing])
+        router_metrics = RouterMetrics(service_metrics, routing.routing, REASONS[routing.routing], fleet.names)
         decider_metrics = DeciderMetrics(service_metrics, OUTCOMES) if disaggregation.prefill_engine_address else None
         async with open_model_engines(service, fleet.names, service_metrics.grpc, security,
                                       Routing(routing, prefix_index, router_metrics, disaggregation,

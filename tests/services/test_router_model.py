@@ -47,7 +47,7 @@ async def fleet(model_path: Path) -> AsyncIterator[dict[str, ClosableEngine]]:
 
 
 async def test_prompts_sharing_a_prefix_follow_it_and_the_prediction_is_exact(fleet, tokenizer, model_path):
-    metrics = RouterMetrics(ServiceMetrics.create("processor"))
+    metrics = RouterMetrics(ServiceMetrics.create("processor")).of("smollm2")
     members = EngineSet("engines", fleet.__getitem__, RoutingConfig(), None, 5.0, metrics)
     members.update(frozenset({Endpoint(A), Endpoint(B)}))
     processor = AsyncProcessor(Processor.for_tokenizer(tokenizer, model_path, MAX_MODEL_LEN), members)

@@ -68,7 +68,7 @@ def pools_over(engines: dict[str, ClosableEngine], index: MemoryPrefixIndex) -> 
 
     def pool(model: str) -> EngineSet:
         members = EngineSet(f"engines of {model}", engines.__getitem__, RoutingConfig(routing="kv-aware"), index, 0.5,
-                            metrics)
+                            metrics.of(model))
         members.router.states_max_age = 0
         return members
 

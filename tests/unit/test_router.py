@@ -67,7 +67,7 @@ async def engines() -> AsyncIterator[dict[str, ClosableEngine]]:
 
 def engine_set(engines: dict[str, ClosableEngine], routing: str = "kv-aware", index=None,
                **config) -> EngineSet:
-    metrics = RouterMetrics(ServiceMetrics.create("processor"))
+    metrics = RouterMetrics(ServiceMetrics.create("processor")).of("smollm2")
     members = EngineSet("engines", engines.__getitem__, RoutingConfig(routing=routing, **config), index, 0.5,
                         metrics)
     members.router.states_max_age = 0  # these tests change loads between routes: read them every time
@@ -417,10 +417,15 @@ async def test_the_processor_sweeps_expired_engines() -> None:
 
 
 def test_every_reason_of_the_policy_is_exported_from_the_start() -> None:
-    metrics = RouterMetrics(ServiceMetrics.create("processor"), "kv-aware", REASONS["kv-aware"])
-    samples = {(s.labels["policy"], s.labels["reason"]): s.value for m in metrics.decisions.collect()
-               for s in m.samples if s.name.endswith("_total")}
-    assert samples == {("kv-aware", r): 0 for r in REASONS["kv-aware"]}
+    metrics = RouterMetrics(ServiceMetrics.create("processor"), "kv-aware", REASONS["kv-aware"], ["a", "b"])
+    samples = {(s.labels["model_name"], s.labels["policy"], s.labels["reason"]): s.value
+               for m in metrics.decisions.collect() for s in m.samples if s.name.endswith("_total")}
+    assert samples == {(model, "kv-aware", r): 0 for model in ("a", "b") for r in REASONS["kv-aware"]}
+    metrics.of("b").observe_decision("kv-aware", "prefix_hit", 0.001)
+    [decisions] = [m for m in metrics.decisions.collect()]
+    hits = {s.labels["model_name"]: s.value for s in decisions.samples
+            if s.name.endswith("_total") and s.labels["reason"] == "prefix_hit"}
+    assert hits == {"a": 0, "b": 1}
 
 
 def test_engine_sources_are_flags() -> None:

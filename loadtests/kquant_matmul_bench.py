@@ -2,14 +2,17 @@
 (kvmesh_kernels/cpu_quant_matmul.py, `matmul`: the row-ordered tiles) at decode (1 row) and 32 rows:
 microseconds a call and the weight bytes streamed per second, with torch's float32 `F.linear` beside.
 
-Shapes are SmolLM2-135M's down (576x1536) and gate / up (1536x576). A K-quant row holds whole
-256-weight super-blocks, so 576 columns cannot be Q4_K: gate / up is timed at 1536x768 for every type.
+Shapes (`--shapes`): `smollm2`, SmolLM2-135M's down (576x1536) and gate / up (1536x576); a K-quant
+row holds whole 256-weight super-blocks, so 576 columns cannot be Q4_K: gate / up is timed at 1536x768
+for every type. `gemma3`, Gemma 3 270M's Q4_K_M layers: o_proj (640x1024) and down (640x2048) in every
+K-quant, beside its gate / up (4096x640, Q8_0 in the file: 640 columns are not whole super-blocks).
 
 Weights are random blocks (sane float16 scales); as in a decode step the calls cycle through copies
 worth `--stream-mib` of float32, so each call reads its weight from memory, not a warm cache.
 
     .venv/bin/python -m loadtests.kquant_matmul_bench
     .venv/bin/python -m loadtests.kquant_matmul_bench --threads 1 --isa avx2 --rows 1 8 32
+    .venv/bin/python -m loadtests.kquant_matmul_bench --shapes gemma3 --rows 1 2 8 --threads 1
 """
 
 from __future__ import annotations
@@ -29,16 +32,22 @@ from kvmesh_kernels.cpu_quant_matmul import QuantType
 from loadtests.quant_matmul_bench import time_call
 from services.common.config import default_cache_dir
 
-SHAPES = (("down 576x1536", 576, 1536), ("gate / up 1536x768", 1536, 768))
-TYPES = (QuantType.Q4_1, QuantType.Q4_K, QuantType.Q6_K)
+K_TYPES = (QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K)
+# --shapes -> (label, rows, columns, the types timed beside Q4_1)
+SHAPES = {
+    "smollm2": (("down 576x1536", 576, 1536, (QuantType.Q4_K, QuantType.Q6_K)),
+                ("gate / up 1536x768", 1536, 768, (QuantType.Q4_K, QuantType.Q6_K))),
+    "gemma3": (("o_proj 640x1024", 640, 1024, K_TYPES), ("down 640x2048", 640, 2048, K_TYPES),
+               ("gate / up 4096x640", 4096, 640, (QuantType.Q8_0,))),
+}
 ROUNDS = 5
 
 
 def random_weight(n: int, k: int, qtype: QuantType, rng: np.random.Generator) -> torch.Tensor:
     """[n, row_bytes] blocks of random weights near unit size."""
-    if qtype == QuantType.Q4_1:
+    if qtype in (QuantType.Q4_1, QuantType.Q8_0):
         values = rng.standard_normal((n, k), dtype=np.float32)
-        blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_1)
+        blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType(qtype))
         return torch.from_numpy(blocks.view(np.uint8).reshape(n, -1))
     blocks = rng.integers(0, 256, size=(n, k // qm.K_BLOCK, qm.BLOCK_BYTES[qtype]), dtype=np.uint8)
     d = np.float16(1e-3).reshape(1).view(np.uint8)
@@ -58,6 +67,7 @@ def cpu_name() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 32], help="M values")
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2", help="whose weight shapes")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--isa", default="native", help="the kernel build: native, avx2, scalar")
     parser.add_argument("--seconds", type=float, default=1.0, help="timing per cell, over its rounds")
@@ -69,19 +79,20 @@ def main() -> None:
     print("| shape | type | M | torch fp32 µs | kernel µs | kernel GB/s | µs ÷ Q4_1's |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     rng = np.random.default_rng(0)
-    for label, n, k in SHAPES:
+    for label, n, k, kinds in SHAPES[args.shapes]:
+        types = (QuantType.Q4_1, *kinds)
         copies = max(2, args.stream_mib * 2**20 // (n * k * 4))
         floats = [torch.randn(n, k) for _ in range(copies)]
-        weights = {qtype: [random_weight(n, k, qtype, rng) for _ in range(copies)] for qtype in TYPES}
+        weights = {qtype: [random_weight(n, k, qtype, rng) for _ in range(copies)] for qtype in types}
         for m in args.rows:
             x = torch.randn(m, k)
-            calls = {qtype: functools.partial(_matmul, x, weights[qtype], qtype, k, lib) for qtype in TYPES}
+            calls = {qtype: functools.partial(_matmul, x, weights[qtype], qtype, k, lib) for qtype in types}
             calls[None] = lambda i: F.linear(x, floats[i])
             best = dict.fromkeys(calls, float("inf"))
             for _ in range(ROUNDS):  # the types interleaved, the best round each: a busy machine's noise
                 for key, call in calls.items():
                     best[key] = min(best[key], time_call(call, copies, args.seconds / ROUNDS))
-            for qtype in TYPES:
+            for qtype in types:
                 t = best[qtype]
                 print(f"| {label} | {qtype.name} | {m} | {best[None] * 1e6:.0f} | {t * 1e6:.0f} "
                       f"| {weights[qtype][0].numel() / t / 1e9:.1f} | {t / best[QuantType.Q4_1]:.2f} |", flush=True)

@@ -269,102 +269,82 @@ static inline __attribute__((always_inline)) void k_scales(const uint8_t *sb, co
 #endif
 }
 
-/* Sub-block s of super-block `sb` of type `type` as NV vectors of floats, in order, given the
- * super-block's `k_scales`. */
-static inline __attribute__((always_inline)) void load_kblock(vec out[NV], const uint8_t *sb, int s, const int type,
-                                                              const float *scales, const float *mins) {
+/* A super-block's 256 quants as bytes, in weight order: Q4_K's and Q5_K's q (0..31), Q6_K's q - 32
+ * (-32..31, signed). The vector paths take 32 bytes an instruction; shifts run in 16-bit lanes and the
+ * masks drop what crosses between a lane's two bytes. */
+static inline __attribute__((always_inline)) void k_quants(uint8_t q[QK_K], const uint8_t *sb, const int type) {
+#if ISA
+    const __m256i low = _mm256_set1_epi8(15);
     if (type == TYPE_Q6_K) {
-        const int h = s >> 2, t = s & 3, lshift = 4 * (t >> 1), hshift = 2 * t;
-        const uint8_t *ql = sb + 64 * h + 32 * (t & 1), *qh = sb + 128 + 32 * h;
-        const float *dsc = scales + 2 * s; /* weights j < 16, j >= 16 */
-#if ISA == 512
-        const __m128i lc = _mm_cvtsi32_si128(lshift), hc = _mm_cvtsi32_si128(hshift);
-        for (int i = 0; i < 2; i++) {
-            const __m512i l = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 16 * i)));
-            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16 * i)));
-            const __m512i q = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(l, lc), _mm512_set1_epi32(15)),
-                                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(u, hc), _mm512_set1_epi32(3)), 4));
-            out[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(32))), _mm512_set1_ps(dsc[i]));
+        const __m256i top = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+        for (int h = 0; h < 2; h++) { /* weights 128h ..: sub-blocks t = 0..3 of ql's and qh's halves */
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(sb + 64 * h));
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h));
+            const __m256i t[4] = {
+                _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top)),
+                _mm256_or_si256(_mm256_and_si256(b, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(hb, top)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low),
+                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), top))};
+            for (int i = 0; i < 4; i++)
+                _mm256_storeu_si256((__m256i *)(q + 128 * h + 32 * i), _mm256_sub_epi8(t[i], bias));
         }
-#elif ISA == 256
-        const __m128i lc = _mm_cvtsi32_si128(lshift), hc = _mm_cvtsi32_si128(hshift);
-        for (int i = 0; i < 4; i++) {
-            const __m256i l = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 8 * i)));
-            const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 8 * i)));
-            const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi32(l, lc), _mm256_set1_epi32(15)),
-                                              _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(u, hc), _mm256_set1_epi32(3)), 4));
-            out[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(32))), _mm256_set1_ps(dsc[i >> 1]));
-        }
-#else
-        for (int j = 0; j < QK; j++) {
-            const int q = ((ql[j] >> lshift) & 15) | (((qh[j] >> hshift) & 3) << 4);
-            out[j / VL].v[j % VL] = dsc[j >> 4] * (float)(q - 32);
-        }
-#endif
         return;
     }
-#if !ISA
-    /* Q4_K, Q5_K: the portable path (the vector ones take two sub-blocks at once, `load_kpair`) */
-    const float dsc = scales[s], dm = mins[s];
-    const int shift = 4 * (s & 1), with_high = type == TYPE_Q5_K;
-    const uint8_t *qh = sb + 16, *qs = sb + (with_high ? 48 : 16) + 32 * (s >> 1);
-    for (int j = 0; j < QK; j++) {
-        const int q = ((qs[j] >> shift) & 15) | (with_high ? ((qh[j] >> s) & 1) << 4 : 0);
-        out[j / VL].v[j % VL] = dsc * (float)q - dm;
+    const int with_high = type == TYPE_Q5_K;
+    const uint8_t *qs = sb + (with_high ? 48 : 16);
+    const __m256i hb = with_high ? _mm256_loadu_si256((const __m256i *)(sb + 16)) : _mm256_setzero_si256();
+    for (int p = 0; p < 4; p++) { /* sub-blocks 2p (low nibbles) and 2p + 1 (high) */
+        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+        __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+        if (with_high) { /* qh's bit s of byte j is bit 4 of sub-block s's q[j]: a compare makes it 16 or 0 */
+            const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * p))), b1 = _mm256_set1_epi8((char)(2 << (2 * p)));
+            const __m256i sixteen = _mm256_set1_epi8(16);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, b0), b0), sixteen));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, b1), b1), sixteen));
+        }
+        _mm256_storeu_si256((__m256i *)(q + 64 * p), lo);
+        _mm256_storeu_si256((__m256i *)(q + 64 * p + 32), hi);
     }
 #else
-    (void)mins; /* here only Q6_K's sub-blocks come one at a time */
+    if (type == TYPE_Q6_K) {
+        for (int s = 0; s < 8; s++) {
+            const int h = s >> 2, t = s & 3;
+            const uint8_t *ql = sb + 64 * h + 32 * (t & 1), *qh = sb + 128 + 32 * h;
+            for (int j = 0; j < QK; j++)
+                q[QK * s + j] = (uint8_t)((((ql[j] >> (4 * (t >> 1))) & 15) | (((qh[j] >> (2 * t)) & 3) << 4)) - 32);
+        }
+        return;
+    }
+    const int with_high = type == TYPE_Q5_K;
+    const uint8_t *qh = sb + 16, *qs = sb + (with_high ? 48 : 16);
+    for (int s = 0; s < 8; s++)
+        for (int j = 0; j < QK; j++)
+            q[QK * s + j] = (uint8_t)(((qs[32 * (s >> 1) + j] >> (4 * (s & 1))) & 15) |
+                                      (with_high ? ((qh[j] >> s) & 1) << 4 : 0));
 #endif
 }
 
-/* Sub-blocks 2p and 2p + 1 of super-block `sb` as 2 NV vectors, in order: Q4_K's and Q5_K's share
- * their 32 bytes of nibbles (low, then high), loaded and widened once. */
-static inline __attribute__((always_inline)) void load_kpair(vec out[2 * NV], const uint8_t *sb, int p, const int type,
-                                                             const float *scales, const float *mins) {
-    if (type == TYPE_Q6_K) {
-        load_kblock(out, sb, 2 * p, type, scales, mins);
-        load_kblock(out + NV, sb, 2 * p + 1, type, scales, mins);
-        return;
-    }
-#if ISA
-    const int with_high = type == TYPE_Q5_K;
-    const uint8_t *qh = sb + 16, *qs = sb + (with_high ? 48 : 16) + 32 * p;
-#endif
+/* Weights 32 s + VL i .. + VL of a super-block as one vector, from its `k_quants` and `k_scales`. */
+static inline __attribute__((always_inline)) vec k_weights(const uint8_t *q, int s, int i, const int type,
+                                                           const float *dsc, const float *dm) {
+    const int j = QK * s + VL * i;
 #if ISA == 512
-    const __m128i hc = _mm_cvtsi32_si128(2 * p);
-    const __m512 d0 = _mm512_set1_ps(scales[2 * p]), m0 = _mm512_set1_ps(-mins[2 * p]);
-    const __m512 d1 = _mm512_set1_ps(scales[2 * p + 1]), m1 = _mm512_set1_ps(-mins[2 * p + 1]);
-    const __m512i low = _mm512_set1_epi32(15), one = _mm512_set1_epi32(1);
-    for (int i = 0; i < 2; i++) {
-        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16 * i)));
-        __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_srli_epi32(bytes, 4);
-        if (with_high) {
-            const __m512i h = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16 * i))), hc);
-            lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(h, one), 4));
-            hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 1), one), 4));
-        }
-        out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d0, m0);
-        out[NV + i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d1, m1);
-    }
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + j));
+    if (type == TYPE_Q6_K)
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), _mm512_set1_ps(dsc[j / 16]));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), _mm512_set1_ps(dsc[s]), _mm512_set1_ps(-dm[s]));
 #elif ISA == 256
-    const __m128i hc = _mm_cvtsi32_si128(2 * p);
-    const __m256 d0 = _mm256_set1_ps(scales[2 * p]), m0 = _mm256_set1_ps(-mins[2 * p]);
-    const __m256 d1 = _mm256_set1_ps(scales[2 * p + 1]), m1 = _mm256_set1_ps(-mins[2 * p + 1]);
-    const __m256i low = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
-    for (int i = 0; i < 4; i++) {
-        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * i)));
-        __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_srli_epi32(bytes, 4);
-        if (with_high) {
-            const __m256i h = _mm256_srl_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 8 * i))), hc);
-            lo = _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(h, one), 4));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 1), one), 4));
-        }
-        out[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), d0, m0);
-        out[NV + i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), d1, m1);
-    }
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + j));
+    if (type == TYPE_Q6_K)
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_set1_ps(dsc[j / 16]));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), _mm256_set1_ps(dsc[s]), _mm256_set1_ps(-dm[s]));
 #else
-    load_kblock(out, sb, 2 * p, type, scales, mins);
-    load_kblock(out + NV, sb, 2 * p + 1, type, scales, mins);
+    vec r;
+    for (int l = 0; l < VL; l++)
+        r.v[l] = type == TYPE_Q6_K ? dsc[(j + l) / 16] * (float)(int8_t)q[j + l] : dsc[s] * (float)q[j + l] - dm[s];
+    return r;
 #endif
 }
 
@@ -391,12 +371,11 @@ static inline __attribute__((always_inline)) void dequantize_row_t(float *dst, c
     if (IS_K(type)) { /* block_bytes: a super-block's */
         for (int64_t sb = 0; sb < k / QK_K; sb++) {
             float scales[16], mins[8];
+            uint8_t q[QK_K] __attribute__((aligned(32)));
             k_scales(src + sb * block_bytes, type, scales, mins);
-            for (int p = 0; p < 4; p++) {
-                vec v[2 * NV];
-                load_kpair(v, src + sb * block_bytes, p, type, scales, mins);
-                for (int i = 0; i < 2 * NV; i++) vstore(dst + sb * QK_K + p * 2 * QK + i * VL, v[i]);
-            }
+            k_quants(q, src + sb * block_bytes, type);
+            for (int s = 0; s < QK_K / QK; s++)
+                for (int i = 0; i < NV; i++) vstore(dst + sb * QK_K + s * QK + i * VL, k_weights(q, s, i, type, scales, mins));
         }
         return;
     }
@@ -469,31 +448,48 @@ static inline __attribute__((always_inline)) void tile(
         store_sums(y + r * ldy, acc[r], nr);
 }
 
-/* tile_blocks for the K-quants (block_bytes: a super-block's): two sub-blocks a step, a super-block's
- * scales decoded once per row, then the same sums in the same order as `tile` over `dequantize_row`. */
-static inline __attribute__((always_inline)) void tile_kblocks(
+/* The K-quant tile for M <= MR (M > MR: `dequantize_row`, then `tile`). A panel's super-block is
+ * unpacked once for its nr rows (`k_unpack`: bytes and scales), then dequantized in registers a
+ * vector at a time, the nr rows' vectors alternating. Each lane sums its products in k order, as
+ * `tile` does over `dequantize_row`: the same floats whatever M. */
+typedef struct {
+    uint8_t q[NR][QK_K];          /* `k_quants` of each row */
+    float dsc[NR][16], dm[NR][8]; /* `k_scales` of each row */
+} ksuper;
+
+static inline __attribute__((always_inline)) void k_unpack(ksuper *u, const uint8_t *w, int64_t row_bytes, const int nr,
+                                                           const int type) {
+    for (int c = 0; c < nr; c++) {
+        k_scales(w + c * row_bytes, type, u->dsc[c], u->dm[c]);
+        k_quants(u->q[c], w + c * row_bytes, type);
+    }
+}
+
+/* `tile_blocks` for the K-quants (block_bytes: a super-block's), M <= MR. */
+static inline __attribute__((always_inline)) void ktile_direct(
     float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t k,
     const int mr, const int nr, const int type, const int64_t block_bytes, const uint8_t *pf)
 {
     vec acc[MR][NR];
-    float scales[NR][16], mins[NR][8];
+    ksuper u __attribute__((aligned(32)));
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < nr; c++) acc[r][c] = VZERO();
     for (int64_t sb = 0; sb < k / QK_K; sb++) {
         for (int64_t o = 0; o < NR * block_bytes; o += 64) PREFETCH(pf + sb * NR * block_bytes + o);
-        for (int c = 0; c < nr; c++) k_scales(w + c * row_bytes + sb * block_bytes, type, scales[c], mins[c]);
-        for (int p = 0; p < 4; p++) {
-            const float *xp = x + sb * QK_K + p * 2 * QK;
-            /* unrolled, so that acc stays in registers (GCC otherwise keeps this larger body rolled and
-             * the accumulators on the stack) */
-#pragma GCC unroll 4
-            for (int c = 0; c < nr; c++) {
-                vec wv[2 * NV];
-                load_kpair(wv, w + c * row_bytes + sb * block_bytes, p, type, scales[c], mins[c]);
-                for (int i = 0; i < 2 * NV; i++)
-                    for (int r = 0; r < mr; r++) acc[r][c] = VFMA(VLOAD(xp + r * ldx + i * VL), wv[i], acc[r][c]);
+        k_unpack(&u, w + sb * block_bytes, row_bytes, nr, type);
+        const float *xs = x + sb * QK_K;
+        for (int s = 0; s < QK_K / QK; s++)
+            for (int i = 0; i < NV; i++) {
+                vec xv[MR];
+                for (int r = 0; r < mr; r++) {
+                    xv[r] = VLOAD(xs + r * ldx + s * QK + i * VL);
+                    IN_REGISTER(xv[r]);
+                }
+                for (int c = 0; c < nr; c++) {
+                    const vec wv = k_weights(u.q[c], s, i, type, u.dsc[c], u.dm[c]);
+                    for (int r = 0; r < mr; r++) acc[r][c] = VFMA(xv[r], wv, acc[r][c]);
+                }
             }
-        }
     }
     for (int r = 0; r < mr; r++)
         store_sums(y + r * ldy, acc[r], nr);
@@ -508,7 +504,7 @@ static inline __attribute__((always_inline)) void tile_blocks(
     const int mr, const int nr, const int type, const int64_t block_bytes, const uint8_t *pf)
 {
     if (IS_K(type)) {
-        tile_kblocks(y, ldy, x, ldx, w, row_bytes, k, mr, nr, type, block_bytes, pf);
+        ktile_direct(y, ldy, x, ldx, w, row_bytes, k, mr, nr, type, block_bytes, pf);
         return;
     }
     vec acc[MR][NR];

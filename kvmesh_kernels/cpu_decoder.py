@@ -1,11 +1,12 @@
 """The decoder stack in one native call (kvmesh_kernels/cpu/decoder.c): the CPU's small steps (decodes, short
 chunks) call every layer's kernels from C instead of from ~10 Python modules per layer, bit for bit
-the same kernels, arguments, thread counts and order, so the same result.
+the same kernels, arguments, thread counts and order, so the same result. Two layouts of a layer:
+Llama's and Gemma 3's (`Layout`).
 
     ops()          the kernels' entry points (quant_matmul, fused_ops, paged_decode_attention), as
                    the struct the driver calls through; None until all of them are built
     Weight, Layer  a layer's weights (GGUF blocks, row order or packed) and KV cache, as C structs
-    Dims           the model's sizes and the thread rule
+    Dims           the model's layout, sizes and the thread rule
     forward        one step: embeddings in, the final RMSNorm's output out
 
 The caller (services/worker/native_decoder.py) builds the Layer array once and decides per step
@@ -15,6 +16,8 @@ whether the step is one this path takes.
 from __future__ import annotations
 
 import ctypes
+import enum
+from collections.abc import Sequence
 
 import torch
 
@@ -24,11 +27,18 @@ from kvmesh_kernels.native import FAST_MATH
 _P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 _NAME = "decoder"
 _BASE_FLAGS = ("-O3", *FAST_MATH, "-ffp-contract=off")
+MAX_ROPE_TABLES = 2  # Gemma 3's: one for its sliding-window layers, one for its global ones
 
 
 class Ops(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("matmul", "matmul_packed", "rms_norm", "add_rms_norm", "rope", "kv_write",
-                                        "attention", "silu_and_mul")]
+                                        "attention", "silu_and_mul", "gelu_tanh_and_mul")]
+
+
+class Layout(enum.IntEnum):
+    """A layer's sequence of kernels (decoder.c's LAYOUT_*)."""
+    LLAMA = 0
+    GEMMA3 = 1
 
 
 class Weight(ctypes.Structure):
@@ -37,19 +47,21 @@ class Weight(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", Weight), ("o", Weight), ("gate_up", Weight),
-                ("down", Weight), ("k_cache", _P), ("v_cache", _P), ("sliding_window", _I32)]
+    """Llama's layer leaves Gemma 3's four extra norms NULL."""
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("pre_ffw_norm", _P), ("post_ffw_norm", _P), ("q_norm", _P),
+                ("k_norm", _P), ("qkv", Weight), ("o", Weight), ("gate_up", Weight), ("down", Weight),
+                ("k_cache", _P), ("v_cache", _P), ("sliding_window", _I32), ("rope_table", _I32)]
 
 
 class Dims(ctypes.Structure):
-    _fields_ = [("hidden", _I32), ("num_heads", _I32), ("num_kv_heads", _I32), ("head_size", _I32), ("inter", _I32),
-                ("block_size", _I32), ("eps", _F), ("scale", _F), ("soft_cap", _F), ("num_threads", _I32),
+    _fields_ = [("layout", _I32), ("hidden", _I32), ("num_heads", _I32), ("num_kv_heads", _I32), ("head_size", _I32),
+                ("inter", _I32), ("block_size", _I32), ("eps", _F), ("scale", _F), ("soft_cap", _F), ("num_threads", _I32),
                 ("parallel_work", _I64)]
 
 
 class Step(ctypes.Structure):
-    _fields_ = [("num_tokens", _I64), ("cos_sin", _P), ("slot_mapping", _P), ("block_table", _P), ("seq_lens", _P),
-                ("seq_of_row", _P), ("max_blocks", _I32)]
+    _fields_ = [("num_tokens", _I64), ("cos_sin", _P * MAX_ROPE_TABLES), ("slot_mapping", _P), ("block_table", _P),
+                ("seq_lens", _P), ("seq_of_row", _P), ("max_blocks", _I32)]
 
 
 class Scratch(ctypes.Structure):
@@ -77,7 +89,7 @@ def ops() -> Ops | None:
     address = lambda fn: ctypes.cast(fn, _P).value  # noqa: E731
     return Ops(address(qm.quant_matmul), address(qm.quant_matmul_packed), address(fo.rms_norm),
                address(fo.add_rms_norm), address(fo.rope_inplace), address(fo.kv_write),
-               address(pa.paged_decode_attention), address(fo.silu_and_mul))
+               address(pa.paged_decode_attention), address(fo.silu_and_mul), address(fo.gelu_tanh_and_mul))
 
 
 def weight(block_weight, bias: torch.Tensor | None) -> Weight:
@@ -89,12 +101,15 @@ def weight(block_weight, bias: torch.Tensor | None) -> Weight:
 
 
 def forward(ops_: Ops, dims: Dims, layers: ctypes.Array, final_norm: torch.Tensor, hidden: torch.Tensor,
-            cos_sin: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-            seq_of_row: torch.Tensor | None, qkv_size: int) -> torch.Tensor:
+            cos_sin: Sequence[torch.Tensor], slot_mapping: torch.Tensor, block_table: torch.Tensor,
+            seq_lens: torch.Tensor, seq_of_row: torch.Tensor | None, qkv_size: int) -> torch.Tensor:
     """hidden: [n, hidden] float32 embeddings -> a new [n, hidden]: the final RMSNorm of the last
-    layer's residual stream. The step's tensors as the attention plan holds them (contiguous; int64
+    layer's residual stream. cos_sin: the RoPE tables [n, head_size] that the layers' `rope_table`
+    index, contiguous. The step's other tensors as the attention plan holds them (contiguous; int64
     slots, int32 tables)."""
     n, h = hidden.shape
+    if not 1 <= len(cos_sin) <= MAX_ROPE_TABLES or any(not t.is_contiguous() for t in cos_sin):
+        raise ValueError(f"decoder_forward takes 1 to {MAX_ROPE_TABLES} contiguous RoPE tables")
     dims.num_threads = torch.get_num_threads()
     normed, residual, out = (torch.empty(n, h) for _ in range(3))
     qkv = torch.empty(n, qkv_size)
@@ -103,7 +118,9 @@ def forward(ops_: Ops, dims: Dims, layers: ctypes.Array, final_norm: torch.Tenso
     act = torch.empty(n, dims.inter)
     scratch = Scratch(normed.data_ptr(), residual.data_ptr(), out.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
                       gate_up.data_ptr(), act.data_ptr())
-    step = Step(n, cos_sin.data_ptr(), slot_mapping.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(),
+    # Unused slots repeat the last table: a layer never indexes past the tables it was bound with.
+    tables = (_P * MAX_ROPE_TABLES)(*(cos_sin[min(i, len(cos_sin) - 1)].data_ptr() for i in range(MAX_ROPE_TABLES)))
+    step = Step(n, tables, slot_mapping.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(),
                 None if seq_of_row is None else seq_of_row.data_ptr(), block_table.shape[1])
     rc = native.library(_NAME).decoder_forward(ctypes.byref(ops_), ctypes.byref(dims), layers, len(layers),
                                                final_norm.data_ptr(), ctypes.byref(step), hidden.data_ptr(),

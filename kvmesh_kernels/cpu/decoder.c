@@ -1,15 +1,19 @@
-/* The whole decoder stack of a Llama-family model in one native call, for the CPU's small steps
- * (decodes and short chunks): every layer's
+/* The whole decoder stack of a Llama-family or Gemma 3 model in one native call, for the CPU's small
+ * steps (decodes and short chunks). Every layer, by the model's `layout`:
  *
- *   [add +] RMSNorm -> qkv matmul [+ bias] -> RoPE(q, k) -> KV write -> paged attention -> o matmul
- *   -> add + RMSNorm -> gate|up matmul -> SiLU * up -> down matmul
+ *   Llama:   [add +] RMSNorm -> qkv matmul [+ bias] -> RoPE(q, k) -> KV write -> paged attention
+ *            -> o matmul -> add + RMSNorm -> gate|up matmul -> SiLU * up -> down matmul
+ *   Gemma 3: RMSNorm -> qkv matmul [+ bias] -> RMSNorm of each q and k head -> RoPE(q, k) with the
+ *            layer kind's table -> KV write -> paged attention -> o matmul -> RMSNorm -> add
+ *            -> RMSNorm -> gate|up matmul -> GELU-tanh * up -> down matmul -> RMSNorm -> add
  *
- * then the final add + RMSNorm, calling the same kernels the layers' modules call (quant_matmul.c,
+ * then the final [add +] RMSNorm, calling the same kernels the layers' modules call (quant_matmul.c,
  * fused_ops.c, paged_decode_attention.c, each its own library, reached through the function
  * pointers in `Ops`), with the same arguments and thread counts, in the same order: the result is
- * bit for bit the modules' (tests/unit/test_cpu_decoder.py). What it removes is Python's share of a
- * small step: ~10 module calls, views and ctypes round trips per layer, ~2.5 ms of a 14 ms step
- * for the default model at one sequence.
+ * bit for bit the modules' (tests/model/test_native_decoder.py). Gemma's norms hold 1 + w, so its
+ * RMSNorm is the same kernel. What this removes is Python's share of a small step: ~10 module
+ * calls, views and ctypes round trips per layer, ~2.5 ms of a 14 ms step for the default model at
+ * one sequence.
  *
  * Buffers are the caller's (`Scratch`); nothing is allocated here. */
 #include <stdint.h>
@@ -33,7 +37,7 @@ typedef int (*attention_fn)(void *out, const void *q, const void *k_cache, const
                             int num_seqs, int num_heads, int num_kv_heads, int head_size, int block_size,
                             int max_blocks_per_seq, float scale, int sliding_window, float soft_cap, int dtype,
                             int64_t q_stride, int64_t out_stride, int num_threads);
-typedef void (*silu_and_mul_fn)(float *out, const float *x, int64_t num_tokens, int64_t inter, int num_threads);
+typedef void (*gated_fn)(float *out, const float *x, int64_t num_tokens, int64_t inter, int num_threads);
 
 typedef struct {
     quant_matmul_fn matmul;
@@ -43,7 +47,8 @@ typedef struct {
     rope_fn rope;
     kv_write_fn kv_write;
     attention_fn attention;
-    silu_and_mul_fn silu_and_mul;
+    gated_fn silu_and_mul;
+    gated_fn gelu_tanh_and_mul;
 } Ops;
 
 /* A [rows, cols] weight in GGUF blocks: row-order blocks (row_bytes apart) or, with packed, the
@@ -56,14 +61,19 @@ typedef struct {
     int32_t qtype, packed;
 } Weight;
 
+enum { LAYOUT_LLAMA = 0, LAYOUT_GEMMA3 = 1 };
+
 typedef struct {
-    const float *input_norm, *post_norm;
+    const float *input_norm, *post_norm; /* before attention; after it (Llama: before the MLP) */
+    const float *pre_ffw_norm, *post_ffw_norm, *q_norm, *k_norm; /* Gemma 3's; q_norm, k_norm: [head_size] */
     Weight qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_size] */
     int32_t sliding_window;  /* 0: none */
+    int32_t rope_table;      /* which of the step's cos_sin tables rotates this layer's q and k */
 } Layer;
 
 typedef struct {
+    int32_t layout; /* LAYOUT_* */
     int32_t hidden, num_heads, num_kv_heads, head_size, inter, block_size;
     float eps, scale, soft_cap;
     int32_t num_threads;
@@ -74,7 +84,7 @@ typedef struct {
  * seq_of_row[i] (NULL: of request i) through block_table [.., max_blocks]. */
 typedef struct {
     int64_t num_tokens;
-    const float *cos_sin; /* [num_tokens, head_size] */
+    const float *cos_sin[2]; /* [num_tokens, head_size] each, by Layer.rope_table */
     const int64_t *slot_mapping;
     const int32_t *block_table, *seq_lens, *seq_of_row;
     int32_t max_blocks;
@@ -100,39 +110,103 @@ static void linear(const Ops *ops, const Dims *d, const Weight *w, float *y, con
             for (int64_t j = 0; j < n; j++) y[i * n + j] += w->bias[j];
 }
 
-/* hidden: [n, hidden] the embeddings (read only); final_norm: the model's last RMSNorm.
- * The normed last hidden states end in s->normed. Returns 0, or the attention kernel's error. */
+/* Gemma 3's QK-norm, in place in each token's q|k|v row: its H q heads, then its Hkv k heads, each
+ * row of head_size normalised by the same kernel the module calls on [n * heads, head_size]. A
+ * row's result does not depend on how the rows are grouped into calls. */
+static void qk_norm(const Ops *ops, const Dims *d, const Layer *l, float *qkv, int64_t n, int64_t qkv_row) {
+    const int D = d->head_size;
+    for (int64_t t = 0; t < n; t++) {
+        float *q = qkv + t * qkv_row, *k = q + (int64_t)d->num_heads * D;
+        ops->rms_norm(q, q, l->q_norm, d->num_heads, D, d->eps, 0, d->num_threads);
+        ops->rms_norm(k, k, l->k_norm, d->num_kv_heads, D, d->eps, 0, d->num_threads);
+    }
+}
+
+/* The attention sublayer of s->normed: the o projection's output in s->out. */
+static int attention(const Ops *ops, const Dims *d, const Layer *l, const Step *step, const Scratch *s) {
+    const int64_t n = step->num_tokens;
+    const int D = d->head_size, nt = d->num_threads;
+    const int64_t q_size = (int64_t)d->num_heads * D, kv_size = (int64_t)d->num_kv_heads * D;
+    const int64_t qkv_row = q_size + 2 * kv_size;
+    linear(ops, d, &l->qkv, s->qkv, s->normed, n);
+    if (d->layout == LAYOUT_GEMMA3) qk_norm(ops, d, l, s->qkv, n, qkv_row);
+    ops->rope(s->qkv, qkv_row, step->cos_sin[l->rope_table], D, n, d->num_heads + d->num_kv_heads, D, 0, nt);
+    ops->kv_write(l->k_cache, l->v_cache, (const char *)(s->qkv + q_size), (const char *)(s->qkv + q_size + kv_size),
+                  step->slot_mapping, n, kv_size * (int64_t)sizeof(float), qkv_row * (int64_t)sizeof(float),
+                  qkv_row * (int64_t)sizeof(float));
+    const int rc = ops->attention(s->attn, s->qkv, l->k_cache, l->v_cache, step->block_table, step->seq_lens,
+                                  step->seq_of_row, (int)n, d->num_heads, d->num_kv_heads, D, d->block_size,
+                                  step->max_blocks, d->scale, l->sliding_window, d->soft_cap, 0, qkv_row,
+                                  q_size, nt);
+    if (rc != 0) return rc;
+    linear(ops, d, &l->o, s->out, s->attn, n);
+    return 0;
+}
+
+/* The MLP of s->normed: the down projection's output in s->out. */
+static void mlp(const Ops *ops, const Dims *d, const Layer *l, int64_t n, const Scratch *s) {
+    linear(ops, d, &l->gate_up, s->gate_up, s->normed, n);
+    const gated_fn act = d->layout == LAYOUT_GEMMA3 ? ops->gelu_tanh_and_mul : ops->silu_and_mul;
+    act(s->act, s->gate_up, n, d->inter, d->num_threads);
+    linear(ops, d, &l->down, s->out, s->act, n);
+}
+
+/* Llama's layer: the residual add before each norm is the norm's (add_rms_norm), so a layer leaves
+ * its MLP's output in s->out for the next norm to add; the first layer's input norm has none. */
+static int llama_layer(const Ops *ops, const Dims *d, const Layer *l, int first, const Step *step,
+                       const Scratch *s) {
+    const int64_t n = step->num_tokens;
+    const int H = d->hidden, nt = d->num_threads;
+    if (first)
+        ops->rms_norm(s->normed, s->residual, l->input_norm, n, H, d->eps, 0, nt);
+    else
+        ops->add_rms_norm(s->normed, s->residual, s->out, s->residual, l->input_norm, n, H, d->eps, 0, nt);
+    const int rc = attention(ops, d, l, step, s);
+    if (rc != 0) return rc;
+    ops->add_rms_norm(s->normed, s->residual, s->out, s->residual, l->post_norm, n, H, d->eps, 0, nt);
+    mlp(ops, d, l, n, s);
+    return 0;
+}
+
+/* residual += x, as the module's `hidden_states + x` (one float add each, commutative). */
+static void add_into(float *residual, const float *x, int64_t size) {
+    for (int64_t i = 0; i < size; i++) residual[i] = residual[i] + x[i];
+}
+
+/* Gemma 3's layer: each sublayer's output is normed before the residual add, so the adds are plain
+ * and the residual stream is whole in s->residual after every layer. */
+static int gemma3_layer(const Ops *ops, const Dims *d, const Layer *l, const Step *step, const Scratch *s) {
+    const int64_t n = step->num_tokens;
+    const int H = d->hidden, nt = d->num_threads;
+    ops->rms_norm(s->normed, s->residual, l->input_norm, n, H, d->eps, 0, nt);
+    const int rc = attention(ops, d, l, step, s);
+    if (rc != 0) return rc;
+    ops->rms_norm(s->normed, s->out, l->post_norm, n, H, d->eps, 0, nt);
+    add_into(s->residual, s->normed, n * H);
+    ops->rms_norm(s->normed, s->residual, l->pre_ffw_norm, n, H, d->eps, 0, nt);
+    mlp(ops, d, l, n, s);
+    ops->rms_norm(s->normed, s->out, l->post_ffw_norm, n, H, d->eps, 0, nt);
+    add_into(s->residual, s->normed, n * H);
+    return 0;
+}
+
+/* hidden: [n, hidden] the embeddings, scaled as the model scales them (read only); final_norm: the
+ * model's last RMSNorm. The normed last hidden states end in s->normed. Returns 0, or the attention
+ * kernel's error. */
 int decoder_forward(const Ops *ops, const Dims *d, const Layer *layers, int num_layers, const float *final_norm,
                     const Step *step, const float *hidden, const Scratch *s)
 {
     const int64_t n = step->num_tokens;
-    const int H = d->hidden, D = d->head_size, nt = d->num_threads;
-    const int64_t q_size = (int64_t)d->num_heads * D, kv_size = (int64_t)d->num_kv_heads * D;
-    const int64_t qkv_row = q_size + 2 * kv_size;
+    const int H = d->hidden, nt = d->num_threads;
+    for (int64_t i = 0; i < n * H; i++) s->residual[i] = hidden[i];
     for (int li = 0; li < num_layers; li++) {
-        const Layer *l = &layers[li];
-        if (li == 0) {
-            for (int64_t i = 0; i < n * H; i++) s->residual[i] = hidden[i];
-            ops->rms_norm(s->normed, s->residual, l->input_norm, n, H, d->eps, 0, nt);
-        } else {
-            ops->add_rms_norm(s->normed, s->residual, s->out, s->residual, l->input_norm, n, H, d->eps, 0, nt);
-        }
-        linear(ops, d, &l->qkv, s->qkv, s->normed, n);
-        ops->rope(s->qkv, qkv_row, step->cos_sin, D, n, d->num_heads + d->num_kv_heads, D, 0, nt);
-        ops->kv_write(l->k_cache, l->v_cache, (const char *)(s->qkv + q_size), (const char *)(s->qkv + q_size + kv_size),
-                      step->slot_mapping, n, kv_size * (int64_t)sizeof(float), qkv_row * (int64_t)sizeof(float),
-                      qkv_row * (int64_t)sizeof(float));
-        const int rc = ops->attention(s->attn, s->qkv, l->k_cache, l->v_cache, step->block_table, step->seq_lens,
-                                      step->seq_of_row, (int)n, d->num_heads, d->num_kv_heads, D, d->block_size,
-                                      step->max_blocks, d->scale, l->sliding_window, d->soft_cap, 0, qkv_row,
-                                      q_size, nt);
+        const int rc = d->layout == LAYOUT_GEMMA3 ? gemma3_layer(ops, d, &layers[li], step, s)
+                                                  : llama_layer(ops, d, &layers[li], li == 0, step, s);
         if (rc != 0) return rc;
-        linear(ops, d, &l->o, s->out, s->attn, n);
-        ops->add_rms_norm(s->normed, s->residual, s->out, s->residual, l->post_norm, n, H, d->eps, 0, nt);
-        linear(ops, d, &l->gate_up, s->gate_up, s->normed, n);
-        ops->silu_and_mul(s->act, s->gate_up, n, d->inter, nt);
-        linear(ops, d, &l->down, s->out, s->act, n);
     }
-    ops->add_rms_norm(s->normed, s->residual, s->out, s->residual, final_norm, n, H, d->eps, 0, nt);
+    if (d->layout == LAYOUT_GEMMA3)
+        ops->rms_norm(s->normed, s->residual, final_norm, n, H, d->eps, 0, nt);
+    else
+        ops->add_rms_norm(s->normed, s->residual, s->out, s->residual, final_norm, n, H, d->eps, 0, nt);
     return 0;
 }

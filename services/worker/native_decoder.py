@@ -1,10 +1,12 @@
-"""A Llama-family model's decoder stack as one native call on the CPU (kvmesh_kernels/cpu_decoder.py) for
-the steps where Python's per-layer glue is a large share: fewer tokens than the quantized matmul's
-GEMM threshold, so every linear layer is the native kernel's (decodes, short chunks).
+"""A Llama-family or Gemma 3 model's decoder stack as one native call on the CPU
+(kvmesh_kernels/cpu_decoder.py) for the steps where Python's per-layer glue is a large share: fewer
+tokens than the quantized matmul's GEMM threshold, so every linear layer is the native kernel's
+(decodes, short chunks).
 
-It takes a Llama-family model whose every linear layer keeps its weight in GGUF blocks (the CPU
-default for a GGUF model; `--quantization int8|f16` too), in float32, at tensor-parallel size 1,
-with the native attention plan; any other model or step goes through the layers' modules. Both paths call the same
+It takes such a model whose every linear layer keeps its weight in GGUF blocks (the CPU default for
+a GGUF model; `--quantization int8|f16` too), with float32 norms, at tensor-parallel size 1, with the
+native attention plan; any other model or step goes through the layers' modules. The model scales
+its embeddings (Gemma 3) before the call, as before its modules. Both paths call the same
 kernels in the same order, so they agree bit for bit (tests/model/test_native_decoder.py). Under
 `--dtype auto` the steps from `LOW_PRECISION_GEMM_ROWS` tokens take the layers' bfloat16 or int8
 copies, as the modules do.
@@ -13,19 +15,27 @@ copies, as the modules do.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from kvmesh_kernels import cpu_decoder, cpu_quant_matmul
 from services.worker.attention.torch_backend import NativeAttentionPlan
 from services.worker.forward_context import get_forward_context
+from services.worker.models.gemma3 import Gemma3Model
 from services.worker.models.llama import LlamaModel
+
+LAYOUTS = {LlamaModel: cpu_decoder.Layout.LLAMA, Gemma3Model: cpu_decoder.Layout.GEMMA3}
 
 
 class NativeDecoder:
     def __init__(self, model, ops: cpu_decoder.Ops) -> None:
-        """`model`: a LlamaModel (services/worker/models/llama.py) that `supports` passed."""
+        """`model`: a LlamaModel or Gemma3Model (services/worker/models/) that `supports` passed."""
         self.model = model
+        self.layout = LAYOUTS[type(model)]
+        # The RoPE tables in the order `forward` receives them: one per kind of layer (Gemma 3), or one.
+        self.rope_kinds = list(model.rotary_emb.keys()) if self.layout == cpu_decoder.Layout.GEMMA3 else [None]
         self.ops = ops
         first = model.layers[0]
         attn, mlp = first.self_attn, first.mlp
@@ -34,8 +44,8 @@ class NativeDecoder:
         # From here the layers' low-precision copies (`--dtype auto`, quantized_weight.use_gemm_dtype), if any.
         self.low_precision_from = min(lin.block_weight.gemm_rows for lin in _linears(first))
         self.dims = cpu_decoder.Dims(
-            hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-            head_size=attn.head_size, inter=mlp.down_proj.in_features,
+            layout=self.layout, hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, head_size=attn.head_size, inter=mlp.down_proj.in_features,
             block_size=0, eps=first.input_layernorm.eps, scale=attn.attn.scale,
             soft_cap=attn.attn.logits_soft_cap or 0.0, num_threads=torch.get_num_threads(),
             parallel_work=cpu_quant_matmul.PARALLEL_WORK)
@@ -45,15 +55,16 @@ class NativeDecoder:
     @staticmethod
     def supports(model) -> bool:
         """Whether `model`'s layers can run natively (see the module's docstring). The kernel computes
-        Llama's layer (two norms, SiLU): another layout (Gemma 3: four norms, QK-norm, GELU) runs its
-        modules even with every weight in blocks."""
-        if cpu_decoder.ops() is None or type(model) is not LlamaModel:
+        Llama's layer and Gemma 3's (`LAYOUTS`); a subclass may differ, so the type must be one of them."""
+        if cpu_decoder.ops() is None or type(model) not in LAYOUTS:
+            return False
+        if type(model) is Gemma3Model and len(model.rotary_emb) > cpu_decoder.MAX_ROPE_TABLES:
             return False
         for layer in model.layers:
             attn = layer.self_attn
             if any(lin.block_weight is None for lin in _linears(layer)):
                 return False
-            if attn.o_proj.tp.size != 1 or layer.input_layernorm.weight.dtype != torch.float32:
+            if attn.o_proj.tp.size != 1 or any(norm.weight.dtype != torch.float32 for norm in _norms(layer)):
                 return False
         return True
 
@@ -74,24 +85,42 @@ class NativeDecoder:
                 attn, mlp, cache = layer.self_attn, layer.mlp, kv_caches[i]
                 if not cache.is_contiguous() or cache.dtype != torch.float32:
                     raise ValueError("the native decoder needs contiguous float32 KV caches")
+                gemma = self._gemma3_extras(i)
                 layers[i] = cpu_decoder.Layer(
                     layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                    weight(attn.qkv_proj), weight(attn.o_proj), weight(mlp.gate_up_proj), weight(mlp.down_proj),
-                    cache[0].data_ptr(), cache[1].data_ptr(), attn.attn.sliding_window or 0)
+                    *gemma.norms, weight(attn.qkv_proj), weight(attn.o_proj), weight(mlp.gate_up_proj),
+                    weight(mlp.down_proj), cache[0].data_ptr(), cache[1].data_ptr(), attn.attn.sliding_window or 0,
+                    gemma.rope_table)
             self._layers[low_precision] = layers
         return self._layers[low_precision]
 
-    def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor | None:
-        """The final norm's output for this step's embeddings `hidden` [n, hidden], or None when the
-        step is not one this path takes (the modules run it)."""
+    def _gemma3_extras(self, i: int) -> _Gemma3Extras:
+        """Layer i's pointers to Gemma 3's extra norms (NULL for Llama) and its RoPE table's index."""
+        if self.layout != cpu_decoder.Layout.GEMMA3:
+            return _Gemma3Extras((None,) * 4, 0)
+        layer = self.model.layers[i]
+        norms = (layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm, layer.self_attn.q_norm,
+                 layer.self_attn.k_norm)
+        return _Gemma3Extras(tuple(norm.weight.data_ptr() for norm in norms),
+                             self.rope_kinds.index(self.model.layer_types[i]))
+
+    def forward(self, hidden: torch.Tensor, cos_sin: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The final norm's output for this step's embeddings `hidden` [n, hidden] (scaled as the model
+        scales them), or None when the step is not one this path takes (the modules run it).
+        cos_sin: the step's RoPE tables [n, head_size], in `rope_kinds`' order."""
         ctx = get_forward_context()
         plan = ctx.plan
         if not isinstance(plan, NativeAttentionPlan) or hidden.shape[0] >= self.max_tokens:
             return None
         layers = self._bind(ctx.kv_caches, hidden.shape[0] >= self.low_precision_from)
         return cpu_decoder.forward(self.ops, self.dims, layers, self.model.norm.weight, hidden.contiguous(),
-                                   cos_sin.contiguous(), plan.slot_mapping, plan.block_table, plan.seq_lens,
-                                   plan.seq_of_row, self.qkv_size)
+                                   [table.contiguous() for table in cos_sin], plan.slot_mapping, plan.block_table,
+                                   plan.seq_lens, plan.seq_of_row, self.qkv_size)
+
+
+class _Gemma3Extras(NamedTuple):
+    norms: tuple[int | None, ...]  # pre- and post-feedforward, q and k norms' weights
+    rope_table: int
 
 
 def _linears(layer) -> tuple:
@@ -99,9 +128,18 @@ def _linears(layer) -> tuple:
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
+def _norms(layer) -> list[torch.nn.Module]:
+    """The layer's RMSNorms: Llama's two; Gemma 3's four and its per-head q and k norms."""
+    attn = layer.self_attn
+    found = [getattr(owner, name, None) for owner, name in (
+        (layer, "input_layernorm"), (layer, "post_attention_layernorm"), (layer, "pre_feedforward_layernorm"),
+        (layer, "post_feedforward_layernorm"), (attn, "q_norm"), (attn, "k_norm"))]
+    return [norm for norm in found if norm is not None]
+
+
 def enable(model: torch.nn.Module) -> bool:
-    """Give `model` (a LlamaForCausalLM) the native decoder where it can take it (kernels built, see
-    `NativeDecoder.supports`). Returns whether it did."""
+    """Give `model` (a LlamaForCausalLM or Gemma3ForCausalLM) the native decoder where it can take it
+    (kernels built, see `NativeDecoder.supports`). Returns whether it did."""
     ops = cpu_decoder.ops()
     if ops is None or not NativeDecoder.supports(model.model):
         return False

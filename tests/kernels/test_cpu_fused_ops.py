@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from kvmesh_kernels import cpu_fused_ops, native
 from services.common.config import default_cache_dir
+from services.worker.layers.activation import GeluTanhAndMul
 from services.worker.layers.rmsnorm import RMSNorm
 from services.worker.layers.rotary_embedding import apply_rotary, split_and_rotate_qkv
 
@@ -114,6 +115,21 @@ def test_silu_and_mul_is_torchs_within_16_ulps_over_the_whole_range(isa):
     gate, up = x.chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(got, want, atol=1e-37, rtol=16 * torch.finfo(torch.float32).eps)
+
+
+def test_gelu_tanh_and_mul_is_the_exact_function_within_32_ulps_and_close_to_torchs(isa):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(N, 2 * 1152, generator=gen) * 6
+    x[0, :8] = torch.tensor([-200.0, -88.0, -10.0, -1e-4, 0.0, 1e-4, 88.0, 200.0])  # e^-z under/overflows
+    got = cpu_fused_ops.gelu_tanh_and_mul(x, lib=cpu_fused_ops.variant(isa, default_cache_dir()))
+    gate, up = x.double().chunk(2, dim=-1)
+    exact = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3))) * up
+    # Far below zero the output is tiny and e^-z's argument large: its absolute error stays under 1e-9.
+    torch.testing.assert_close(got.double(), exact, atol=1e-9, rtol=32 * torch.finfo(torch.float32).eps)
+    # torch's 1 + tanh cancels for negative gates: it is the one further from the exact value.
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(got, F.gelu(gate, approximate="tanh") * up, atol=3e-5, rtol=1e-5)
+    assert torch.equal(GeluTanhAndMul()(x), cpu_fused_ops.gelu_tanh_and_mul(x))  # the layer calls the served build
 
 
 def test_bad_arguments_are_refused():

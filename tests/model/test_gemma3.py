@@ -5,7 +5,8 @@ transformers; every 2-D weight kept in its blocks, Q5_0's widened to Q8_0) gives
 greedy tokens on the converted folder, top-5 logprobs within 1e-3. A tiny random Gemma 3 with
 16-token windows (tests/model/tiny_gemma3.py) crosses windows with short prompts: chunked prefill,
 prefix-cache hits and preemption, on the torch and the native CPU attention backends. Both compare by
-teacher forcing (tests/model/hf_reference.py)."""
+teacher forcing (tests/model/hf_reference.py). The native decoder (services/worker/native_decoder.py)
+gives both models' module results to the last bit."""
 
 from __future__ import annotations
 
@@ -19,16 +20,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvmesh_kernels import cpu_decoder
+from kvmesh_kernels import cpu_decoder, cpu_quant_matmul
 from kvmesh_kernels.cpu_quant_matmul import QuantType
 from services import LLM, SamplingParams
 from services.common.config import default_cache_dir
 from services.common.model_files import GEMMA3_MODEL, locate_model
 from services.llm import RequestOutput
-from services.worker import native_decoder
-from services.worker.gguf_weights import GGUFWeights, LoadQuantizedWeights, gguf_weights_for, widen_to_q8_0
-from services.worker.loader import load_model
+from services.worker.gguf_weights import GGUFWeights, widen_to_q8_0
 from services.worker.models.gemma3 import Gemma3ForCausalLM
+from services.worker.native_decoder import NativeDecoder
 from tests.model.hf_reference import HFReference
 from tests.model.prompts import RAW_PROMPTS
 from tests.model.tiny_gemma3 import WINDOW, save_tiny_gemma3
@@ -164,18 +164,54 @@ def test_tiny_gemma3_preemption_matches_transformers(tiny: tuple[Path, HFReferen
     assert_no_leaks(llm)
 
 
-def test_gemma3_runs_its_modules_not_the_llama_native_decoder(tiny: tuple[Path, HFReference]) -> None:
-    # Every linear layer in Q8_0 blocks is what the native decoder needs of a Llama; it computes
-    # Llama's layer, so Gemma 3's four norms, QK-norm and GELU must keep to the modules.
+def generate_with(llm: LLM, native: NativeDecoder | None, prompts: list[list[int]],
+                  params: SamplingParams) -> list[RequestOutput]:
+    """`llm.generate` with `native` as the model's native decoder (None: its modules) for the call."""
+    model = llm.worker.model.model
+    served, model.native_decoder = model.native_decoder, native
+    try:
+        return llm.generate(prompts, params)
+    finally:
+        model.native_decoder = served
+
+
+def check_native_equals_modules(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[int]:
+    """The served native decoder and the modules give the same tokens and logprobs to the last bit;
+    returns the native call's step sizes."""
+    model = llm.worker.model.model
+    served = model.native_decoder
+    assert isinstance(served, NativeDecoder)
+    calls: list[int] = []
+    counting = NativeDecoder(model, served.ops)  # its own, to count its steps
+    counting.forward = lambda hidden, cos_sin: calls.append(hidden.shape[0]) or served.forward(hidden, cos_sin)
+    native, modules = generate_with(llm, counting, prompts, params), generate_with(llm, None, prompts, params)
+    for a, b in zip(native, modules):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # floats equal to the last bit
+        assert a.prompt_logprobs == b.prompt_logprobs
+    assert_no_leaks(llm)
+    return calls
+
+
+def test_gemma3_270m_native_decoder_equals_its_modules(gemma3_llm: LLM) -> None:
+    tokenizer = gemma3_llm.get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in RAW_PROMPTS[1:3]]
+    assert sum(map(len, prompts)) < cpu_quant_matmul.gemm_rows()  # both prompts in one native chunk
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    calls = check_native_equals_modules(gemma3_llm, prompts, params)
+    assert sum(map(len, prompts)) in calls and 2 in calls  # the chunk, then decodes
+
+
+def test_tiny_gemma3_native_decoder_equals_its_modules(tiny: tuple[Path, HFReference]) -> None:
+    # Every linear layer in Q8_0 blocks: the native decoder takes Gemma 3's layer (four norms,
+    # QK-norm, GELU, two RoPE tables, windows on three layers of four) with the same bits.
     if not cpu_decoder.available(default_cache_dir()):
         pytest.skip("the native decoder cannot be built here (no C compiler)")
     folder, _ = tiny
-    cpu = torch.device("cpu")
-    weights = gguf_weights_for("int8", str(folder), cpu, torch.float32, default_cache_dir())  # as the worker does
-    assert isinstance(weights, LoadQuantizedWeights)
-    model, _ = load_model(folder, torch.float32, cpu, gguf_weights=weights)
-    linears = [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    assert all(m.block_weight is not None for m in linears)
-    assert native_decoder.enable(model) is False
-    assert not hasattr(model.model, "native_decoder")
+    llm = LLM(model=str(folder), dtype="float32", quantization="int8", kv_cache_memory=256 * TINY_BLOCK_BYTES,
+              max_num_batched_tokens=24)
+    prompts = tiny_prompts((3, WINDOW + 1, 45, 70), seed=4)  # chunks of 24 beside decodes, across windows
+    params = SamplingParams(temperature=0.0, max_tokens=TINY_NEW_TOKENS, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)
+    calls = check_native_equals_modules(llm, prompts, params)
+    assert max(calls) > 8 and 1 in calls  # chunks mixed with decodes; one sequence decoding alone

@@ -25,5 +25,8 @@ class GeluTanhAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, 2 * intermediate] = gate | up -> [num_tokens, intermediate]
+        # float32 on the CPU: the native op, as in SiluAndMul, for the same rounding as the native decoder.
+        if x.dtype == torch.float32 and cpu_fused_ops.usable(x):
+            return cpu_fused_ops.gelu_tanh_and_mul(x.contiguous())
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up

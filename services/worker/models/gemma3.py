@@ -17,8 +17,8 @@ Where Gemma 3 differs from Llama:
     softcapped when `final_logit_softcapping` is set. The scores never are: QK-norm took the place of
     Gemma 2's softcap, and transformers' Gemma 3 ignores `attn_logit_softcapping`, as we do;
   - GELU (tanh approximation) gating in the MLP; the LM head tied to the embedding.
-No native decoder: services/worker/native_decoder.py computes Llama's layer only, so Gemma 3 always
-runs these modules.
+On the CPU's small steps the layers run as one native call (services/worker/native_decoder.py) where
+every linear layer is in GGUF blocks: the same kernels as these modules, in the same order.
 """
 
 from __future__ import annotations
@@ -118,10 +118,17 @@ class Gemma3Model(nn.Module):
         })
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, dtype, tp) for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The layers as one native call for the CPU's small steps, set by the worker where the model can
+        # take it (as LlamaModel's).
+        self.native_decoder = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids) * self.embed_scale  # [num_tokens, hidden_size]
         cos_sin = {kind: rope(positions) for kind, rope in self.rotary_emb.items()}  # [num_tokens, head_size] each
+        if self.native_decoder is not None:
+            normed = self.native_decoder.forward(hidden_states, tuple(cos_sin.values()))  # rotary_emb's order
+            if normed is not None:
+                return normed
         for layer, kind in zip(self.layers, self.layer_types):
             hidden_states = layer(hidden_states, cos_sin[kind])
         return self.norm(hidden_states)

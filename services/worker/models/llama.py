@@ -198,7 +198,7 @@ class LlamaModel(nn.Module):
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos_sin = self.rotary_emb(positions)  # [num_tokens, head_size]
         if self.native_decoder is not None:
-            normed = self.native_decoder.forward(hidden_states, cos_sin)
+            normed = self.native_decoder.forward(hidden_states, (cos_sin,))
             if normed is not None:
                 return normed
         residual = None

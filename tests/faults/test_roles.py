@@ -45,7 +45,8 @@ SERVICES = {"worker": worker_pb2.DESCRIPTOR.services_by_name["Worker"],
             "processor": processor_pb2.DESCRIPTOR.services_by_name["Processor"]}
 # What each role may call; every other method of the three services is refused to it.
 ALLOWED = {GATEWAY: {"processor": set(SERVICES["processor"].methods_by_name)},
-           PROCESSOR: {"engine": {"Generate", "Abort", "GetStats", "GetInfo", "MatchPrefix"}},
+           PROCESSOR: {"engine": {"Generate", "Abort", "GetStats", "GetInfo", "MatchPrefix",
+                                "LoadLoRAAdapter", "UnloadLoRAAdapter"}},
            ENGINE: {"worker": set(SERVICES["worker"].methods_by_name),
                     "engine": {"GetInfo", "Prefill", "ReleaseTransfer"}}}
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from loadtests.serving_bench import Run, command_line, machine, summarize, table, warm_up
-from loadtests.serving_client import Load, run_load
+from loadtests.serving_bench import Run, Summary, command_line, machine, summarize, table, warm_up
+from loadtests.serving_client import Endpoint, Load, run_load
 from loadtests.serving_scenarios import Session, ScenarioLengths, build_sessions
 from loadtests.serving_targets import ServerConfig, started
 from services.common.config import parse_bytes
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def bench(label: str, endpoint, sessions: Sequence[Session], args: argparse.Namespace):
+async def bench(label: str, endpoint: Endpoint, sessions: Sequence[Session], args: argparse.Namespace) -> Summary:
     await warm_up(endpoint, args.warmup, args)
     run = Run(1, "short-chat", Load(concurrency=args.concurrency), list(sessions))
     result = await run_load(endpoint, run.sessions, run.load, args.max_tokens, args.timeout, args.max_duration)

@@ -1,15 +1,21 @@
 """Everything a lent GPU (an H200) should tell us about the Triton attention path, in one command
 of under 8 minutes:
 
-  1. the kernel tests, compiled on CUDA: the paged attention and cache kernels, the Triton backend,
-     and the engine with it against Hugging Face's greedy tokens;
+  1. the kernel tests, compiled on CUDA: the paged attention and cache kernels, the Triton backend
+     and the LoRA kernels (only tests/kernels/conftest.py is loaded, so the services' HTTP stack
+     need not be installed there);
   2. a device-to-device copy, the bandwidth the attention kernels are measured against;
   3. decode attention (Llama-3-8B heads: 32 query, 8 KV, 128 wide, bfloat16, blocks of 16) at
      batch x context sizes, against torch's scaled_dot_product_attention on the same K/V laid out
      contiguously: median time (CUDA events), achieved bandwidth, share of the copy bandwidth; the
      largest difference from SDPA must stay within the kernel tests' bfloat16 tolerance;
   4. prefill attention (causal, no cached context), same comparison, in TFLOP/s, same tolerance;
-  5. the engine end to end (scheduler, model runner, Triton backend) on a randomly initialised
+  5. the engine against transformers, compiled: a random Llama and a random Mistral (a 16-token
+     sliding window) in float32, one batch chunked and preempted in a small KV cache, every greedy
+     token equal to transformers' argmax after the engine's own prefix (teacher forcing);
+  6. the LoRA kernels (punica's shrink and expand) at Llama-3-8B's qkv shapes, 8 adapters over 256
+     rows, against the per-segment torch reference: time and largest difference;
+  7. the engine end to end (scheduler, model runner, Triton backend) on a randomly initialised
      Llama-3-8B-shaped model in bfloat16 (no weights to download) at batch 1, 32 and 256:
      128-token prompts, 128 new tokens each, output tokens/s and the median decode step.
 
@@ -38,6 +44,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -50,8 +57,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
-from transformers import LlamaConfig  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, MistralConfig, MistralForCausalLM  # noqa: E402
 
+from kvmesh_kernels.lora import lora_expand_, lora_shrink  # noqa: E402
 from kvmesh_kernels.paged_attention import (  # noqa: E402
     AttentionParams, PagedBatch, choose_num_splits, device_num_sms, paged_attention,
 )
@@ -62,14 +70,18 @@ from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.engine_core import EngineCore  # noqa: E402
 from services.worker.attention import get_attention_backend  # noqa: E402
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for_budget  # noqa: E402
+from services.worker.loader import load_model  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker.models.llama import LlamaForCausalLM, head_size_of  # noqa: E402
+from tests.model.hf_reference import HFReference  # noqa: E402
 
 
 class Sizes(NamedTuple):
     """What --smoke shrinks."""
 
     pytest_args: list[str]
+    hf_shape: dict  # the random Llama's and Mistral's config arguments (section 5)
+    lora: tuple[int, int, int, int, int]  # rows, in features, out features, rank, adapters (section 6)
     copy_bytes: int
     heads: tuple[int, int, int]  # num_heads, num_kv_heads, head_size
     decode_cases: list[tuple[int, int]]  # (batch, context)
@@ -86,9 +98,15 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                  rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
 
+# Only the kernels' conftest: the root one starts the services' HTTP stack for other tiers.
+CONFTEST = ["--confcutdir", "tests/kernels"]
 FULL = Sizes(
-    pytest_args=["tests/kernels/test_paged_attention.py", "tests/kernels/test_reshape_and_cache.py",
-                 "tests/kernels/test_triton_backend.py", "tests/kernels/test_triton_engine.py"],
+    pytest_args=[*CONFTEST, "-n", "8", "tests/kernels/test_paged_attention.py",
+                 "tests/kernels/test_reshape_and_cache.py",
+                 "tests/kernels/test_triton_backend.py", "tests/kernels/test_lora_kernels.py"],
+    hf_shape=dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    lora=(256, 4096, 6144, 16, 8),
     copy_bytes=2**30,
     heads=(32, 8, 128),
     decode_cases=[(1, 4096), (1, 32768), (32, 1024), (32, 4096), (256, 1024), (256, 4096)],
@@ -101,7 +119,10 @@ FULL = Sizes(
     kv_cache_bytes=16 * 2**30,
 )
 SMOKE = Sizes(
-    pytest_args=["tests/kernels/test_reshape_and_cache.py", "-k", "padding"],
+    pytest_args=[*CONFTEST, "tests/kernels/test_reshape_and_cache.py", "-k", "padding"],
+    hf_shape=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    lora=(12, 64, 96, 8, 3),
     copy_bytes=16 * 2**20,
     heads=(4, 2, 64),
     decode_cases=[(2, 64), (1, 300)],
@@ -163,7 +184,7 @@ def environment(device: torch.device, smoke: bool) -> list[str]:
 def kernel_tests(sizes: Sizes) -> list[str]:
     start = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *sizes.pytest_args],
-                            cwd=REPO, env=os.environ.copy(), capture_output=True, text=True, timeout=420)
+                            cwd=REPO, env=os.environ.copy(), capture_output=True, text=True, timeout=300)
     summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
     if result.returncode != 0:
         raise RuntimeError(f"kernel tests failed: {summary}\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}")
@@ -249,6 +270,125 @@ def prefill_attention(device: torch.device, sizes: Sizes) -> list[str]:
     return check_differences(lines, diffs)
 
 
+WINDOW = 16  # the random Mistral's sliding window: one KV block, crossed by the prompts
+HF_PROMPTS = (3, 15, 17, 33, 40, 61)
+HF_NEW_TOKENS = 20
+HF_KV_BLOCKS = 8  # the longest prompt and its output take 6: the batch is preempted
+HF_STEP_TOKENS = 24  # a step's token budget: the longer prompts are prefilled in chunks next to decodes
+NEAR_TIE = 1e-3  # a parting where transformers' top two logprobs are this close is float noise
+
+
+def random_hf_model(model_class, config, folder: Path, device: torch.device):
+    """A transformers model with every weight from N(0, 0.5) (logits spread wide: few near ties),
+    saved to `folder`, in float32 on `device`."""
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    return model.to(device)
+
+
+def greedy_batch(folder: Path, device: torch.device, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """Our engine's greedy tokens for `prompts`, Triton attention, chunked and preempted; the preemptions."""
+    model, config = load_model(folder, torch.float32, device)
+    spec = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, head_size_of(config), BLOCK_SIZE,
+                       torch.float32)
+    max_model_len = max(map(len, prompts)) + HF_NEW_TOKENS
+    runner = ModelRunner(model, allocate_kv_caches(spec, HF_KV_BLOCKS, device), get_attention_backend("triton", device),
+                         BLOCK_SIZE, len(prompts), max_model_len, config.vocab_size)
+    engine = EngineCore(runner, WorkerInfo("random", str(folder), config.vocab_size, max_model_len, BLOCK_SIZE),
+                        HF_KV_BLOCKS, SchedulerConfig(max_num_batched_tokens=HF_STEP_TOKENS, max_num_seqs=len(prompts)))
+    params = SamplingParams(temperature=0.0, max_tokens=HF_NEW_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineCoreRequest(str(i), prompt, params))
+    tokens: list[list[int]] = [[] for _ in prompts]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[int(out.request_id)] += out.new_token_ids
+    engine.step()
+    engine.check_integrity()
+    preemptions = engine.stats().num_preemptions
+    return tokens, preemptions
+
+
+def engine_against_transformers(device: torch.device, sizes: Sizes, workdir: Path) -> list[str]:
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, sizes.hf_shape["vocab_size"], (n,), generator=gen).tolist() for n in HF_PROMPTS]
+    models = {"llama": (HFLlama, LlamaConfig(**sizes.hf_shape, tie_word_embeddings=False)),
+              "mistral": (MistralForCausalLM, MistralConfig(**sizes.hf_shape, tie_word_embeddings=False,
+                                                            sliding_window=WINDOW))}
+    lines = ["| model | prompts | tokens | preemptions | equal to transformers | near-tie partings |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    failures = []
+    for name, (model_class, config) in models.items():
+        folder = workdir / name
+        reference = HFReference(random_hf_model(model_class, config, folder, device))
+        ours, preemptions = greedy_batch(folder, device, prompts)
+        equal = ties = 0
+        for i, (prompt, generated) in enumerate(zip(prompts, ours)):
+            if len(generated) != HF_NEW_TOKENS:
+                failures.append(f"{name} prompt {i}: {len(generated)} tokens")
+                continue
+            with torch.device(device):
+                ref = reference(prompt, generated)
+            for pos, (token, want) in enumerate(zip(generated, ref.token_ids)):
+                if token == want:
+                    equal += 1
+                    continue
+                gap = (ref.logprobs[pos, want] - ref.logprobs[pos, token]).item()
+                if gap < NEAR_TIE:
+                    ties += 1
+                else:
+                    failures.append(f"{name} prompt {i} position {pos}: {token}, transformers {want} "
+                                    f"({gap:.2g} apart)")
+                break  # after a parting the prefixes differ: the rest is not comparable
+        lines.append(f"| {name} | {len(prompts)} | {sum(map(len, ours))} | {preemptions} | "
+                     f"{equal} of {len(prompts) * HF_NEW_TOKENS} | {ties} |")
+        del reference
+        if preemptions == 0:
+            failures.append(f"{name}: the small KV cache should have preempted")
+    if failures:
+        raise AssertionError("\n".join(lines + failures))
+    return lines
+
+
+def lora_kernels(device: torch.device, sizes: Sizes) -> list[str]:
+    """Triton's shrink and expand (what `auto` takes on CUDA) against the torch reference."""
+    rows, in_features, out_features, rank, adapters = sizes.lora
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(rows, in_features, generator=gen, device=device).to(DTYPE)
+    a_stack = (torch.randn(adapters, rank, in_features, generator=gen, device=device) / in_features**0.5).to(DTYPE)
+    b_stack = (torch.randn(adapters, out_features, rank, generator=gen, device=device) / rank**0.5).to(DTYPE)
+    bounds = torch.linspace(0, rows, adapters + 1).round().int().to(device)
+    slots = torch.arange(adapters, dtype=torch.int32, device=device)
+    slots[-1] = -1  # the last segment runs the base model
+    out = torch.zeros(rows, out_features, dtype=DTYPE, device=device)
+    lines = ["| kernel | rows | in x out | rank | adapters | Triton µs | torch reference µs | max abs diff |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    diffs = []
+    y = lora_shrink(x, a_stack, bounds, slots, backend="triton")
+    y_ref = lora_shrink(x, a_stack, bounds, slots, backend="torch")
+    diffs.append((y - y_ref).abs().max().item())
+    t_ours = median_seconds(lambda: lora_shrink(x, a_stack, bounds, slots, backend="triton"), device, sizes.iters)
+    t_ref = median_seconds(lambda: lora_shrink(x, a_stack, bounds, slots, backend="torch"), device, sizes.iters)
+    lines.append(f"| shrink | {rows} | {in_features} x {rank} | {rank} | {adapters} | {t_ours * 1e6:.0f} | "
+                 f"{t_ref * 1e6:.0f} | {diffs[-1]:.1e} |")
+    got, want = out.clone(), out.clone()
+    lora_expand_(got, y_ref, b_stack, bounds, slots, 0, backend="triton")
+    lora_expand_(want, y_ref, b_stack, bounds, slots, 0, backend="torch")
+    # Rounded once to bfloat16 from float32 sums in another order: at most an ulp of values ~1.
+    diffs.append((got.float() - want.float()).abs().max().item())
+    t_ours = median_seconds(lambda: lora_expand_(out, y_ref, b_stack, bounds, slots, 0, backend="triton"), device, sizes.iters)
+    t_ref = median_seconds(lambda: lora_expand_(out, y_ref, b_stack, bounds, slots, 0, backend="torch"),
+                           device, sizes.iters)
+    lines.append(f"| expand | {rows} | {rank} x {out_features} | {rank} | {adapters} | {t_ours * 1e6:.0f} | "
+                 f"{t_ref * 1e6:.0f} | {diffs[-1]:.1e} |")
+    return check_differences(lines, diffs)
+
+
 def random_model(sizes: Sizes, device: torch.device) -> tuple[LlamaForCausalLM, LlamaConfig]:
     config = LlamaConfig(**sizes.model)
     with torch.device(device):
@@ -316,6 +456,7 @@ def main() -> int:
     torch.manual_seed(0)
 
     report = [f"# gpu_check ({'smoke' if args.smoke else 'full'})", ""]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     failed: list[str] = []
     started = time.perf_counter()
 
@@ -331,6 +472,7 @@ def main() -> int:
             torch.cuda.empty_cache()
         report.extend([f"## {title} ({time.perf_counter() - t0:.0f} s)", "", *lines, ""])
         print("\n".join(lines), flush=True)
+        args.out.write_text("\n".join(report) + "\n")  # what ran so far, should a later section hang
 
     copy_bw: list[float] = []
     section("Environment", lambda: environment(device, args.smoke))
@@ -344,6 +486,10 @@ def main() -> int:
     section("Decode attention (bf16, one token per sequence)",
             lambda: decode_attention(device, sizes, copy_bw[0] if copy_bw else float("nan")))
     section("Prefill attention (bf16, causal)", lambda: prefill_attention(device, sizes))
+    with tempfile.TemporaryDirectory() as workdir:
+        section("Engine against transformers (random Llama and Mistral, float32)",
+                lambda: engine_against_transformers(device, sizes, Path(workdir)))
+    section("LoRA kernels (bf16)", lambda: lora_kernels(device, sizes))
     section("Engine end to end (random Llama, bf16)", lambda: engine_end_to_end(device, sizes))
     report.append(f"Total {time.perf_counter() - started:.0f} s; "
                   + (f"FAILED: {', '.join(failed)}" if failed else "all sections passed."))

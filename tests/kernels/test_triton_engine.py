@@ -1,5 +1,6 @@
 """The engine end to end with the Triton attention backend (compiled on a CUDA device, under the
-interpreter on the CPU; scripts/gpu_check.py runs it on the GPU): greedy tokens identical to the
+interpreter on the CPU; scripts/gpu_check.py makes the same check on a GPU with random folders, as
+the default model is not installed there): greedy tokens identical to the
 torch backend's and to Hugging Face transformers' generate(), top-5 logprobs close to the torch
 backend's. A small token budget prefills the long prompt in chunks next to other requests' decodes.
 

@@ -24,7 +24,7 @@ _NAME = "lora"
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     segmented = [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT]
-    for name in ("lora_shrink", "lora_expand"):
+    for name in ("lora_shrink", "lora_expand", "lora_expand_t"):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = _INT, segmented
     lib.lora_isa.restype, lib.lora_isa.argtypes = _INT, []
@@ -63,11 +63,21 @@ def lora_shrink(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, seg_ind
 def lora_expand(out: torch.Tensor, y: torch.Tensor, b_stack: torch.Tensor, seg_indptr: torch.Tensor,
                 seg_slots: torch.Tensor, lib: ctypes.CDLL | None = None) -> bool:
     """out[rows of segment i] += y[rows] @ b_stack[seg_slots[i]].T where the slot is >= 0, rounded once.
-    out: [T, n] (a column slice of a wider tensor is fine); y: [T, R] float32; b_stack: [S, n, R] of
-    out's dtype; each with unit stride in its last dim. False, out untouched, as `lora_shrink`."""
+    out: [T, n] (a column slice of a wider tensor is fine); y: [T, R] float32; out and y with unit stride
+    in their last dim; b_stack: [S, n, R] of out's dtype, with unit stride in its last dim or, stored
+    transposed (`transposed`), in its middle one. False, out untouched, as `lora_shrink`."""
     num_rows, n = out.shape
     num_slots, _, rank = b_stack.shape
-    return (lib or native.library(_NAME)).lora_expand(
-        out.data_ptr(), out.stride(0), y.data_ptr(), y.stride(0), b_stack.data_ptr(), b_stack.stride(0),
-        b_stack.stride(1), num_slots, seg_indptr.data_ptr(), seg_slots.data_ptr(), seg_slots.shape[0], num_rows,
-        n, rank, DTYPES[out.dtype], torch.get_num_threads()) == 0
+    library = lib or native.library(_NAME)
+    # The transposed layout's kernel reads B's rows of n in place; the other reduces along R.
+    fn, ld_b = (library.lora_expand_t, b_stack.stride(2)) if transposed(b_stack) else (library.lora_expand,
+                                                                                          b_stack.stride(1))
+    return fn(out.data_ptr(), out.stride(0), y.data_ptr(), y.stride(0), b_stack.data_ptr(), b_stack.stride(0), ld_b,
+              num_slots, seg_indptr.data_ptr(), seg_slots.data_ptr(), seg_slots.shape[0], num_rows, n, rank,
+              DTYPES[out.dtype], torch.get_num_threads()) == 0
+
+
+def transposed(b_stack: torch.Tensor) -> bool:
+    """Whether a [S, n, R] stack is stored as R rows of n per slot (unit stride along n), the layout the
+    CPU's expand reads fastest."""
+    return b_stack.stride(1) == 1 and b_stack.shape[2] > 1 and b_stack.stride(2) >= b_stack.shape[1]

@@ -8,6 +8,9 @@ R, with the scaling folded into B:
     a_stack [S, R, in]     y = lora_shrink(x, a_stack, ...)          y[rows] = x[rows] @ A[slot].T
     b_stack [S, n, R]      lora_expand_(out, y, b_stack, ..., off)   out[rows, off:off + n] += y[rows] @ B[slot].T
 
+b_stack may be stored transposed (R rows of n per slot, a `transpose(1, 2)` view): the CPU's layout,
+which its expand reads in place; the Triton kernels take the row-major one.
+
 y is float32 (the sums are never rounded between the two products); out keeps its dtype and is
 rounded once. A merged layer (qkv, gate_up) may shrink once over its slices' A stacks concatenated
 along R and expand each slice from its columns of y (a strided view is fine) at its own offset.
@@ -93,8 +96,9 @@ def lora_expand_(out: torch.Tensor, y: torch.Tensor, b_stack: torch.Tensor, seg_
     n = b_stack.shape[1]
     if not 0 <= out_offset <= out.shape[1] - n:
         raise ValueError(f"out_offset {out_offset} + n {n} must fit in out's {out.shape[1]} columns")
-    if b_stack.dtype != out.dtype or b_stack.stride(2) != 1:
-        raise ValueError(f"b_stack must be of out's dtype {out.dtype} with unit stride in its last dim, got "
+    if b_stack.dtype != out.dtype or not (b_stack.stride(2) == 1 or cpu_lora.transposed(b_stack)):
+        raise ValueError(f"b_stack must be of out's dtype {out.dtype} with unit stride in its last dim (or, stored "
+                         f"transposed, in its middle one), got "
                          f"{b_stack.dtype} strides {b_stack.stride()}")
     if y.dtype not in (torch.float32, out.dtype):
         raise ValueError(f"y must be float32 or out's dtype {out.dtype}, got {y.dtype}")
@@ -109,6 +113,8 @@ def lora_expand_(out: torch.Tensor, y: torch.Tensor, b_stack: torch.Tensor, seg_
         if not cpu_lora.lora_expand(cols, y.float(), b_stack, seg_indptr, seg_slots):
             _refuse_segments(seg_indptr, seg_slots, out.shape[0], b_stack.shape[0])
     elif chosen == "triton":
+        if b_stack.stride(2) != 1:
+            raise ValueError("the Triton LoRA kernels take b_stack with unit stride in its last dim")
         if out.device.type == "cpu":
             _check_segment_values(seg_indptr, seg_slots, out.shape[0], b_stack.shape[0])
         _triton().lora_expand(cols, y, b_stack, seg_indptr, seg_slots)

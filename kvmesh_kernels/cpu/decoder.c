@@ -7,8 +7,10 @@
  *            layer kind's table -> KV write -> paged attention -> o matmul -> RMSNorm -> add
  *            -> RMSNorm -> gate|up matmul -> GELU-tanh * up -> down matmul -> RMSNorm -> add
  *
- * then the final [add +] RMSNorm, calling the same kernels the layers' modules call (quant_matmul.c,
- * fused_ops.c, paged_decode_attention.c, each its own library, reached through the function
+ * where each linear layer may add its LoRA delta (the step's adapter segments, lora.c's shrink and
+ * expand, after the base matmul and its bias, as services/worker/lora/layers.py adds it), then the
+ * final [add +] RMSNorm, calling the same kernels the layers' modules call (quant_matmul.c,
+ * fused_ops.c, paged_decode_attention.c, lora.c, each its own library, reached through the function
  * pointers in `Ops`), with the same arguments and thread counts, in the same order: the result is
  * bit for bit the modules' (tests/model/test_native_decoder.py). Gemma's norms hold 1 + w, so its
  * RMSNorm is the same kernel. What this removes is Python's share of a small step: ~10 module
@@ -38,6 +40,13 @@ typedef int (*attention_fn)(void *out, const void *q, const void *k_cache, const
                             int max_blocks_per_seq, float scale, int sliding_window, float soft_cap, int dtype,
                             int64_t q_stride, int64_t out_stride, int num_threads);
 typedef void (*gated_fn)(float *out, const float *x, int64_t num_tokens, int64_t inter, int num_threads);
+typedef int (*lora_shrink_fn)(float *y, int64_t ld_y, const void *x, int64_t ld_x, const void *a, int64_t slot_stride,
+                              int64_t ld_a, int64_t num_slots, const int32_t *seg_indptr, const int32_t *seg_slots,
+                              int64_t num_segs, int64_t num_rows, int64_t rank, int64_t k, int dtype, int num_threads);
+typedef int (*lora_expand_fn)(void *out, int64_t ld_out, const float *y, int64_t ld_y, const void *b,
+                              int64_t slot_stride, int64_t ld_b, int64_t num_slots, const int32_t *seg_indptr,
+                              const int32_t *seg_slots, int64_t num_segs, int64_t num_rows, int64_t n, int64_t rank,
+                              int dtype, int num_threads);
 
 typedef struct {
     quant_matmul_fn matmul;
@@ -49,6 +58,8 @@ typedef struct {
     attention_fn attention;
     gated_fn silu_and_mul;
     gated_fn gelu_tanh_and_mul;
+    lora_shrink_fn lora_shrink; /* NULL when the LoRA library is not built: then no layer has LoRA */
+    lora_expand_fn lora_expand; /* lora.c's lora_expand_t: B stored transposed */
 } Ops;
 
 /* A [rows, cols] weight in GGUF blocks: row-order blocks (row_bytes apart) or, with packed, the
@@ -61,12 +72,24 @@ typedef struct {
     int32_t qtype, packed;
 } Weight;
 
+/* A linear layer's LoRA slots, float32, zero-padded to Dims.lora_rank R (services/worker/lora/layers.py):
+ * `a` [lora_slots, slices * R, cols], every slice's A along R, shrunk once; slice i's B `b[i]` stored
+ * transposed, [lora_slots, R, n[i]], expanded into the output's columns offset[i].. . a NULL: no LoRA. */
+#define MAX_LORA_SLICES 3
+typedef struct {
+    const float *a;
+    const float *b[MAX_LORA_SLICES];
+    int64_t n[MAX_LORA_SLICES], offset[MAX_LORA_SLICES];
+    int32_t slices;
+} Lora;
+
 enum { LAYOUT_LLAMA = 0, LAYOUT_GEMMA3 = 1 };
 
 typedef struct {
     const float *input_norm, *post_norm; /* before attention; after it (Llama: before the MLP) */
     const float *pre_ffw_norm, *post_ffw_norm, *q_norm, *k_norm; /* Gemma 3's; q_norm, k_norm: [head_size] */
     Weight qkv, o, gate_up, down;
+    Lora qkv_lora, o_lora, gate_up_lora, down_lora;
     void *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_size] */
     int32_t sliding_window;  /* 0: none */
     int32_t rope_table;      /* which of the step's cos_sin tables rotates this layer's q and k */
@@ -78,6 +101,7 @@ typedef struct {
     float eps, scale, soft_cap;
     int32_t num_threads;
     int64_t parallel_work; /* a matmul of fewer multiply-adds runs on one thread (cpu_quant_matmul) */
+    int32_t lora_rank, lora_slots; /* every Lora's R and slot count */
 } Dims;
 
 /* One step's inputs: num_tokens rows; row i attends the first seq_lens[i] tokens of request
@@ -88,6 +112,10 @@ typedef struct {
     const int64_t *slot_mapping;
     const int32_t *block_table, *seq_lens, *seq_of_row;
     int32_t max_blocks;
+    /* LoRA: request i is rows seg_indptr[i]..seg_indptr[i + 1], adapter slot seg_slots[i] (-1: none);
+     * seg_slots NULL: no request of the step has an adapter */
+    const int32_t *seg_indptr, *seg_slots;
+    int64_t num_segs;
 } Step;
 
 typedef struct {
@@ -96,9 +124,30 @@ typedef struct {
     float *attn;                    /* [n, H D] */
     float *gate_up;                 /* [n, 2 inter] */
     float *act;                     /* [n, inter] */
+    float *lora_y;                  /* [n, MAX_LORA_SLICES * lora_rank]: the shrink's sums; NULL without LoRA */
 } Scratch;
 
-static void linear(const Ops *ops, const Dims *d, const Weight *w, float *y, const float *x, int64_t m) {
+/* A LoRA kernel's refusal (bad segments), told apart from the attention kernel's. */
+#define LORA_REJECTED 1000
+
+/* y += each segment's LoRA delta of x, as LoRA layers add it: one shrink over every slice's A, then
+ * each slice's expand into its columns. */
+static int add_lora(const Ops *ops, const Dims *d, const Lora *lora, const Step *step, const Scratch *s,
+                    int64_t n_out, float *y, const float *x, int64_t m, int64_t k) {
+    const int64_t r = d->lora_rank, width = lora->slices * r;
+    if (ops->lora_shrink(s->lora_y, width, x, k, lora->a, width * k, k, d->lora_slots, step->seg_indptr,
+                         step->seg_slots, step->num_segs, m, width, k, 0, d->num_threads) != 0)
+        return LORA_REJECTED;
+    for (int i = 0; i < lora->slices; i++)
+        if (ops->lora_expand(y + lora->offset[i], n_out, s->lora_y + i * r, width, lora->b[i], lora->n[i] * r,
+                             lora->n[i], d->lora_slots, step->seg_indptr, step->seg_slots, step->num_segs, m, lora->n[i], r, 0,
+                             d->num_threads) != 0)
+            return LORA_REJECTED;
+    return 0;
+}
+
+static int linear(const Ops *ops, const Dims *d, const Weight *w, const Lora *lora, const Step *step,
+                  const Scratch *s, float *y, const float *x, int64_t m) {
     const int64_t n = w->rows, k = w->cols;
     const int threads = m * n * k >= d->parallel_work ? d->num_threads : 1;
     if (w->packed)
@@ -108,6 +157,8 @@ static void linear(const Ops *ops, const Dims *d, const Weight *w, float *y, con
     if (w->bias != NULL)
         for (int64_t i = 0; i < m; i++)
             for (int64_t j = 0; j < n; j++) y[i * n + j] += w->bias[j];
+    if (lora->a != NULL && step->seg_slots != NULL) return add_lora(ops, d, lora, step, s, n, y, x, m, k);
+    return 0;
 }
 
 /* Gemma 3's QK-norm, in place in each token's q|k|v row: its H q heads, then its Hkv k heads, each
@@ -128,27 +179,29 @@ static int attention(const Ops *ops, const Dims *d, const Layer *l, const Step *
     const int D = d->head_size, nt = d->num_threads;
     const int64_t q_size = (int64_t)d->num_heads * D, kv_size = (int64_t)d->num_kv_heads * D;
     const int64_t qkv_row = q_size + 2 * kv_size;
-    linear(ops, d, &l->qkv, s->qkv, s->normed, n);
+    int rc = linear(ops, d, &l->qkv, &l->qkv_lora, step, s, s->qkv, s->normed, n);
+    if (rc != 0) return rc;
     if (d->layout == LAYOUT_GEMMA3) qk_norm(ops, d, l, s->qkv, n, qkv_row);
     ops->rope(s->qkv, qkv_row, step->cos_sin[l->rope_table], D, n, d->num_heads + d->num_kv_heads, D, 0, nt);
     ops->kv_write(l->k_cache, l->v_cache, (const char *)(s->qkv + q_size), (const char *)(s->qkv + q_size + kv_size),
                   step->slot_mapping, n, kv_size * (int64_t)sizeof(float), qkv_row * (int64_t)sizeof(float),
                   qkv_row * (int64_t)sizeof(float));
-    const int rc = ops->attention(s->attn, s->qkv, l->k_cache, l->v_cache, step->block_table, step->seq_lens,
+    rc = ops->attention(s->attn, s->qkv, l->k_cache, l->v_cache, step->block_table, step->seq_lens,
                                   step->seq_of_row, (int)n, d->num_heads, d->num_kv_heads, D, d->block_size,
                                   step->max_blocks, d->scale, l->sliding_window, d->soft_cap, 0, qkv_row,
                                   q_size, nt);
     if (rc != 0) return rc;
-    linear(ops, d, &l->o, s->out, s->attn, n);
-    return 0;
+    return linear(ops, d, &l->o, &l->o_lora, step, s, s->out, s->attn, n);
 }
 
 /* The MLP of s->normed: the down projection's output in s->out. */
-static void mlp(const Ops *ops, const Dims *d, const Layer *l, int64_t n, const Scratch *s) {
-    linear(ops, d, &l->gate_up, s->gate_up, s->normed, n);
+static int mlp(const Ops *ops, const Dims *d, const Layer *l, const Step *step, const Scratch *s) {
+    const int64_t n = step->num_tokens;
+    const int rc = linear(ops, d, &l->gate_up, &l->gate_up_lora, step, s, s->gate_up, s->normed, n);
+    if (rc != 0) return rc;
     const gated_fn act = d->layout == LAYOUT_GEMMA3 ? ops->gelu_tanh_and_mul : ops->silu_and_mul;
     act(s->act, s->gate_up, n, d->inter, d->num_threads);
-    linear(ops, d, &l->down, s->out, s->act, n);
+    return linear(ops, d, &l->down, &l->down_lora, step, s, s->out, s->act, n);
 }
 
 /* Llama's layer: the residual add before each norm is the norm's (add_rms_norm), so a layer leaves
@@ -164,8 +217,7 @@ static int llama_layer(const Ops *ops, const Dims *d, const Layer *l, int first,
     const int rc = attention(ops, d, l, step, s);
     if (rc != 0) return rc;
     ops->add_rms_norm(s->normed, s->residual, s->out, s->residual, l->post_norm, n, H, d->eps, 0, nt);
-    mlp(ops, d, l, n, s);
-    return 0;
+    return mlp(ops, d, l, step, s);
 }
 
 /* residual += x, as the module's `hidden_states + x` (one float add each, commutative). */
@@ -179,20 +231,21 @@ static int gemma3_layer(const Ops *ops, const Dims *d, const Layer *l, const Ste
     const int64_t n = step->num_tokens;
     const int H = d->hidden, nt = d->num_threads;
     ops->rms_norm(s->normed, s->residual, l->input_norm, n, H, d->eps, 0, nt);
-    const int rc = attention(ops, d, l, step, s);
+    int rc = attention(ops, d, l, step, s);
     if (rc != 0) return rc;
     ops->rms_norm(s->normed, s->out, l->post_norm, n, H, d->eps, 0, nt);
     add_into(s->residual, s->normed, n * H);
     ops->rms_norm(s->normed, s->residual, l->pre_ffw_norm, n, H, d->eps, 0, nt);
-    mlp(ops, d, l, n, s);
+    rc = mlp(ops, d, l, step, s);
+    if (rc != 0) return rc;
     ops->rms_norm(s->normed, s->out, l->post_ffw_norm, n, H, d->eps, 0, nt);
     add_into(s->residual, s->normed, n * H);
     return 0;
 }
 
 /* hidden: [n, hidden] the embeddings, scaled as the model scales them (read only); final_norm: the
- * model's last RMSNorm. The normed last hidden states end in s->normed. Returns 0, or the attention
- * kernel's error. */
+ * model's last RMSNorm. The normed last hidden states end in s->normed. Returns 0, the attention
+ * kernel's error, or LORA_REJECTED. */
 int decoder_forward(const Ops *ops, const Dims *d, const Layer *layers, int num_layers, const float *final_norm,
                     const Step *step, const float *hidden, const Scratch *s)
 {

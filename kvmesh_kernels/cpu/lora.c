@@ -19,6 +19,10 @@
  *            [w2 ..........................]
  *            [w3 ..........................]   -> MR x NR sums, K / VL FMAs each
  *
+ * `lora_expand_t` takes B stored transposed, R rows of n (the worker's layout on the CPU): each y value
+ * is broadcast against eight columns of a B row read in place, four rows of a segment sharing each
+ * load, with nothing to reduce or transpose (a decode step of few rows per adapter is this path).
+ *
  * Expand's reduction is short (R = 8..64), so with AVX2 it takes its own path: eight columns reduced
  * into one vector and added to out in one load and store (a decode row), or, for a segment of several
  * rows, B transposed a panel of columns at a time into float32 and each y value broadcast against
@@ -37,9 +41,12 @@
 
 #define NR 4 /* weight rows of a tile: one horizontal-add tree reduces four sums */
 #define MAX_ROW_BLOCK 64 /* flat rows a thread takes at a time at most: a multiple of every MR */
-/* Below this many multiply-adds a call stays on one thread: a decode step's LoRA (8 rows of rank 16 at
- * hidden 576: 74 K) takes a few microseconds, about what waking a second OpenMP thread costs. */
+/* A call stays on one thread below this many multiply-adds and this many weights streamed (a slot's
+ * n x k for each segment that runs one): one adapter's decode row (rank 16 at hidden 576: 9 K each)
+ * takes a few microseconds, about what waking a second OpenMP thread costs, while a decode step of
+ * several adapters reads hundreds of kilobytes of their weights, faster on two cores than on one. */
 #define PARALLEL_WORK (1 << 20)
+#define PARALLEL_WEIGHTS (1 << 16)
 
 enum { F32 = 0, BF16 = 1 };
 
@@ -167,6 +174,7 @@ typedef struct {
     int64_t n;        /* weight rows = outputs per input row */
     int in_dtype, w_dtype, out_dtype;
     int accumulate;   /* 0: out = sum (float32); 1: out = round(out + sum) in out_dtype */
+    int transposed;   /* expand only: the slot's B stored as R rows of n (`ld_w` apart), not n rows of R */
 } dot_args;
 
 static inline size_t dtype_size(int dtype) { return dtype == F32 ? 4 : 2; }
@@ -307,24 +315,25 @@ static inline __attribute__((always_inline)) __m256 expand8(const float *yr, con
 #define PANEL 64 /* columns (a multiple of 8) whose B rows a segment of several rows transposes at a time */
 #define MAX_PANEL_RANK 256 /* the transposed panel, R x PANEL float32, stays on the stack (64 KB at most) */
 
-/* out[t..t+mr) at columns j0.. += y rows times the transposed panel bt ([rank][PANEL] float32): each y
- * value broadcast against eight columns, so nothing needs reducing and each panel row serves mr rows. */
-static inline __attribute__((always_inline)) void panel_rows(const dot_args *d, const float *bt, int64_t t,
-                                                             const int mr, int64_t j0, int64_t cols,
-                                                             const int dtype) {
-    const size_t osz = dtype_size(dtype);
+/* out[t..t+mr) at columns j0.. += y rows times bt, B transposed ([rank][cols], rows ld_bt elements apart,
+ * of bt_dtype; a row's last `cols % 8` values read masked): each y value broadcast against eight
+ * columns, so nothing needs reducing and each load of bt serves mr rows. */
+static inline __attribute__((always_inline)) void panel_rows(const dot_args *d, const char *bt, int64_t ld_bt,
+                                                             const int bt_dtype, int64_t t, const int mr,
+                                                             int64_t j0, int64_t cols, const int dtype) {
+    const size_t osz = dtype_size(dtype), bsz = dtype_size(bt_dtype);
     const int64_t rank = d->k, ld_y = d->ld_in;
     const float *y = (const float *)d->in + t * ld_y;
     char *out = d->out + (size_t)(t * d->ld_out + j0) * osz;
     const size_t ld_out = (size_t)d->ld_out * osz;
     for (int64_t j = 0; j < cols; j += 8) {
+        const int c = cols - j < 8 ? (int)(cols - j) : 8;
         __m256 acc[4];
         for (int m = 0; m < mr; m++) acc[m] = _mm256_setzero_ps();
         for (int64_t k = 0; k < rank; k++) {
-            const __m256 b = _mm256_loadu_ps(bt + k * PANEL + j);
+            const __m256 b = load8(bt + (size_t)(k * ld_bt + j) * bsz, bt_dtype, c);
             for (int m = 0; m < mr; m++) acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(y + m * ld_y + k), b, acc[m]);
         }
-        const int c = cols - j < 8 ? (int)(cols - j) : 8;
         for (int m = 0; m < mr; m++) add8(out + m * ld_out + (size_t)j * osz, dtype, acc[m], c);
     }
 }
@@ -333,6 +342,14 @@ static inline __attribute__((always_inline)) void expand_rows_t(const dot_args *
                                                                 const int dtype) {
     const size_t osz = dtype_size(dtype);
     const int64_t n = d->n, rank = d->k;
+    if (d->transposed) {
+        int64_t t = t0;
+        for (; t + 4 <= t1; t += 4) panel_rows(d, d->w, d->ld_w, dtype, t, 4, 0, n, dtype);
+        if (t1 - t == 3) panel_rows(d, d->w, d->ld_w, dtype, t, 3, 0, n, dtype);
+        else if (t1 - t == 2) panel_rows(d, d->w, d->ld_w, dtype, t, 2, 0, n, dtype);
+        else if (t1 - t == 1) panel_rows(d, d->w, d->ld_w, dtype, t, 1, 0, n, dtype);
+        return;
+    }
     if (t1 - t0 >= 4 && rank <= MAX_PANEL_RANK) {
         /* Several rows (prefill): transpose B a panel at a time, as float32, then broadcast-FMA. */
         float bt[MAX_PANEL_RANK * PANEL];
@@ -344,9 +361,10 @@ static inline __attribute__((always_inline)) void expand_rows_t(const dot_args *
                     bt[k * PANEL + c] = c >= cols ? 0.f
                                       : dtype == F32 ? ((const float *)w)[k] : bf16_to_f32(((const uint16_t *)w)[k]);
             }
+            const char *panel = (const char *)bt;
             int64_t t = t0;
-            for (; t + 4 <= t1; t += 4) panel_rows(d, bt, t, 4, p, cols, dtype);
-            for (; t < t1; t++) panel_rows(d, bt, t, 1, p, cols, dtype);
+            for (; t + 4 <= t1; t += 4) panel_rows(d, panel, PANEL, F32, t, 4, p, cols, dtype);
+            for (; t < t1; t++) panel_rows(d, panel, PANEL, F32, t, 1, p, cols, dtype);
         }
         return;
     }
@@ -371,6 +389,33 @@ static inline __attribute__((always_inline)) void expand_rows_t(const dot_args *
 static void expand_rows(const dot_args *d, int64_t t0, int64_t t1) {
     if (d->out_dtype == F32) expand_rows_t(d, t0, t1, F32);
     else expand_rows_t(d, t0, t1, BF16);
+}
+#endif
+
+#if !defined(EXPAND8)
+/* Expand with B transposed, portable C: out[t, j] += sum over r of y[t, r] B[r, j], in float32, r in order. */
+static void expand_rows(const dot_args *d, int64_t t0, int64_t t1) {
+    const size_t wsz = dtype_size(d->w_dtype), osz = dtype_size(d->out_dtype);
+    float sums[256];
+    for (int64_t t = t0; t < t1; t++) {
+        const float *y = (const float *)d->in + t * d->ld_in;
+        char *o = d->out + (size_t)(t * d->ld_out) * osz;
+        for (int64_t j0 = 0; j0 < d->n; j0 += 256) {
+            const int64_t cols = d->n - j0 < 256 ? d->n - j0 : 256;
+            for (int64_t j = 0; j < cols; j++) sums[j] = 0.f;
+            for (int64_t r = 0; r < d->k; r++) {
+                const char *b = d->w + (size_t)(r * d->ld_w + j0) * wsz;
+                for (int64_t j = 0; j < cols; j++) {
+                    const float w = d->w_dtype == F32 ? ((const float *)b)[j] : bf16_to_f32(((const uint16_t *)b)[j]);
+                    sums[j] += y[r] * w;
+                }
+            }
+            for (int64_t j = 0; j < cols; j++) {
+                if (d->out_dtype == F32) ((float *)o)[j0 + j] += sums[j];
+                else ((uint16_t *)o)[j0 + j] = f32_to_bf16(bf16_to_f32(((uint16_t *)o)[j0 + j]) + sums[j]);
+            }
+        }
+    }
 }
 #endif
 
@@ -403,7 +448,10 @@ static void run(dot_args d, const char *weights, int64_t slot_stride, const int3
                 const int32_t *seg_slots, int64_t num_segs, int64_t num_rows, int num_threads) {
     const size_t wsz = dtype_size(d.w_dtype);
     const double work = (double)num_rows * (double)d.n * (double)d.k;
-    const int parallel = work >= PARALLEL_WORK && num_threads > 1;
+    int64_t adapted = 0; /* segments that run an adapter */
+    for (int64_t s = 0; s < num_segs; s++) adapted += seg_slots[s] >= 0;
+    const double streamed = (double)adapted * (double)d.n * (double)d.k;
+    const int parallel = (work >= PARALLEL_WORK || streamed >= PARALLEL_WEIGHTS) && num_threads > 1;
     /* Blocks of MAX_ROW_BLOCK rows, or about four a thread where that leaves each fewer (a multiple of 4,
      * so of every MR): a long block amortises expand's transposed panels over more rows. */
     int64_t rows_per_block = MAX_ROW_BLOCK;
@@ -424,6 +472,8 @@ static void run(dot_args d, const char *weights, int64_t slot_stride, const int3
                 seg.w = weights + (size_t)(seg_slots[s] * slot_stride) * wsz;
 #if defined(EXPAND8)
                 if (d.accumulate) { expand_rows(&seg, t0, t1); continue; }
+#else
+                if (d.transposed) { expand_rows(&seg, t0, t1); continue; }
 #endif
                 segment_rows(&seg, t0, t1);
             } else if (!d.accumulate) {
@@ -457,6 +507,20 @@ int lora_expand(void *out, int64_t ld_out, const float *y, int64_t ld_y, const v
     if (bad) return bad;
     const dot_args d = {.in = (const char *)y, .out = out, .ld_in = ld_y, .ld_w = ld_b, .ld_out = ld_out,
                         .k = rank, .n = n, .in_dtype = F32, .w_dtype = dtype, .out_dtype = dtype, .accumulate = 1};
+    run(d, b, slot_stride, seg_indptr, seg_slots, num_segs, num_rows, num_threads);
+    return 0;
+}
+
+/* lora_expand with B stored transposed: b: [num_slots, rank, n], each slot's R rows of n ld_b elements
+ * apart (slot_stride between slots). */
+int lora_expand_t(void *out, int64_t ld_out, const float *y, int64_t ld_y, const void *b, int64_t slot_stride,
+                  int64_t ld_b, int64_t num_slots, const int32_t *seg_indptr, const int32_t *seg_slots,
+                  int64_t num_segs, int64_t num_rows, int64_t n, int64_t rank, int dtype, int num_threads) {
+    const int bad = check_segments(seg_indptr, seg_slots, num_segs, num_rows, num_slots);
+    if (bad) return bad;
+    const dot_args d = {.in = (const char *)y, .out = out, .ld_in = ld_y, .ld_w = ld_b, .ld_out = ld_out,
+                        .k = rank, .n = n, .in_dtype = F32, .w_dtype = dtype, .out_dtype = dtype, .accumulate = 1,
+                        .transposed = 1};
     run(d, b, slot_stride, seg_indptr, seg_slots, num_segs, num_rows, num_threads);
     return 0;
 }

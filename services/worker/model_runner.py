@@ -107,7 +107,9 @@ class ModelRunner:
         # Scheduled requests in row order; token j of request i is at flat index starts[i] + j.
         rows = np.fromiter((batch.row_of[r] for r in num_scheduled_tokens), dtype=np.int64)
         q_lens = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64)
-        order = np.argsort(rows, kind="stable")
+        # With LoRA, the rows of each adapter side by side: the step's mapping makes them one segment, so
+        # the LoRA kernels read an adapter's weights once for all its rows, not once a request.
+        order = np.argsort(rows, kind="stable") if self.lora is None else np.lexsort((rows, batch.lora_ids[rows]))
         rows, q_lens = rows[order], q_lens[order]
         ends = np.cumsum(q_lens)
         starts = ends - q_lens

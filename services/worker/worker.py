@@ -73,9 +73,8 @@ class Worker:
         self.lora = self._enable_lora(lora) if lora.enable_lora else None
         if self.lora is not None and self.device.type == "cpu":
             cpu_lora.available(cache_dir)  # built once here; without a compiler the LoRA layers use torch's
-        # The native decoder runs the layers' base weights only: with LoRA on, the model goes layer by
-        # layer through the LoRA layers (the native path does not know LoRA).
-        if self.device.type == "cpu" and self.lora is None and cpu_decoder.available(cache_dir):
+        # After the LoRA layers are in place: the native decoder binds their slots too.
+        if self.device.type == "cpu" and cpu_decoder.available(cache_dir):
             native_decoder.enable(self.model)  # the CPU's small steps as one native call, where it can
         max_len = self.hf_config.max_position_embeddings
         if model_config.max_model_len is not None:

@@ -95,8 +95,12 @@ def expand_both(batch: LoraBatch, y: torch.Tensor, offset: int, gen: torch.Gener
 @pytest.mark.parametrize("dims", NATIVE_DIMS, ids=str)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_kernels_equal_the_reference(case, dims, dtype, isa, cpu_gen):
+@pytest.mark.parametrize("b_layout", ["row-major", "transposed"])
+def test_native_kernels_equal_the_reference(case, dims, dtype, b_layout, isa, cpu_gen):
     batch = make_batch(case, dims, dtype, cpu_gen)
+    if b_layout == "transposed":  # the worker's layout on the CPU: each slot's B as R rows of n
+        batch = batch._replace(b_stack=batch.b_stack.transpose(1, 2).contiguous().transpose(1, 2))
+        assert cpu_lora.transposed(batch.b_stack)
     lib = cpu_lora.variant(isa, default_cache_dir())
     want_y = lora_shrink_ref(batch.x, batch.a_stack, batch.seg_indptr, batch.seg_slots)
     y = torch.full_like(want_y, float("nan"))  # every row must be written, slot -1 rows with zeros

@@ -3,6 +3,8 @@ Hugging Face transformers + PEFT with the same adapter (tests/model/lora_adapter
 
   - each adapter alone gives PEFT's greedy tokens, top-5 logprobs within 1e-3 (a Llama, Gemma 3);
   - two adapters and the base model in one batch give each request's tokens alone;
+  - over GGUF-style blocks (`quantization="int8"`) LoRA runs in the native decoder, bit for bit the
+    LoRA layers' modules, in a mixed batch of chunks and decodes;
   - the prefix cache never crosses adapters: the same prompt under another adapter hits nothing,
     under the same adapter it hits its full blocks, and the pool holds one chain per adapter;
   - with one adapter slot, requests of three adapters all finish with their own tokens, and a waiting
@@ -26,6 +28,7 @@ from services import LLM, SamplingParams
 from services.common.hashing import hash_token_blocks
 from services.common.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from services.llm import LoRARequest
+from services.worker.native_decoder import NativeDecoder
 from tests.model.families import BLOCK_SIZE, GREEDY, Family, Scenario, check_greedy, random_prompts
 from tests.model.lora_adapters import Adapter, save_adapter
 
@@ -106,6 +109,34 @@ def test_two_adapters_and_the_base_in_one_batch_give_each_request_its_tokens_alo
     assert tokens(llm.generate(prompts, SHORT, lora_request=loras)) == alone
     assert sorted(llm.worker.lora.slots.slot_ids) == [1, 2]  # both adapters ran, one slot each
     assert len({tuple(t) for t in alone[:3]}) == 3
+
+
+def test_lora_runs_in_the_native_decoder_bit_for_bit_as_its_layers(llama: Family,
+                                                                    adapters: dict[str, Adapter]) -> None:
+    llm = make_llm(llama, quantization="int8", max_num_batched_tokens=24)
+    try:
+        model = llm.worker.runner.model.model
+        served = model.native_decoder
+        assert isinstance(served, NativeDecoder)  # LoRA no longer sends the model through its modules
+        calls = []
+        counting = NativeDecoder(model, served.ops)
+        counting.forward = lambda hidden, cos_sin: calls.append(hidden.shape[0]) or served.forward(hidden, cos_sin)
+        prompts = random_prompts((9, 20, 3, 35, 17), seed=8)
+        loras = [adapters["a"].request, adapters["b"].request, None, adapters["a"].request, adapters["b"].request]
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+        runs = []
+        for native in (counting, None):
+            model.native_decoder = native
+            llm.engine.reset_prefix_cache()  # the same steps twice: no chunk read from the first run's cache
+            runs.append(llm.generate(prompts, params, lora_request=loras))
+        assert calls and max(calls) > 5 and 1 in calls  # chunks beside decodes, and a lone decode
+        for ours, modules in zip(*runs):
+            assert ours.outputs[0].token_ids == modules.outputs[0].token_ids
+            assert ours.outputs[0].logprobs == modules.outputs[0].logprobs  # equal to the last bit
+        assert len({tuple(o.outputs[0].token_ids) for o in runs[0][:3]}) == 3  # the adapters count
+    finally:
+        del llm
+        gc.collect()
 
 
 def test_the_prefix_cache_never_crosses_adapters(llm: LLM, adapters: dict[str, Adapter]) -> None:

@@ -6,6 +6,7 @@ slots, zero-padded to max_lora_rank R:
     a_stack [max_loras, k * R, in]      the k merged slices' A (q|k|v, gate|up; k = 1 otherwise) along R,
                                         so one shrink serves them all
     b_stacks[i] [max_loras, n_i, R]     slice i's B, scaling folded in, expanded at its column offset
+                                        (on the CPU stored as R rows of n_i: `_b_stack`)
 
 Tensor parallel (vLLM's way): a column-parallel layer keeps A whole and holds its rows of B, as of its
 base weight; a row-parallel layer holds its columns of A and B whole, and adds its partial delta to
@@ -38,7 +39,16 @@ class SlotShape(NamedTuple):
     device: torch.device
 
 
-class _LoRALayer(nn.Module):
+def _b_stack(max_loras: int, n: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros [max_loras, n, rank]. On the CPU stored transposed, R rows of n per slot (a view): the
+    native expand reads those rows in place, each load serving every row of the slot's segment;
+    Triton takes the row-major layout."""
+    if device.type == "cpu":
+        return torch.zeros(max_loras, rank, n, dtype=dtype, device=device).transpose(1, 2)
+    return torch.zeros(max_loras, n, rank, dtype=dtype, device=device)
+
+
+class LoRALayer(nn.Module):
     def __init__(self, base: nn.Module, modules: list[str], out_sizes: list[int], slots: SlotShape) -> None:
         super().__init__()
         self.base = base
@@ -47,7 +57,7 @@ class _LoRALayer(nn.Module):
         max_loras, in_features, dtype, device = slots.max_loras, base.in_features, slots.dtype, slots.device
         self.register_buffer("a_stack", torch.zeros(max_loras, len(modules) * max_rank, in_features,
                                                     dtype=dtype, device=device), persistent=False)
-        self.b_stacks = [torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device) for n in out_sizes]
+        self.b_stacks = [_b_stack(max_loras, n, max_rank, dtype, device) for n in out_sizes]
         offsets, start = [], 0
         for n in out_sizes:
             offsets.append(start)
@@ -81,7 +91,7 @@ class _LoRALayer(nn.Module):
             lora_expand_(out, y[:, i * r : (i + 1) * r], b_stack, lora.seg_indptr, lora.seg_slots, self.offsets[i])
 
 
-class ColumnLoRA(_LoRALayer):
+class ColumnLoRA(LoRALayer):
     """Around a MergedLinear (qkv_proj, gate_up_proj): A whole, B of this rank's rows of each slice."""
 
     def __init__(self, base: MergedLinear, slices: dict[str, str], slots: SlotShape) -> None:
@@ -98,7 +108,7 @@ class ColumnLoRA(_LoRALayer):
         return out
 
 
-class RowLoRA(_LoRALayer):
+class RowLoRA(LoRALayer):
     """Around a RowParallelLinear (o_proj, down_proj): this rank's columns of A, B whole; the delta
     joins the partial sums before the all-reduce, the bias after it."""
 
@@ -121,7 +131,7 @@ class RowLoRA(_LoRALayer):
         return out if base.bias is None else out + base.bias
 
 
-def wrap_layers(model: nn.Module, slots: SlotShape) -> list[dict[str, _LoRALayer]]:
+def wrap_layers(model: nn.Module, slots: SlotShape) -> list[dict[str, LoRALayer]]:
     """Put LoRA layers around every decoder layer's projections of `model` (Llama family, Gemma 3);
     returns, per decoder layer, its LoRA layers by PEFT module name (a merged layer under each of its
     slices' names)."""

@@ -22,11 +22,11 @@ from services.worker.lora.slots import SlotManager
 
 
 class LoRAMapping(NamedTuple):
-    """One step's segments: request i (in the flat batch's order) is rows seg_indptr[i]:seg_indptr[i+1]
-    and runs with slot seg_slots[i] (-1: the base model)."""
+    """One step's segments: segment i is rows seg_indptr[i]:seg_indptr[i+1] of the flat batch, one or
+    more neighbouring requests that run with slot seg_slots[i] (-1: the base model)."""
 
-    seg_indptr: torch.Tensor  # [num_reqs + 1] int32, the step's query_start_loc
-    seg_slots: torch.Tensor  # [num_reqs] int32
+    seg_indptr: torch.Tensor  # [num_segments + 1] int32, from 0 to the step's tokens
+    seg_slots: torch.Tensor  # [num_segments] int32
 
 
 class LoRAManager:
@@ -62,11 +62,14 @@ class LoRAManager:
         if not len(in_use):
             return None
         slots = self.slots.assign(in_use.tolist(), self._fill)
-        seg_slots = np.full(len(lora_ids), -1, dtype=np.int32)
+        req_slots = np.full(len(lora_ids), -1, dtype=np.int32)
         for lora_id, slot in slots.items():  # one pass per adapter of the step, at most max_loras
-            seg_slots[lora_ids == lora_id] = slot
-        return LoRAMapping(query_start_loc.to(self.device, torch.int32),
-                           torch.from_numpy(seg_slots).to(self.device))
+            req_slots[lora_ids == lora_id] = slot
+        # Neighbouring requests of one slot make one segment (the runner puts an adapter's rows together).
+        first = np.flatnonzero(np.r_[True, req_slots[1:] != req_slots[:-1]])
+        bounds = query_start_loc.numpy()[np.r_[first, len(req_slots)]]
+        return LoRAMapping(torch.from_numpy(bounds.astype(np.int32)).to(self.device),
+                           torch.from_numpy(req_slots[first]).to(self.device))
 
     def _fill(self, slot: int, lora_id: int) -> None:
         weights = self.cache.get(self._requests[lora_id]).modules

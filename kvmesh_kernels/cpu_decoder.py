@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvmesh_kernels import native
+from kvmesh_kernels import cpu_lora, native
 from kvmesh_kernels.native import FAST_MATH
 
 _P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
@@ -55,10 +55,10 @@ class Weight(ctypes.Structure):
 
 
 class Lora(ctypes.Structure):
-    """A linear layer's LoRA slots (float32): `a` [slots, slices * rank, in] and each slice's B stored
-    transposed, [slots, rank, n], at its column offset; a NULL: the layer has none."""
+    """A linear layer's LoRA slots (float32 or bfloat16, `dtype` as cpu_lora.DTYPES): `a` [slots, slices *
+    rank, in] and each slice's B stored transposed, [slots, rank, n], at its column offset; a NULL: none."""
     _fields_ = [("a", _P), ("b", _P * MAX_LORA_SLICES), ("n", _I64 * MAX_LORA_SLICES),
-                ("offset", _I64 * MAX_LORA_SLICES), ("slices", _I32)]
+                ("offset", _I64 * MAX_LORA_SLICES), ("slices", _I32), ("dtype", _I32)]
 
 
 class Layer(ctypes.Structure):
@@ -114,14 +114,14 @@ def ops() -> Ops | None:
 
 
 def lora(a_stack: torch.Tensor, b_stacks: Sequence[torch.Tensor], offsets: Sequence[int]) -> Lora:
-    """A LoRA layer's slots (services/worker/lora/layers.py: float32, A contiguous, each [S, n, R] B a view
-    of contiguous [S, R, n] storage) as the driver's Lora."""
+    """A LoRA layer's slots (services/worker/lora/layers.py: float32 or bfloat16, A contiguous, each [S, n, R]
+    B a view of contiguous [S, R, n] storage) as the driver's Lora."""
     if len(b_stacks) > MAX_LORA_SLICES:
         raise ValueError(f"at most {MAX_LORA_SLICES} LoRA slices in a layer, got {len(b_stacks)}")
     pad = MAX_LORA_SLICES - len(b_stacks)
     return Lora(a_stack.data_ptr(), (_P * MAX_LORA_SLICES)(*(b.data_ptr() for b in b_stacks), *(None,) * pad),
                 (_I64 * MAX_LORA_SLICES)(*(b.shape[1] for b in b_stacks), *(0,) * pad),
-                (_I64 * MAX_LORA_SLICES)(*offsets, *(0,) * pad), len(b_stacks))
+                (_I64 * MAX_LORA_SLICES)(*offsets, *(0,) * pad), len(b_stacks), cpu_lora.DTYPES[a_stack.dtype])
 
 
 def weight(block_weight, bias: torch.Tensor | None) -> Weight:

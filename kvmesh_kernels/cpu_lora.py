@@ -23,7 +23,7 @@ _NAME = "lora"
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    segmented = [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT]
+    segmented = [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT, _INT]
     for name in ("lora_shrink", "lora_expand", "lora_expand_t"):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = _INT, segmented
@@ -34,6 +34,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 # The served build (`build(cache_dir)`) and the other instruction sets' (`variant(isa, cache_dir)`).
 _KERNEL = native.Kernel(_NAME, _BASE_FLAGS, _declare)
 build, variant, available = _KERNEL.build, _KERNEL.variant, _KERNEL.available
+
+
+def supported(dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
+    """Whether the kernels take activations of `dtype` with weights of `weight_dtype`: both float32, both
+    bfloat16, or bfloat16 weights under float32 activations."""
+    return dtype in DTYPES and (weight_dtype == dtype or (dtype, weight_dtype) == (torch.float32, torch.bfloat16))
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -49,7 +55,7 @@ def isa(lib: ctypes.CDLL | None = None) -> int:
 def lora_shrink(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, seg_indptr: torch.Tensor,
                 seg_slots: torch.Tensor, lib: ctypes.CDLL | None = None) -> bool:
     """y[rows of segment i] = x[rows] @ a_stack[seg_slots[i]].T, zeros where the slot is -1. y: [T, R]
-    float32; x: [T, K]; a_stack: [S, R, K] of x's dtype; each with unit stride in its last dim; seg_indptr
+    float32; x: [T, K]; a_stack: [S, R, K] of x's dtype (or bfloat16 under float32 x: `supported`); each with unit stride in its last dim; seg_indptr
     and seg_slots contiguous int32. False, with y untouched, when the segments are not rows 0..T in
     order or a slot is out of range."""
     num_rows, k = x.shape
@@ -57,14 +63,14 @@ def lora_shrink(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, seg_ind
     return (lib or native.library(_NAME)).lora_shrink(
         y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), a_stack.data_ptr(), a_stack.stride(0),
         a_stack.stride(1), num_slots, seg_indptr.data_ptr(), seg_slots.data_ptr(), seg_slots.shape[0], num_rows,
-        rank, k, DTYPES[x.dtype], torch.get_num_threads()) == 0
+        rank, k, DTYPES[x.dtype], DTYPES[a_stack.dtype], torch.get_num_threads()) == 0
 
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, b_stack: torch.Tensor, seg_indptr: torch.Tensor,
                 seg_slots: torch.Tensor, lib: ctypes.CDLL | None = None) -> bool:
     """out[rows of segment i] += y[rows] @ b_stack[seg_slots[i]].T where the slot is >= 0, rounded once.
     out: [T, n] (a column slice of a wider tensor is fine); y: [T, R] float32; out and y with unit stride
-    in their last dim; b_stack: [S, n, R] of out's dtype, with unit stride in its last dim or, stored
+    in their last dim; b_stack: [S, n, R] of out's dtype (or as `supported`), with unit stride in its last dim or, stored
     transposed (`transposed`), in its middle one. False, out untouched, as `lora_shrink`."""
     num_rows, n = out.shape
     num_slots, _, rank = b_stack.shape
@@ -74,7 +80,7 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, b_stack: torch.Tensor, seg_i
                                                                                           b_stack.stride(1))
     return fn(out.data_ptr(), out.stride(0), y.data_ptr(), y.stride(0), b_stack.data_ptr(), b_stack.stride(0), ld_b,
               num_slots, seg_indptr.data_ptr(), seg_slots.data_ptr(), seg_slots.shape[0], num_rows, n, rank,
-              DTYPES[out.dtype], torch.get_num_threads()) == 0
+              DTYPES[out.dtype], DTYPES[b_stack.dtype], torch.get_num_threads()) == 0
 
 
 def transposed(b_stack: torch.Tensor) -> bool:

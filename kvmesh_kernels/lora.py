@@ -57,14 +57,15 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, seg_indptr: torch.Tensor
     if a_stack.dim() != 3 or a_stack.shape[2] != x.shape[1]:
         raise ValueError(f"a_stack must be [num_slots, rank, {x.shape[1]}] for x of {tuple(x.shape)}, "
                          f"got {tuple(a_stack.shape)}")
-    if a_stack.dtype != x.dtype or a_stack.stride(2) != 1:
-        raise ValueError(f"a_stack must be of x's dtype {x.dtype} with unit stride in its last dim, got "
+    if a_stack.dtype not in (x.dtype, torch.bfloat16) or a_stack.stride(2) != 1:
+        raise ValueError(f"a_stack must be of x's dtype {x.dtype} (or bfloat16) with unit stride in its last dim, "
+                         f"got "
                          f"{a_stack.dtype} strides {a_stack.stride()}")
     if a_stack.device != x.device:
         raise ValueError(f"a_stack is on {a_stack.device} and x on {x.device}")
     _check_segments(seg_indptr, seg_slots, x)
     chosen = _choose(backend, x)
-    _check_dtype(chosen, x.dtype, "x")
+    _check_dtype(chosen, x.dtype, "x", a_stack.dtype)
     num_rows, rank = x.shape[0], a_stack.shape[1]
     if chosen == "native":
         y = torch.empty(num_rows, rank, dtype=torch.float32)
@@ -96,9 +97,10 @@ def lora_expand_(out: torch.Tensor, y: torch.Tensor, b_stack: torch.Tensor, seg_
     n = b_stack.shape[1]
     if not 0 <= out_offset <= out.shape[1] - n:
         raise ValueError(f"out_offset {out_offset} + n {n} must fit in out's {out.shape[1]} columns")
-    if b_stack.dtype != out.dtype or not (b_stack.stride(2) == 1 or cpu_lora.transposed(b_stack)):
-        raise ValueError(f"b_stack must be of out's dtype {out.dtype} with unit stride in its last dim (or, stored "
-                         f"transposed, in its middle one), got "
+    if b_stack.dtype not in (out.dtype, torch.bfloat16) or not (b_stack.stride(2) == 1
+                                                                  or cpu_lora.transposed(b_stack)):
+        raise ValueError(f"b_stack must be of out's dtype {out.dtype} (or bfloat16) with unit stride in its last "
+                         f"dim (or, stored transposed, in its middle one), got "
                          f"{b_stack.dtype} strides {b_stack.stride()}")
     if y.dtype not in (torch.float32, out.dtype):
         raise ValueError(f"y must be float32 or out's dtype {out.dtype}, got {y.dtype}")
@@ -107,7 +109,7 @@ def lora_expand_(out: torch.Tensor, y: torch.Tensor, b_stack: torch.Tensor, seg_
         if t.device != out.device:
             raise ValueError(f"{name} is on {t.device} and out on {out.device}")
     chosen = _choose(backend, out)
-    _check_dtype(chosen, out.dtype, "out")
+    _check_dtype(chosen, out.dtype, "out", b_stack.dtype)
     cols = out[:, out_offset:out_offset + n]
     if chosen == "native":
         if not cpu_lora.lora_expand(cols, y.float(), b_stack, seg_indptr, seg_slots):
@@ -135,10 +137,15 @@ def _choose(backend: str, x: torch.Tensor) -> str:
     return backend
 
 
-def _check_dtype(backend: str, dtype: torch.dtype, name: str) -> None:
+def _check_dtype(backend: str, dtype: torch.dtype, name: str, weight_dtype: torch.dtype) -> None:
+    """The activations' dtype for `backend`, and the weights': of the same dtype, or (the native kernels,
+    the reference) bfloat16 weights under float32 activations."""
     allowed = {"native": tuple(cpu_lora.DTYPES), "triton": _TRITON_DTYPES}.get(backend)
     if allowed is not None and dtype not in allowed:
         raise ValueError(f"{name} must be one of {allowed} for the {backend} LoRA kernels, got {dtype}")
+    if weight_dtype != dtype and (backend == "triton" or dtype != torch.float32):
+        raise ValueError(f"the {backend} LoRA kernels take {name} of {dtype} with weights of the same dtype, "
+                         f"got {weight_dtype}")
 
 
 def _check_matrix(name: str, t: torch.Tensor) -> None:

@@ -42,11 +42,12 @@ typedef int (*attention_fn)(void *out, const void *q, const void *k_cache, const
 typedef void (*gated_fn)(float *out, const float *x, int64_t num_tokens, int64_t inter, int num_threads);
 typedef int (*lora_shrink_fn)(float *y, int64_t ld_y, const void *x, int64_t ld_x, const void *a, int64_t slot_stride,
                               int64_t ld_a, int64_t num_slots, const int32_t *seg_indptr, const int32_t *seg_slots,
-                              int64_t num_segs, int64_t num_rows, int64_t rank, int64_t k, int dtype, int num_threads);
+                              int64_t num_segs, int64_t num_rows, int64_t rank, int64_t k, int dtype, int w_dtype,
+                              int num_threads);
 typedef int (*lora_expand_fn)(void *out, int64_t ld_out, const float *y, int64_t ld_y, const void *b,
                               int64_t slot_stride, int64_t ld_b, int64_t num_slots, const int32_t *seg_indptr,
                               const int32_t *seg_slots, int64_t num_segs, int64_t num_rows, int64_t n, int64_t rank,
-                              int dtype, int num_threads);
+                              int dtype, int w_dtype, int num_threads);
 
 typedef struct {
     quant_matmul_fn matmul;
@@ -72,7 +73,7 @@ typedef struct {
     int32_t qtype, packed;
 } Weight;
 
-/* A linear layer's LoRA slots, float32, zero-padded to Dims.lora_rank R (services/worker/lora/layers.py):
+/* A linear layer's LoRA slots, float32 or bfloat16 (`dtype`, lora.c's code), zero-padded to Dims.lora_rank R (services/worker/lora/layers.py):
  * `a` [lora_slots, slices * R, cols], every slice's A along R, shrunk once; slice i's B `b[i]` stored
  * transposed, [lora_slots, R, n[i]], expanded into the output's columns offset[i].. . a NULL: no LoRA. */
 #define MAX_LORA_SLICES 3
@@ -80,7 +81,7 @@ typedef struct {
     const float *a;
     const float *b[MAX_LORA_SLICES];
     int64_t n[MAX_LORA_SLICES], offset[MAX_LORA_SLICES];
-    int32_t slices;
+    int32_t slices, dtype;
 } Lora;
 
 enum { LAYOUT_LLAMA = 0, LAYOUT_GEMMA3 = 1 };
@@ -136,12 +137,12 @@ static int add_lora(const Ops *ops, const Dims *d, const Lora *lora, const Step 
                     int64_t n_out, float *y, const float *x, int64_t m, int64_t k) {
     const int64_t r = d->lora_rank, width = lora->slices * r;
     if (ops->lora_shrink(s->lora_y, width, x, k, lora->a, width * k, k, d->lora_slots, step->seg_indptr,
-                         step->seg_slots, step->num_segs, m, width, k, 0, d->num_threads) != 0)
+                         step->seg_slots, step->num_segs, m, width, k, 0, lora->dtype, d->num_threads) != 0)
         return LORA_REJECTED;
     for (int i = 0; i < lora->slices; i++)
         if (ops->lora_expand(y + lora->offset[i], n_out, s->lora_y + i * r, width, lora->b[i], lora->n[i] * r,
                              lora->n[i], d->lora_slots, step->seg_indptr, step->seg_slots, step->num_segs, m, lora->n[i], r, 0,
-                             d->num_threads) != 0)
+                             lora->dtype, d->num_threads) != 0)
             return LORA_REJECTED;
     return 0;
 }

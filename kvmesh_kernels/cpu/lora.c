@@ -28,8 +28,8 @@
  * rows, B transposed a panel of columns at a time into float32 and each y value broadcast against
  * eight columns of it, with nothing to reduce (prefill).
  *
- * Inputs are float32 or bfloat16 (dtype 0 / 1), widened to float32 as they are loaded; the sums are
- * float32 throughout. The threads share the flat rows in blocks, each block walking the segments it
+ * Inputs are float32 or bfloat16 (dtype 0 / 1; bfloat16 weights may serve float32 activations), widened
+ * to float32 as they are loaded; the sums are float32 throughout. The threads share the flat rows in blocks, each block walking the segments it
  * overlaps, so one long prefill and many one-row decodes spread alike. The vector path is chosen when
  * the file is compiled: AVX-512F, AVX2 + FMA, or portable C.
  */
@@ -230,11 +230,12 @@ static inline __attribute__((always_inline)) void tile(const dot_args *d, int64_
     default: tile(d, t, j, mr, NR, i, w, o); break;                    \
     }
 
-/* `tile` for the dtype combinations the two ops take (shrink: x and A of one dtype into float32;
- * expand: float32 y against B into B's dtype), with mr = MR or 1 (a segment's last rows, and decode). */
+/* `tile` for the dtype combinations the two ops take (`dtypes_supported`): shrink's x and A into float32,
+ * expand's float32 y against B into out, with mr = MR or 1 (a segment's last rows, and decode). */
 #define TILE_DTYPES(mr)                                                                  \
     if (d->in_dtype == F32 && d->w_dtype == F32) { TILE_NR(mr, F32, F32, F32) }         \
     else if (d->in_dtype == BF16) { TILE_NR(mr, BF16, BF16, F32) }                      \
+    else if (d->out_dtype == F32) { TILE_NR(mr, F32, BF16, F32) }                       \
     else { TILE_NR(mr, F32, BF16, BF16) }
 
 static void tile_any(const dot_args *d, int64_t t, int64_t j, int mr, int nr) {
@@ -338,16 +339,57 @@ static inline __attribute__((always_inline)) void panel_rows(const dot_args *d, 
     }
 }
 
+/* out[t..t+mr) += y rows times B stored transposed (the slot's R rows of n, ld_w apart, of dtype wdt),
+ * 32 columns at a time: each y value is broadcast once against four vectors of its B row, and each B
+ * load serves the mr (1 or 2) rows; 8 accumulators, 4 B vectors and a broadcast fit AVX2's 16
+ * registers. The last columns go eight (then fewer, masked) at a time. */
+static inline __attribute__((always_inline)) void transposed_rows(const dot_args *d, int64_t t, const int mr,
+                                                                  const int dtype, const int wdt) {
+    const size_t sz = dtype_size(dtype), wsz = dtype_size(wdt);
+    const int64_t n = d->n, rank = d->k, ld_y = d->ld_in, ld_w = d->ld_w;
+    const float *y = (const float *)d->in + t * ld_y;
+    char *out = d->out + (size_t)(t * d->ld_out) * sz;
+    const size_t ld_out = (size_t)d->ld_out * sz;
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        __m256 acc[2][4];
+        for (int m = 0; m < mr; m++)
+            for (int v = 0; v < 4; v++) acc[m][v] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < rank; k++) {
+            const char *b = d->w + (size_t)(k * ld_w + j) * wsz;
+            const __m256 b0 = load8(b, wdt, 8), b1 = load8(b + 8 * wsz, wdt, 8);
+            const __m256 b2 = load8(b + 16 * wsz, wdt, 8), b3 = load8(b + 24 * wsz, wdt, 8);
+            for (int m = 0; m < mr; m++) {
+                const __m256 yv = _mm256_broadcast_ss(y + m * ld_y + k);
+                acc[m][0] = _mm256_fmadd_ps(yv, b0, acc[m][0]);
+                acc[m][1] = _mm256_fmadd_ps(yv, b1, acc[m][1]);
+                acc[m][2] = _mm256_fmadd_ps(yv, b2, acc[m][2]);
+                acc[m][3] = _mm256_fmadd_ps(yv, b3, acc[m][3]);
+            }
+        }
+        for (int m = 0; m < mr; m++)
+            for (int v = 0; v < 4; v++) add8(out + m * ld_out + (size_t)(j + 8 * v) * sz, dtype, acc[m][v], 8);
+    }
+    for (; j < n; j += 8) {
+        const int c = n - j < 8 ? (int)(n - j) : 8;
+        __m256 acc[2];
+        for (int m = 0; m < mr; m++) acc[m] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < rank; k++) {
+            const __m256 b = load8(d->w + (size_t)(k * ld_w + j) * wsz, wdt, c);
+            for (int m = 0; m < mr; m++) acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(y + m * ld_y + k), b, acc[m]);
+        }
+        for (int m = 0; m < mr; m++) add8(out + m * ld_out + (size_t)j * sz, dtype, acc[m], c);
+    }
+}
+
 static inline __attribute__((always_inline)) void expand_rows_t(const dot_args *d, int64_t t0, int64_t t1,
-                                                                const int dtype) {
-    const size_t osz = dtype_size(dtype);
+                                                                const int dtype, const int wdt) {
+    const size_t osz = dtype_size(dtype), wsz = dtype_size(wdt);
     const int64_t n = d->n, rank = d->k;
     if (d->transposed) {
         int64_t t = t0;
-        for (; t + 4 <= t1; t += 4) panel_rows(d, d->w, d->ld_w, dtype, t, 4, 0, n, dtype);
-        if (t1 - t == 3) panel_rows(d, d->w, d->ld_w, dtype, t, 3, 0, n, dtype);
-        else if (t1 - t == 2) panel_rows(d, d->w, d->ld_w, dtype, t, 2, 0, n, dtype);
-        else if (t1 - t == 1) panel_rows(d, d->w, d->ld_w, dtype, t, 1, 0, n, dtype);
+        for (; t + 2 <= t1; t += 2) transposed_rows(d, t, 2, dtype, wdt);
+        if (t < t1) transposed_rows(d, t, 1, dtype, wdt);
         return;
     }
     if (t1 - t0 >= 4 && rank <= MAX_PANEL_RANK) {
@@ -356,10 +398,10 @@ static inline __attribute__((always_inline)) void expand_rows_t(const dot_args *
         for (int64_t p = 0; p < n; p += PANEL) {
             const int64_t cols = n - p < PANEL ? n - p : PANEL;
             for (int64_t c = 0; c < PANEL; c++) {
-                const char *w = d->w + (size_t)((p + c) * d->ld_w) * osz;
+                const char *w = d->w + (size_t)((p + c) * d->ld_w) * wsz;
                 for (int64_t k = 0; k < rank; k++)
                     bt[k * PANEL + c] = c >= cols ? 0.f
-                                      : dtype == F32 ? ((const float *)w)[k] : bf16_to_f32(((const uint16_t *)w)[k]);
+                                      : wdt == F32 ? ((const float *)w)[k] : bf16_to_f32(((const uint16_t *)w)[k]);
             }
             const char *panel = (const char *)bt;
             int64_t t = t0;
@@ -374,10 +416,10 @@ static inline __attribute__((always_inline)) void expand_rows_t(const dot_args *
         const float *yr = (const float *)d->in + t * d->ld_in;
         char *o = d->out + (size_t)(t * d->ld_out) * osz;
         for (int64_t j = 0; j < full; j += 8)
-            add8(o + j * osz, dtype, expand8(yr, d->w + (size_t)(j * d->ld_w) * osz, d->ld_w, rank, 8, dtype), 8);
+            add8(o + j * osz, dtype, expand8(yr, d->w + (size_t)(j * d->ld_w) * wsz, d->ld_w, rank, 8, wdt), 8);
         if (full < n) {
             const int cols = (int)(n - full);
-            add8(o + full * osz, dtype, expand8(yr, d->w + (size_t)(full * d->ld_w) * osz, d->ld_w, rank, cols, dtype),
+            add8(o + full * osz, dtype, expand8(yr, d->w + (size_t)(full * d->ld_w) * wsz, d->ld_w, rank, cols, wdt),
                  cols);
         }
     }
@@ -387,8 +429,9 @@ static inline __attribute__((always_inline)) void expand_rows_t(const dot_args *
  * load and store (R is short: the generic tile's four-at-a-time reduction and one-by-one stores cost
  * more than its products). */
 static void expand_rows(const dot_args *d, int64_t t0, int64_t t1) {
-    if (d->out_dtype == F32) expand_rows_t(d, t0, t1, F32);
-    else expand_rows_t(d, t0, t1, BF16);
+    if (d->out_dtype == F32 && d->w_dtype == F32) expand_rows_t(d, t0, t1, F32, F32);
+    else if (d->out_dtype == F32) expand_rows_t(d, t0, t1, F32, BF16);
+    else expand_rows_t(d, t0, t1, BF16, BF16);
 }
 #endif
 
@@ -428,6 +471,11 @@ static int64_t segment_of(const int32_t *seg_indptr, int64_t num_segs, int64_t t
     }
     return lo;
 }
+
+/* The activations' dtype (x for shrink, out for expand) against the weights': both float32, both
+ * bfloat16, or bfloat16 weights with float32 activations (adapters kept at half the bytes). */
+#define DTYPES_REFUSED 5
+static int dtypes_supported(int dtype, int w_dtype) { return dtype == w_dtype || (dtype == F32 && w_dtype == BF16); }
 
 /* 0 when the segments tile rows 0..num_rows in order and every slot is -1 or below num_slots; else
  * what is wrong (1: not from row 0, 2: a segment ends before it starts, 3: a slot out of range,
@@ -488,11 +536,13 @@ static void run(dot_args d, const char *weights, int64_t slot_stride, const int3
  * apart. Returns `check_segments`' answer, and computes only when it is 0. */
 int lora_shrink(float *y, int64_t ld_y, const void *x, int64_t ld_x, const void *a, int64_t slot_stride,
                 int64_t ld_a, int64_t num_slots, const int32_t *seg_indptr, const int32_t *seg_slots,
-                int64_t num_segs, int64_t num_rows, int64_t rank, int64_t k, int dtype, int num_threads) {
+                int64_t num_segs, int64_t num_rows, int64_t rank, int64_t k, int dtype, int w_dtype,
+                int num_threads) {
+    if (!dtypes_supported(dtype, w_dtype)) return DTYPES_REFUSED;
     const int bad = check_segments(seg_indptr, seg_slots, num_segs, num_rows, num_slots);
     if (bad) return bad;
     const dot_args d = {.in = x, .out = (char *)y, .ld_in = ld_x, .ld_w = ld_a, .ld_out = ld_y, .k = k,
-                        .n = rank, .in_dtype = dtype, .w_dtype = dtype, .out_dtype = F32, .accumulate = 0};
+                        .n = rank, .in_dtype = dtype, .w_dtype = w_dtype, .out_dtype = F32, .accumulate = 0};
     run(d, a, slot_stride, seg_indptr, seg_slots, num_segs, num_rows, num_threads);
     return 0;
 }
@@ -502,11 +552,13 @@ int lora_shrink(float *y, int64_t ld_y, const void *x, int64_t ld_x, const void 
  * ld_out apart, already at its column offset. Returns as lora_shrink. */
 int lora_expand(void *out, int64_t ld_out, const float *y, int64_t ld_y, const void *b, int64_t slot_stride,
                 int64_t ld_b, int64_t num_slots, const int32_t *seg_indptr, const int32_t *seg_slots,
-                int64_t num_segs, int64_t num_rows, int64_t n, int64_t rank, int dtype, int num_threads) {
+                int64_t num_segs, int64_t num_rows, int64_t n, int64_t rank, int dtype, int w_dtype,
+                int num_threads) {
+    if (!dtypes_supported(dtype, w_dtype)) return DTYPES_REFUSED;
     const int bad = check_segments(seg_indptr, seg_slots, num_segs, num_rows, num_slots);
     if (bad) return bad;
     const dot_args d = {.in = (const char *)y, .out = out, .ld_in = ld_y, .ld_w = ld_b, .ld_out = ld_out,
-                        .k = rank, .n = n, .in_dtype = F32, .w_dtype = dtype, .out_dtype = dtype, .accumulate = 1};
+                        .k = rank, .n = n, .in_dtype = F32, .w_dtype = w_dtype, .out_dtype = dtype, .accumulate = 1};
     run(d, b, slot_stride, seg_indptr, seg_slots, num_segs, num_rows, num_threads);
     return 0;
 }
@@ -515,11 +567,13 @@ int lora_expand(void *out, int64_t ld_out, const float *y, int64_t ld_y, const v
  * apart (slot_stride between slots). */
 int lora_expand_t(void *out, int64_t ld_out, const float *y, int64_t ld_y, const void *b, int64_t slot_stride,
                   int64_t ld_b, int64_t num_slots, const int32_t *seg_indptr, const int32_t *seg_slots,
-                  int64_t num_segs, int64_t num_rows, int64_t n, int64_t rank, int dtype, int num_threads) {
+                  int64_t num_segs, int64_t num_rows, int64_t n, int64_t rank, int dtype, int w_dtype,
+                  int num_threads) {
+    if (!dtypes_supported(dtype, w_dtype)) return DTYPES_REFUSED;
     const int bad = check_segments(seg_indptr, seg_slots, num_segs, num_rows, num_slots);
     if (bad) return bad;
     const dot_args d = {.in = (const char *)y, .out = out, .ld_in = ld_y, .ld_w = ld_b, .ld_out = ld_out,
-                        .k = rank, .n = n, .in_dtype = F32, .w_dtype = dtype, .out_dtype = dtype, .accumulate = 1,
+                        .k = rank, .n = n, .in_dtype = F32, .w_dtype = w_dtype, .out_dtype = dtype, .accumulate = 1,
                         .transposed = 1};
     run(d, b, slot_stride, seg_indptr, seg_slots, num_segs, num_rows, num_threads);
     return 0;

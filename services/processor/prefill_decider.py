@@ -5,6 +5,9 @@ compute more than `threshold` prompt tokens itself.
     a structured-output constraint                               -> constrained: the decode engine
                                                                     computes it (the grammar that
                                                                     masks the first token lives there)
+    a LoRA adapter                                               -> adapter: the decode engine computes
+                                                                    it (adapters loaded at run time
+                                                                    reach the decode engines only)
     prompt tokens <= threshold                                   -> short:  the decode engine computes it
     prompt tokens - tokens the decode side holds <= threshold    -> cached: the decode engine computes it
     else                                                         -> remote: a prefill engine (in turn)
@@ -31,7 +34,7 @@ from services.common.errors import EngineDeadError, InternalError
 from services.processor.metrics import DeciderMetrics
 from services.processor.router import predicted_cached_tokens, prompt_chain
 
-OUTCOMES = ("constrained", "short", "cached", "remote")
+OUTCOMES = ("constrained", "adapter", "short", "cached", "remote")
 
 
 def outcome_of(num_prompt_tokens: int, num_cached_tokens: int, threshold: int) -> str:
@@ -60,6 +63,8 @@ class PrefillDecider:
         """`request`, with a prefill engine when it should be prefilled there."""
         if request.sampling_params.structured_outputs is not None:
             return self._record(request, "constrained")
+        if request.lora_name is not None:
+            return self._record(request, "adapter")
         num_tokens = len(request.prompt_token_ids)
         # The decode side is asked what it holds only when the answer could matter.
         cached = 0 if num_tokens <= self.threshold else await self._cached_tokens(request)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvmesh_kernels import cpu_decoder, cpu_quant_matmul
+from kvmesh_kernels import cpu_decoder, cpu_lora, cpu_quant_matmul
 from services.worker.attention.torch_backend import NativeAttentionPlan
 from services.worker.forward_context import get_forward_context
 from services.worker.lora.layers import LoRALayer
@@ -149,10 +149,12 @@ def _linears(layer) -> tuple:
 
 
 def _lora_bindable(linear: LoRALayer) -> bool:
-    """Whether the kernels can read a LoRA layer's slots in place: float32, A contiguous, each B stored
-    transposed and contiguous so (the CPU's layout), at most three slices."""
-    float32 = all(t.dtype == torch.float32 for t in (linear.a_stack, *linear.b_stacks))
-    return (len(linear.b_stacks) <= cpu_decoder.MAX_LORA_SLICES and float32 and linear.a_stack.is_contiguous()
+    """Whether the kernels can read a LoRA layer's slots in place: all of one dtype that they take under
+    float32 activations, A contiguous, each B stored transposed and contiguous so (the CPU's layout), at
+    most three slices."""
+    dtypes = {t.dtype for t in (linear.a_stack, *linear.b_stacks)}
+    return (len(linear.b_stacks) <= cpu_decoder.MAX_LORA_SLICES and len(dtypes) == 1
+            and cpu_lora.supported(torch.float32, dtypes.pop()) and linear.a_stack.is_contiguous()
             and all(b.transpose(1, 2).is_contiguous() for b in linear.b_stacks))
 
 

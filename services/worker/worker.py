@@ -70,7 +70,7 @@ class Worker:
         if gguf_weights is not None and gemm_dtype != torch.float32:
             use_gemm_dtype(gemm_dtype_layers(self.model), gemm_dtype)
         self.backend = get_attention_backend(worker_config.attention_backend, self.device, cache_dir)
-        self.lora = self._enable_lora(lora) if lora.enable_lora else None
+        self.lora = self._enable_lora(lora, model_config.dtype) if lora.enable_lora else None
         if self.lora is not None and self.device.type == "cpu":
             cpu_lora.available(cache_dir)  # built once here; without a compiler the LoRA layers use torch's
         # After the LoRA layers are in place: the native decoder binds their slots too.
@@ -90,11 +90,14 @@ class Worker:
                                kv_transfer_endpoint=self.kv_transfer.endpoint_id if self.kv_transfer else "")
         self.runner: ModelRunner | None = None
 
-    def _enable_lora(self, lora: LoRAConfig) -> LoRAManager:
+    def _enable_lora(self, lora: LoRAConfig, dtype: str) -> LoRAManager:
         base_config = self.hf_config.to_dict()
         for module in lora.lora_modules:  # a bad folder stops the worker now, not a request later
             check_adapter(module.path, lora.max_lora_rank, base_config)
-        slots = SlotShape(lora.max_loras, lora.max_lora_rank, self.dtype, self.device)
+        # `--dtype auto` on the CPU keeps adapters in bfloat16 under float32 activations: a step reads
+        # every adapter of its batch, and half the bytes is most of the adapters' cost there.
+        half = self.device.type == "cpu" and dtype == "auto" and self.dtype == torch.float32
+        slots = SlotShape(lora.max_loras, lora.max_lora_rank, torch.bfloat16 if half else self.dtype, self.device)
         return LoRAManager(self.model, slots, lora.cpu_loras, base_config)
 
     @property

@@ -4,7 +4,8 @@ Hugging Face transformers + PEFT with the same adapter (tests/model/lora_adapter
   - each adapter alone gives PEFT's greedy tokens, top-5 logprobs within 1e-3 (a Llama, Gemma 3);
   - two adapters and the base model in one batch give each request's tokens alone;
   - over GGUF-style blocks (`quantization="int8"`) LoRA runs in the native decoder, bit for bit the
-    LoRA layers' modules, in a mixed batch of chunks and decodes;
+    LoRA layers' modules, in a mixed batch of chunks and decodes, with float32 adapters and with the
+    bfloat16 ones of `--dtype auto`;
   - the prefix cache never crosses adapters: the same prompt under another adapter hits nothing,
     under the same adapter it hits its full blocks, and the pool holds one chain per adapter;
   - with one adapter slot, requests of three adapters all finish with their own tokens, and a waiting
@@ -38,8 +39,8 @@ SHORT = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
 def make_llm(family: Family, **kwargs) -> LLM:
-    kwargs = {"max_loras": 2, **kwargs}
-    return LLM(model=str(family.path), dtype="float32", enable_lora=True, max_lora_rank=MAX_RANK,
+    kwargs = {"max_loras": 2, "dtype": "float32", **kwargs}
+    return LLM(model=str(family.path), enable_lora=True, max_lora_rank=MAX_RANK,
                kv_cache_memory=KV_BLOCKS * family.block_bytes, **kwargs)
 
 
@@ -111,10 +112,13 @@ def test_two_adapters_and_the_base_in_one_batch_give_each_request_its_tokens_alo
     assert len({tuple(t) for t in alone[:3]}) == 3
 
 
-def test_lora_runs_in_the_native_decoder_bit_for_bit_as_its_layers(llama: Family,
-                                                                    adapters: dict[str, Adapter]) -> None:
-    llm = make_llm(llama, quantization="int8", max_num_batched_tokens=24)
+@pytest.mark.parametrize(("dtype", "slots"), [("float32", torch.float32), ("auto", torch.bfloat16)])
+def test_lora_runs_in_the_native_decoder_bit_for_bit_as_its_layers(llama: Family, adapters: dict[str, Adapter],
+                                                                    dtype: str, slots: torch.dtype) -> None:
+    llm = make_llm(llama, quantization="int8", max_num_batched_tokens=24, dtype=dtype)
     try:
+        # `--dtype auto` keeps the adapters in bfloat16 (half the bytes a step reads), float32 keeps float32.
+        assert {layer.a_stack.dtype for layer in llm.worker.lora.layers[0].values()} == {slots}
         model = llm.worker.runner.model.model
         served = model.native_decoder
         assert isinstance(served, NativeDecoder)  # LoRA no longer sends the model through its modules

@@ -11,13 +11,16 @@ import pytest
 
 from services import cli
 from services.common.config import DisaggregationConfig, ServeConfig
+from services.common.engine_output import EngineCoreRequest
+from services.common.sampling_params import SamplingParams
+from services.common.structured_outputs import StructuredOutputs
 from services.common.flags import build
 from services.common.kv_events import BlockStored
 from services.engine.kv_cache_manager import KVCacheManager, TransferBlocks
 from services.engine.kv_event_queue import KVEventQueue
 from services.engine.request import RequestStatus
 from services.engine.scheduler import Scheduler
-from services.processor.prefill_decider import outcome_of
+from services.processor.prefill_decider import PrefillDecider, outcome_of
 from tests.unit.test_kv_cache_manager import B, admit, free_ids, make_request, ref_cnts, take
 
 
@@ -125,6 +128,19 @@ def test_a_prefilled_request_starts_with_its_first_token_or_ends_with_it():
 ])
 def test_the_decider_sends_only_long_uncached_prompts_to_a_prefill_engine(num_tokens, cached, outcome):
     assert outcome_of(num_tokens, cached, threshold=100) == outcome
+
+
+@pytest.mark.anyio
+async def test_the_decider_keeps_adapter_and_constrained_requests_on_the_decode_engine():
+    # Neither consults the decode engine: it is never reached here.
+    decider = PrefillDecider(decode=None, prefill_addresses=["unix:/prefill.sock"], threshold=4)
+    long_prompt = list(range(50))
+    adapter = EngineCoreRequest("a", long_prompt, SamplingParams(max_tokens=2), lora_name="sql")
+    constrained = EngineCoreRequest("c", long_prompt, SamplingParams(
+        max_tokens=2, structured_outputs=StructuredOutputs("choice", '["x", "y"]')))
+    for request, outcome in ((adapter, "adapter"), (constrained, "constrained")):
+        decided = await decider.decide(request)
+        assert decided.prefill_engine_address is None and decider.outcomes[outcome] == 1
 
 
 # ----------------------------------------------------------------------------- kvmesh serve

@@ -30,8 +30,9 @@ GATE_UP_SLICES = {"gate": "gate_proj", "up": "up_proj"}
 
 
 class SlotShape(NamedTuple):
-    """What every LoRA layer's slots are: how many, their rank, and the activations' dtype and device
-    (the model's: a base weight kept in GGUF blocks has none of its own)."""
+    """What every LoRA layer's slots are: how many, their rank, dtype and device. The dtype is the
+    model's (a base weight kept in GGUF blocks has none of its own), or bfloat16 under float32
+    activations on the CPU (`--dtype auto`: the kernels widen it as they load)."""
 
     max_loras: int
     max_rank: int

@@ -97,7 +97,7 @@ def to_grammar(constraint: StructuredOutputs) -> str:
         schema = json.loads(spec)  # ValueError (JSONDecodeError) for a spec that is no JSON
         if not isinstance(schema, (dict, bool)):
             raise ValueError("a JSON schema must be a JSON object")
-        return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(closed_schema(schema)), defaults=JSON_OPTIONS)
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
     if kind == "regex":
@@ -111,6 +111,39 @@ def to_grammar(constraint: StructuredOutputs) -> str:
         return llguidance.LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, choices)))
     assert kind == "grammar", kind
     return llguidance.grammar_from("grammar", spec)  # Lark, or GBNF converted to Lark
+
+
+def closed_schema(schema: object) -> object:
+    """`schema` compiled strictly, as xgrammar's strict mode (vLLM's default) and OpenAI's strict function
+    calling do: an object that lists `properties` takes no other key unless it says so
+    (`additionalProperties`), and an array of `prefixItems` no other item unless it says so (`items`).
+    Otherwise a model may keep adding keys until max_tokens and its tool call never ends. A bare
+    {"type": "object"} stays any object. Returns a new schema; iterative, so any depth is safe."""
+    root = json.loads(json.dumps(schema))  # a deep copy
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue  # true, false: nothing to close
+        if isinstance(node.get("properties"), dict):
+            node.setdefault("additionalProperties", False)
+        if isinstance(node.get("prefixItems"), list):
+            node.setdefault("items", False)
+        for key, value in node.items():
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                stack.extend(value.values())
+            elif key in _SCHEMA_LISTS and isinstance(value, list):
+                stack.extend(value)
+            elif key in _SCHEMA_KEYS:
+                stack.append(value)
+    return root
+
+
+# Where a JSON schema holds other schemas: by name, in a list, or as the value.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_KEYS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+                "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 
 
 def checked_grammar(constraint: StructuredOutputs, limits: GrammarLimits) -> str:

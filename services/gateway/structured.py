@@ -97,9 +97,7 @@ def _of_structured_outputs(request: StructuredOutputsRequest, limits: GrammarLim
     for name in ("whitespace_pattern", "structural_tag"):
         if getattr(request, name) is not None:
             raise bad_request(f"structured_outputs.{name} is not supported", "structured_outputs")
-    if request.disable_additional_properties:
-        raise bad_request("structured_outputs.disable_additional_properties is not supported; set "
-                          "additionalProperties false in the schema", "structured_outputs")
+    # disable_additional_properties asks what every JSON schema gets here (grammar.closed_schema).
     values = {"json": request.json_, "regex": request.regex, "choice": request.choice, "grammar": request.grammar,
               "json_object": request.json_object or None}
     given = [kind for kind, value in values.items() if value is not None]

@@ -152,6 +152,24 @@ def test_required_tool_choice_makes_valid_calls(client, model):
     assert len(one.choices[0].message.tool_calls) == 1
 
 
+def test_open_tool_parameters_still_give_calls_that_end(client, model):
+    # vLLM's test tool: no additionalProperties, so by JSON schema's letter the object is open. It is
+    # compiled closed (xgrammar's strict mode, vLLM's default): the call ends, with no other key.
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                  "required": ["city", "unit"]}
+    tools = [{"type": "function", "function": {"name": "get_current_weather", "parameters": parameters}}]
+    messages = [{"role": "user", "content": "What is the weather in Dallas, Texas, in fahrenheit?"}]
+    named = {"type": "function", "function": {"name": "get_current_weather"}}
+    for tool_choice, finish_reason in (("required", "tool_calls"), (named, "stop")):
+        answer = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice=tool_choice,
+                                                **GREEDY)
+        choice = answer.choices[0]
+        assert choice.finish_reason == finish_reason and choice.message.tool_calls, choice
+        for call in choice.message.tool_calls:
+            assert set(json.loads(call.function.arguments)) == {"city", "unit"}, call.function.arguments
+
+
 def reassembled(stream) -> tuple[list[tuple[str, str]], str | None]:
     """OpenAI's rule: deltas of one index add up; the first carries its id, type and name."""
     calls: dict[int, list[str]] = {}

@@ -112,3 +112,23 @@ def test_a_matcher_walks_its_grammar_to_the_end(model_path, tokenizer):
     assert allowed(m, refused) == first
     assert not refused.accept(tokenizer.encode("maybe")[0])
     m.shutdown()
+
+
+def test_a_schema_with_properties_takes_no_other_key(model_path, tokenizer):
+    # No additionalProperties in the schema, as in most tool definitions: compiled closed (xgrammar's
+    # strict mode, vLLM's default), so a call cannot keep adding keys; a bare object stays open.
+    weather = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+               "required": ["city", "unit"]}
+    m = manager(model_path)
+
+    def accepts(schema: dict, text: str) -> bool:
+        m.submit(text, StructuredOutputs("json", json.dumps(schema)), EOS)
+        grammar = wait_ready(m, text)
+        return all(grammar.accept(t) for t in tokenizer.encode(text)) and grammar.accept(EOS[0])
+
+    assert accepts(weather, '{"city":"Paris","unit":"c"}')
+    assert not accepts(weather, '{"city":"Paris","unit":"c","unit_type":"c"}')
+    assert not accepts(weather, '{"city":"Paris","city":"Rome","unit":"c"}')
+    assert accepts({**weather, "additionalProperties": True}, '{"city":"Paris","unit":"c","unit_type":"c"}')
+    assert accepts({"type": "object"}, '{"anything":[1,2]}')
+    m.shutdown()

@@ -547,20 +547,30 @@ int lora_shrink(float *y, int64_t ld_y, const void *x, int64_t ld_x, const void 
     return 0;
 }
 
+/* Both expands: the checks, then every segment's rows; `transposed` says how each slot's B is stored. */
+static int expand(void *out, int64_t ld_out, const float *y, int64_t ld_y, const void *b, int64_t slot_stride,
+                  int64_t ld_b, int64_t num_slots, const int32_t *seg_indptr, const int32_t *seg_slots,
+                  int64_t num_segs, int64_t num_rows, int64_t n, int64_t rank, int dtype, int w_dtype,
+                  int num_threads, int transposed) {
+    if (!dtypes_supported(dtype, w_dtype)) return DTYPES_REFUSED;
+    const int bad = check_segments(seg_indptr, seg_slots, num_segs, num_rows, num_slots);
+    if (bad) return bad;
+    const dot_args d = {.in = (const char *)y, .out = out, .ld_in = ld_y, .ld_w = ld_b, .ld_out = ld_out,
+                        .k = rank, .n = n, .in_dtype = F32, .w_dtype = w_dtype, .out_dtype = dtype, .accumulate = 1,
+                        .transposed = transposed};
+    run(d, b, slot_stride, seg_indptr, seg_slots, num_segs, num_rows, num_threads);
+    return 0;
+}
+
 /* out[t, :n] += b[slot] @ y[t] for every row t of every segment of a slot >= 0, rounded once to out's
- * dtype (that of b). y: float32 [num_rows, rank] rows ld_y apart; b: [num_slots, n, rank]; out: rows
+ * dtype. y: float32 [num_rows, rank] rows ld_y apart; b: [num_slots, n, rank] of w_dtype; out: rows
  * ld_out apart, already at its column offset. Returns as lora_shrink. */
 int lora_expand(void *out, int64_t ld_out, const float *y, int64_t ld_y, const void *b, int64_t slot_stride,
                 int64_t ld_b, int64_t num_slots, const int32_t *seg_indptr, const int32_t *seg_slots,
                 int64_t num_segs, int64_t num_rows, int64_t n, int64_t rank, int dtype, int w_dtype,
                 int num_threads) {
-    if (!dtypes_supported(dtype, w_dtype)) return DTYPES_REFUSED;
-    const int bad = check_segments(seg_indptr, seg_slots, num_segs, num_rows, num_slots);
-    if (bad) return bad;
-    const dot_args d = {.in = (const char *)y, .out = out, .ld_in = ld_y, .ld_w = ld_b, .ld_out = ld_out,
-                        .k = rank, .n = n, .in_dtype = F32, .w_dtype = w_dtype, .out_dtype = dtype, .accumulate = 1};
-    run(d, b, slot_stride, seg_indptr, seg_slots, num_segs, num_rows, num_threads);
-    return 0;
+    return expand(out, ld_out, y, ld_y, b, slot_stride, ld_b, num_slots, seg_indptr, seg_slots, num_segs, num_rows,
+                  n, rank, dtype, w_dtype, num_threads, 0);
 }
 
 /* lora_expand with B stored transposed: b: [num_slots, rank, n], each slot's R rows of n ld_b elements
@@ -569,12 +579,6 @@ int lora_expand_t(void *out, int64_t ld_out, const float *y, int64_t ld_y, const
                   int64_t ld_b, int64_t num_slots, const int32_t *seg_indptr, const int32_t *seg_slots,
                   int64_t num_segs, int64_t num_rows, int64_t n, int64_t rank, int dtype, int w_dtype,
                   int num_threads) {
-    if (!dtypes_supported(dtype, w_dtype)) return DTYPES_REFUSED;
-    const int bad = check_segments(seg_indptr, seg_slots, num_segs, num_rows, num_slots);
-    if (bad) return bad;
-    const dot_args d = {.in = (const char *)y, .out = out, .ld_in = ld_y, .ld_w = ld_b, .ld_out = ld_out,
-                        .k = rank, .n = n, .in_dtype = F32, .w_dtype = w_dtype, .out_dtype = dtype, .accumulate = 1,
-                        .transposed = 1};
-    run(d, b, slot_stride, seg_indptr, seg_slots, num_segs, num_rows, num_threads);
-    return 0;
+    return expand(out, ld_out, y, ld_y, b, slot_stride, ld_b, num_slots, seg_indptr, seg_slots, num_segs, num_rows,
+                  n, rank, dtype, w_dtype, num_threads, 1);
 }

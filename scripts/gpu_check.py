@@ -76,11 +76,18 @@ from services.worker.models.llama import LlamaForCausalLM, head_size_of  # noqa:
 from tests.model.hf_reference import HFReference  # noqa: E402
 
 
+class HFRun(NamedTuple):
+    prompts: tuple[int, ...]  # lengths; the longest cross the window and the step's token budget
+    new_tokens: int
+    kv_blocks: int  # fewer than the batch needs: it is preempted
+
+
 class Sizes(NamedTuple):
     """What --smoke shrinks."""
 
     pytest_args: list[str]
     hf_shape: dict  # the random Llama's and Mistral's config arguments (section 5)
+    hf_run: HFRun  # its prompts, new tokens and KV blocks
     lora: tuple[int, int, int, int, int]  # rows, in features, out features, rank, adapters (section 6)
     copy_bytes: int
     heads: tuple[int, int, int]  # num_heads, num_kv_heads, head_size
@@ -106,6 +113,7 @@ FULL = Sizes(
                  "tests/kernels/test_triton_backend.py", "tests/kernels/test_lora_kernels.py"],
     hf_shape=dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    hf_run=HFRun((3, 15, 17, 33, 40, 61), 20, 8),  # the longest prompt and its output take 6 blocks
     lora=(256, 4096, 6144, 16, 8),
     copy_bytes=2**30,
     heads=(32, 8, 128),
@@ -122,6 +130,7 @@ SMOKE = Sizes(
     pytest_args=[*CONFTEST, "tests/kernels/test_reshape_and_cache.py", "-k", "padding"],
     hf_shape=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    hf_run=HFRun((3, 17, 40), 6, 4),  # 6 blocks asked of 4
     lora=(12, 64, 96, 8, 3),
     copy_bytes=16 * 2**20,
     heads=(4, 2, 64),
@@ -271,9 +280,6 @@ def prefill_attention(device: torch.device, sizes: Sizes) -> list[str]:
 
 
 WINDOW = 16  # the random Mistral's sliding window: one KV block, crossed by the prompts
-HF_PROMPTS = (3, 15, 17, 33, 40, 61)
-HF_NEW_TOKENS = 20
-HF_KV_BLOCKS = 8  # the longest prompt and its output take 6: the batch is preempted
 HF_STEP_TOKENS = 24  # a step's token budget: the longer prompts are prefilled in chunks next to decodes
 NEAR_TIE = 1e-3  # a parting where transformers' top two logprobs are this close is float noise
 
@@ -291,17 +297,20 @@ def random_hf_model(model_class, config, folder: Path, device: torch.device):
     return model.to(device)
 
 
-def greedy_batch(folder: Path, device: torch.device, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+def greedy_batch(folder: Path, device: torch.device, prompts: list[list[int]], run: HFRun
+                 ) -> tuple[list[list[int]], int]:
     """Our engine's greedy tokens for `prompts`, Triton attention, chunked and preempted; the preemptions."""
     model, config = load_model(folder, torch.float32, device)
     spec = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, head_size_of(config), BLOCK_SIZE,
                        torch.float32)
-    max_model_len = max(map(len, prompts)) + HF_NEW_TOKENS
-    runner = ModelRunner(model, allocate_kv_caches(spec, HF_KV_BLOCKS, device), get_attention_backend("triton", device),
-                         BLOCK_SIZE, len(prompts), max_model_len, config.vocab_size)
+    max_model_len = max(map(len, prompts)) + run.new_tokens
+    kv_caches = allocate_kv_caches(spec, run.kv_blocks, device)
+    runner = ModelRunner(model, kv_caches, get_attention_backend("triton", device), BLOCK_SIZE, len(prompts),
+                         max_model_len, config.vocab_size)
+    scheduler = SchedulerConfig(max_num_batched_tokens=HF_STEP_TOKENS, max_num_seqs=len(prompts))
     engine = EngineCore(runner, WorkerInfo("random", str(folder), config.vocab_size, max_model_len, BLOCK_SIZE),
-                        HF_KV_BLOCKS, SchedulerConfig(max_num_batched_tokens=HF_STEP_TOKENS, max_num_seqs=len(prompts)))
-    params = SamplingParams(temperature=0.0, max_tokens=HF_NEW_TOKENS, ignore_eos=True)
+                        run.kv_blocks, scheduler)
+    params = SamplingParams(temperature=0.0, max_tokens=run.new_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(EngineCoreRequest(str(i), prompt, params))
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -316,7 +325,8 @@ def greedy_batch(folder: Path, device: torch.device, prompts: list[list[int]]) -
 
 def engine_against_transformers(device: torch.device, sizes: Sizes, workdir: Path) -> list[str]:
     gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, sizes.hf_shape["vocab_size"], (n,), generator=gen).tolist() for n in HF_PROMPTS]
+    run = sizes.hf_run
+    prompts = [torch.randint(0, sizes.hf_shape["vocab_size"], (n,), generator=gen).tolist() for n in run.prompts]
     models = {"llama": (HFLlama, LlamaConfig(**sizes.hf_shape, tie_word_embeddings=False)),
               "mistral": (MistralForCausalLM, MistralConfig(**sizes.hf_shape, tie_word_embeddings=False,
                                                             sliding_window=WINDOW))}
@@ -326,10 +336,10 @@ def engine_against_transformers(device: torch.device, sizes: Sizes, workdir: Pat
     for name, (model_class, config) in models.items():
         folder = workdir / name
         reference = HFReference(random_hf_model(model_class, config, folder, device))
-        ours, preemptions = greedy_batch(folder, device, prompts)
+        ours, preemptions = greedy_batch(folder, device, prompts, run)
         equal = ties = 0
         for i, (prompt, generated) in enumerate(zip(prompts, ours)):
-            if len(generated) != HF_NEW_TOKENS:
+            if len(generated) != run.new_tokens:
                 failures.append(f"{name} prompt {i}: {len(generated)} tokens")
                 continue
             with torch.device(device):
@@ -346,7 +356,7 @@ def engine_against_transformers(device: torch.device, sizes: Sizes, workdir: Pat
                                     f"({gap:.2g} apart)")
                 break  # after a parting the prefixes differ: the rest is not comparable
         lines.append(f"| {name} | {len(prompts)} | {sum(map(len, ours))} | {preemptions} | "
-                     f"{equal} of {len(prompts) * HF_NEW_TOKENS} | {ties} |")
+                     f"{equal} of {len(prompts) * run.new_tokens} | {ties} |")
         del reference
         if preemptions == 0:
             failures.append(f"{name}: the small KV cache should have preempted")

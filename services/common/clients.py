@@ -155,6 +155,7 @@ class GenerateRequest:
     priority: int = 0
     cache_salt: str | None = None
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    truncate_right: bool = False  # truncate_prompt_tokens keeps the first k tokens instead
     echo: bool = False  # the first delta carries the prompt's text
     group_id: str | None = None  # the client request this is part of (a completion's prompts); None: request_id
     session_id: str | None = None  # routing affinity (the `session` policy): same key, same engine

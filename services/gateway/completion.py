@@ -35,7 +35,8 @@ def generate_requests(body: CompletionRequest, request_id: str, params: Sampling
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=None if isinstance(prompt, str) else prompt,
             add_special_tokens=body.add_special_tokens, priority=body.priority, cache_salt=body.cache_salt,
-            truncate_prompt_tokens=body.truncate_prompt_tokens, echo=body.echo, group_id=request_id,
+            truncate_prompt_tokens=body.truncate_prompt_tokens, truncate_right=body.truncation_side == "right",
+            echo=body.echo, group_id=request_id,
         )
         for i, prompt in enumerate(prompts)
     ]

@@ -88,6 +88,7 @@ class SamplingRequest(OpenAIRequest, UnsupportedSampling):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context length)
+    truncation_side: Literal["left", "right"] | None = None  # "right": keep the first k tokens instead
     priority: int = 0  # lower runs first, under the engine's priority policy
     request_id: str | None = None  # names the request, unless X-Request-Id does
     cache_salt: str | None = None  # prefix-cache blocks are shared only between requests of one salt

@@ -46,8 +46,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "thinking_token_budget": REASONING,
     "stream_interval": Unsupported("every step's tokens are streamed as they come", lambda v: v not in (None, 1)),
     "watermarking": Unsupported("watermarking is not implemented"),
-    "truncation_side": Unsupported("truncate_prompt_tokens keeps the prompt's last tokens (side 'left')",
-                                   lambda v: v == "right"),
     "routed_experts_prompt_start": Unsupported("routed-expert data is not returned"),
     "prompt_embeds": Unsupported("prompt embeddings are not accepted; send text or token ids",
                                  lambda v: v is not None and len(v) > 0),
@@ -89,7 +87,6 @@ class UnsupportedSampling(BaseModel):
     thinking_token_budget: int | None = None
     stream_interval: int | None = None
     watermarking: bool | None = None
-    truncation_side: Literal["left", "right"] | None = None
     routed_experts_prompt_start: int = 0
 
 

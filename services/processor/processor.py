@@ -97,15 +97,17 @@ class Processor:
                              f"this model's template reads {sorted(self.template_kwargs) or 'none'}")
         return {k: v for k, v in kwargs.items() if k in self.template_kwargs}
 
-    def truncate(self, prompt_token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
-        """The last `truncate_prompt_tokens` ids (all of them for None; -1 means the context length)."""
+    def truncate(self, prompt_token_ids: list[int], truncate_prompt_tokens: int | None,
+                 right: bool = False) -> list[int]:
+        """The last `truncate_prompt_tokens` ids, or with `right` the first (all of them for None; -1
+        means the context length): vLLM's truncation_side "left" and "right"."""
         if truncate_prompt_tokens is None:
             return prompt_token_ids
         k = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
         if not 1 <= k <= self.max_model_len:
             raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}] (the maximum "
                              f"context length), got {truncate_prompt_tokens}")
-        return prompt_token_ids[-k:]
+        return prompt_token_ids[:k] if right else prompt_token_ids[-k:]
 
     def tokenizer_config(self) -> dict[str, Any]:
         """vLLM's /tokenizer_info: the tokenizer's configuration as loaded (tokenizer_config.json, chat
@@ -149,7 +151,7 @@ class Processor:
         else:
             prompt = self.tokenize(token_ids)
         if isinstance(request, GenerateRequest):
-            return self.truncate(prompt, request.truncate_prompt_tokens)
+            return self.truncate(prompt, request.truncate_prompt_tokens, request.truncate_right)
         return prompt
 
     def check_prompt_size(self, size: PromptSize) -> None:

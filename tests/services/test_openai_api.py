@@ -218,13 +218,13 @@ def test_prompt_logprobs(client, model, http):
                                   extra_body={"prompt_logprobs": 1})
 
 
-def test_truncate_prompt_tokens_keeps_the_last_tokens(client, model, http):
+def test_truncate_prompt_tokens_keeps_the_last_tokens_or_with_side_right_the_first(client, model, http):
     ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
-    out = client.completions.create(model=model, prompt=PROMPT, echo=True, max_tokens=1, temperature=0,
-                                    extra_body={"truncate_prompt_tokens": 3})
-    assert out.usage.prompt_tokens == 3
-    tail = http.post("/detokenize", json={"tokens": ids[-3:]}).json()["prompt"]
-    assert out.choices[0].text.startswith(tail)
+    for side, kept in (("left", ids[-3:]), (None, ids[-3:]), ("right", ids[:3])):
+        out = client.completions.create(model=model, prompt=PROMPT, echo=True, max_tokens=1, temperature=0,
+                                        extra_body={"truncate_prompt_tokens": 3, "truncation_side": side})
+        assert out.usage.prompt_tokens == 3
+        assert out.choices[0].text.startswith(http.post("/detokenize", json={"tokens": kept}).json()["prompt"]), side
     chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=1,
                                           extra_body={"truncate_prompt_tokens": 5})
     assert chat.usage.prompt_tokens == 5

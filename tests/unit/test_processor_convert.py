@@ -30,7 +30,8 @@ PARAMS = SamplingParams(n=2, temperature=0.5, seed=3, stop=("a", "bc"), logit_bi
                                             {"role": "user", "content": "Hi", "name": "ann"}],
                     add_generation_prompt=False, continue_final_message=True,
                     chat_template_kwargs={"enable_thinking": False, "tools": [{"name": "f"}]}, cache_salt="salt"),
-    GenerateRequest("r4", SamplingParams(prompt_logprobs=3), prompt="Hi", truncate_prompt_tokens=5, echo=True),
+    GenerateRequest("r4", SamplingParams(prompt_logprobs=3), prompt="Hi", truncate_prompt_tokens=5, echo=True,
+                    truncate_right=True),
     GenerateRequest("r5", SamplingParams(), prompt="Hi", group_id="g", session_id="s", tenant_id="0123456789abcdef"),
 ])
 def test_generate_request_round_trip(request_: GenerateRequest):

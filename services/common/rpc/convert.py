@@ -373,8 +373,8 @@ def generate_request_to_proto(r: GenerateRequest) -> processor_pb2.GenerateReque
         request_id=r.request_id, params=sampling_params_to_proto(r.params),
         add_generation_prompt=r.add_generation_prompt, continue_final_message=r.continue_final_message,
         add_special_tokens=r.add_special_tokens, priority=r.priority, cache_salt=r.cache_salt,
-        truncate_prompt_tokens=r.truncate_prompt_tokens, echo=r.echo, group_id=r.group_id,
-        session_id=r.session_id, tenant_id=r.tenant_id, model=r.model,
+        truncate_prompt_tokens=r.truncate_prompt_tokens, truncate_right=r.truncate_right, echo=r.echo,
+        group_id=r.group_id, session_id=r.session_id, tenant_id=r.tenant_id, model=r.model,
     )
     if r.prompt is not None:
         msg.text = r.prompt
@@ -409,6 +409,7 @@ def generate_request_from_proto(m: processor_pb2.GenerateRequest) -> GenerateReq
         priority=m.priority,
         cache_salt=m.cache_salt if m.HasField("cache_salt") else None,
         truncate_prompt_tokens=m.truncate_prompt_tokens if m.HasField("truncate_prompt_tokens") else None,
+        truncate_right=m.truncate_right,
         echo=m.echo,
         group_id=m.group_id if m.HasField("group_id") else None,
         session_id=m.session_id if m.HasField("session_id") else None,

@@ -55,9 +55,9 @@ def isa(lib: ctypes.CDLL | None = None) -> int:
 def lora_shrink(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, seg_indptr: torch.Tensor,
                 seg_slots: torch.Tensor, lib: ctypes.CDLL | None = None) -> bool:
     """y[rows of segment i] = x[rows] @ a_stack[seg_slots[i]].T, zeros where the slot is -1. y: [T, R]
-    float32; x: [T, K]; a_stack: [S, R, K] of x's dtype (or bfloat16 under float32 x: `supported`); each with unit stride in its last dim; seg_indptr
-    and seg_slots contiguous int32. False, with y untouched, when the segments are not rows 0..T in
-    order or a slot is out of range."""
+    float32; x: [T, K]; a_stack: [S, R, K] of x's dtype (or bfloat16 under float32 x: `supported`); each
+    with unit stride in its last dim; seg_indptr and seg_slots contiguous int32. False, with y untouched,
+    when the segments are not rows 0..T in order or a slot is out of range."""
     num_rows, k = x.shape
     num_slots, rank = a_stack.shape[:2]
     return (lib or native.library(_NAME)).lora_shrink(
@@ -70,8 +70,8 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, b_stack: torch.Tensor, seg_i
                 seg_slots: torch.Tensor, lib: ctypes.CDLL | None = None) -> bool:
     """out[rows of segment i] += y[rows] @ b_stack[seg_slots[i]].T where the slot is >= 0, rounded once.
     out: [T, n] (a column slice of a wider tensor is fine); y: [T, R] float32; out and y with unit stride
-    in their last dim; b_stack: [S, n, R] of out's dtype (or as `supported`), with unit stride in its last dim or, stored
-    transposed (`transposed`), in its middle one. False, out untouched, as `lora_shrink`."""
+    in their last dim; b_stack: [S, n, R] of out's dtype (or as `supported`), with unit stride in its last
+    dim or, stored transposed (`transposed`), in its middle one. False, out untouched, as `lora_shrink`."""
     num_rows, n = out.shape
     num_slots, _, rank = b_stack.shape
     library = lib or native.library(_NAME)

@@ -143,7 +143,7 @@ def _check_dtype(backend: str, dtype: torch.dtype, name: str, weight_dtype: torc
     allowed = {"native": tuple(cpu_lora.DTYPES), "triton": _TRITON_DTYPES}.get(backend)
     if allowed is not None and dtype not in allowed:
         raise ValueError(f"{name} must be one of {allowed} for the {backend} LoRA kernels, got {dtype}")
-    if weight_dtype != dtype and (backend == "triton" or dtype != torch.float32):
+    if weight_dtype != dtype and (backend == "triton" or not cpu_lora.supported(dtype, weight_dtype)):
         raise ValueError(f"the {backend} LoRA kernels take {name} of {dtype} with weights of the same dtype, "
                          f"got {weight_dtype}")
 

@@ -73,9 +73,10 @@ typedef struct {
     int32_t qtype, packed;
 } Weight;
 
-/* A linear layer's LoRA slots, float32 or bfloat16 (`dtype`, lora.c's code), zero-padded to Dims.lora_rank R (services/worker/lora/layers.py):
- * `a` [lora_slots, slices * R, cols], every slice's A along R, shrunk once; slice i's B `b[i]` stored
- * transposed, [lora_slots, R, n[i]], expanded into the output's columns offset[i].. . a NULL: no LoRA. */
+/* A linear layer's LoRA slots (services/worker/lora/layers.py), float32 or bfloat16 (`dtype`, lora.c's
+ * code), zero-padded to Dims.lora_rank R. `a` [lora_slots, slices * R, cols] holds every slice's A along
+ * R, shrunk once; slice i's B `b[i]` is stored transposed, [lora_slots, R, n[i]], and expanded into the
+ * output's columns from offset[i]. `a` NULL: no LoRA. */
 #define MAX_LORA_SLICES 3
 typedef struct {
     const float *a;
@@ -141,8 +142,8 @@ static int add_lora(const Ops *ops, const Dims *d, const Lora *lora, const Step 
         return LORA_REJECTED;
     for (int i = 0; i < lora->slices; i++)
         if (ops->lora_expand(y + lora->offset[i], n_out, s->lora_y + i * r, width, lora->b[i], lora->n[i] * r,
-                             lora->n[i], d->lora_slots, step->seg_indptr, step->seg_slots, step->num_segs, m, lora->n[i], r, 0,
-                             lora->dtype, d->num_threads) != 0)
+                             lora->n[i], d->lora_slots, step->seg_indptr, step->seg_slots, step->num_segs, m,
+                             lora->n[i], r, 0, lora->dtype, d->num_threads) != 0)
             return LORA_REJECTED;
     return 0;
 }

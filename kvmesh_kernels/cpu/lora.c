@@ -29,8 +29,9 @@
  * eight columns of it, with nothing to reduce (prefill).
  *
  * Inputs are float32 or bfloat16 (dtype 0 / 1; bfloat16 weights may serve float32 activations), widened
- * to float32 as they are loaded; the sums are float32 throughout. The threads share the flat rows in blocks, each block walking the segments it
- * overlaps, so one long prefill and many one-row decodes spread alike. The vector path is chosen when
+ * to float32 as they are loaded; the sums are float32 throughout. The threads share the flat rows in
+ * blocks, each block walking the segments it overlaps, so one long prefill and many one-row decodes
+ * spread alike. The vector path is chosen when
  * the file is compiled: AVX-512F, AVX2 + FMA, or portable C.
  */
 #include <stdint.h>

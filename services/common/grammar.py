@@ -97,7 +97,8 @@ def to_grammar(constraint: StructuredOutputs) -> str:
         schema = json.loads(spec)  # ValueError (JSONDecodeError) for a spec that is no JSON
         if not isinstance(schema, (dict, bool)):
             raise ValueError("a JSON schema must be a JSON object")
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(closed_schema(schema)), defaults=JSON_OPTIONS)
+        closed = json.dumps(closed_schema(schema))  # `schema` is this call's own parse
+        return llguidance.LLMatcher.grammar_from_json_schema(closed, defaults=JSON_OPTIONS)
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
     if kind == "regex":
@@ -118,9 +119,9 @@ def closed_schema(schema: object) -> object:
     calling do: an object that lists `properties` takes no other key unless it says so
     (`additionalProperties`), and an array of `prefixItems` no other item unless it says so (`items`).
     Otherwise a model may keep adding keys until max_tokens and its tool call never ends. A bare
-    {"type": "object"} stays any object. Returns a new schema; iterative, so any depth is safe."""
-    root = json.loads(json.dumps(schema))  # a deep copy
-    stack = [root]
+    {"type": "object"} stays any object. Changes `schema` in place and returns it; iterative, so any
+    depth is safe."""
+    stack = [schema]
     while stack:
         node = stack.pop()
         if not isinstance(node, dict):
@@ -136,7 +137,7 @@ def closed_schema(schema: object) -> object:
                 stack.extend(value)
             elif key in _SCHEMA_KEYS:
                 stack.append(value)
-    return root
+    return schema
 
 
 # Where a JSON schema holds other schemas: by name, in a list, or as the value.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import difflib
+import functools
 import importlib
 import os
 import re
@@ -82,23 +83,33 @@ def test_objects_validate_strictly(example: tuple[str, dict[str, str]], kube_ver
         where = f"{obj['kind']} {obj['metadata']['name']}"
         if obj["kind"] in CUSTOM_KINDS:
             assert obj["apiVersion"] == CUSTOM_KINDS[obj["kind"]], where
-            validate_object_meta(obj["metadata"], kube_version)
+            strict_validator(kube_version, "ObjectMeta").validate(obj["metadata"])
             continue
         try:
-            kubernetes_validate.validate(obj, kube_version, strict=True)
-        except kubernetes_validate.ValidationError as e:
+            strict_validator(kube_version, obj["kind"], obj["apiVersion"]).validate(obj)
+        except jsonschema.ValidationError as e:
             pytest.fail(f"{where} against Kubernetes {kube_version}: {'.'.join(map(str, e.path))}: {e.message}")
 
 
-def validate_object_meta(metadata: dict[str, Any], kube_version: str) -> None:
-    """Custom resources carry Kubernetes' ObjectMeta: validate it strictly with the same schemas."""
+@functools.cache
+def strict_validator(kube_version: str, kind: str, api_version: str = "") -> jsonschema.Draft202012Validator:
+    """Kubernetes' strict schema of a kind (or of ObjectMeta, which custom resources carry), as
+    kubernetes_validate.validate(strict=True) builds it, but built once: that function parses the
+    schema files and resolves their references again on every call, a second per example."""
     version = [v for v in kubernetes_validate.utils.all_versions()
                if kubernetes_validate.utils.major_minor(v) <= kube_version][-1]
-    definitions = schema_contents(f"kubernetes-json-schema/v{version}-local-strict/_definitions.json", kube_version)
+    schema_dir = f"kubernetes-json-schema/v{version}-local-strict"
+    definitions = schema_contents(f"{schema_dir}/_definitions.json", kube_version)
     registry = referencing.Registry().with_resource(definitions["$id"], referencing.Resource.from_contents(definitions))
-    schema = {"$schema": definitions["$schema"],
-              "$ref": f"{definitions['$id']}#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"}
-    jsonschema.Draft202012Validator(schema, registry=registry).validate(metadata)
+    if kind == "ObjectMeta":
+        schema = {"$schema": definitions["$schema"],
+                  "$ref": f"{definitions['$id']}#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"}
+    else:
+        # rbac.authorization.k8s.io/v1 -> rbac-v1, as kubernetes-validate names its files.
+        api = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+        schema = schema_contents(f"{schema_dir}/{kind.lower()}-{api}.json", kube_version)
+        registry = referencing.Resource.from_contents(schema) @ registry
+    return jsonschema.Draft202012Validator(schema, registry=registry)
 
 
 def test_custom_resources_point_at_what_the_chart_renders(example: tuple[str, dict[str, str]]) -> None:
@@ -540,7 +551,7 @@ def test_mutual_tls_mounts_the_certificates_and_probes_with_them(secret_name: st
     objs = objects(render({"internalAuth": {"existingSecret": "", "key": "token", "tls": tls}}))
     for obj in objs:
         if obj["kind"] not in CUSTOM_KINDS:
-            kubernetes_validate.validate(obj, KUBE_VERSIONS[0], strict=True)
+            strict_validator(KUBE_VERSIONS[0], obj["kind"], obj["apiVersion"]).validate(obj)
     secret = secret_name or "kvmesh-internal-tls"
     for component in COMPONENTS:
         pod = pod_spec(objs, component)
@@ -762,7 +773,7 @@ def test_each_model_brings_its_own_parallelism_scaling_gpus_and_storage() -> Non
     objs = objects(render(values))
     for obj in objs:
         if obj["kind"] not in CUSTOM_KINDS:
-            kubernetes_validate.validate(obj, KUBE_VERSIONS[0], strict=True)
+            strict_validator(KUBE_VERSIONS[0], obj["kind"], obj["apiVersion"]).validate(obj)
     assert fleet_of(objs, "processor") == FleetConfig(model=("smollm2", "/big/Qwen2.5-7B-Instruct"),
                                                       served_model_name=("small", "qwen2.5-7b-instruct"))
     small = [w for w in pools(objs, "worker") if model_of(w) == "small"]

@@ -33,9 +33,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, NamedTuple
-
-import openai
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from services.common import processes
 from services.common.clients import EngineStats
@@ -50,6 +48,9 @@ from services.engine.client import GrpcEngineClient
 from services.gateway import server as gateway_server
 from services.processor import server as processor_server
 from services.worker import server as worker_server
+
+if TYPE_CHECKING:  # the client takes ~2 s to import, and the suite's tiers without services never use it
+    import openai
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -355,6 +356,8 @@ def gone(pid: int) -> bool:
 def greedy_token_ids(serve: Serve, model: str, prompt: str | list[int], max_tokens: int) -> list[int]:
     """The token ids of `serve`'s greedy completion of `prompt` by `model` (a model or adapter name),
     EOS ignored; the answer must name the model asked for."""
+    import openai
+
     with openai.OpenAI(base_url=serve.api, api_key="unused", timeout=120, max_retries=0) as client:
         completion = client.completions.create(
             model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=0,
@@ -365,5 +368,7 @@ def greedy_token_ids(serve: Serve, model: str, prompt: str | list[int], max_toke
 
 def client_for(serve: Serve, timeout: float = 120.0) -> tuple[openai.OpenAI, str]:
     """The `openai` client on `serve` and the one model it serves."""
+    import openai
+
     client = openai.OpenAI(base_url=serve.api, api_key="unused", timeout=timeout, max_retries=0)
     return client, client.models.list().data[0].id

@@ -31,7 +31,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 POLICIES = ("fcfs", "priority")
 ROUTING_POLICIES = ("round-robin", "least-load", "kv-aware", "session")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-TOOL_CALL_PARSERS = ("hermes",)  # services/gateway/tool_parsers.py's registry (the gateway checks they agree)
+# services/gateway/tool_parsers.py's registry (the gateway checks they agree)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
 def default_cache_dir() -> Path:
@@ -682,7 +683,9 @@ class GatewayConfig:
         False, "accept tool_choice 'auto' (the default with tools): the model decides, --tool-call-parser "
                "reads its calls")
     tool_call_parser: str | None = option(
-        None, "how the model writes tool calls (services/gateway/tool_parsers.py)", choices=TOOL_CALL_PARSERS)
+        None, "how the model writes tool calls (services/gateway/tool_parsers.py); a model whose own chat template "
+              "shows it no tools takes the parser's from services/processor/chat_templates/ as --chat-template",
+        choices=TOOL_CALL_PARSERS)
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -61,6 +61,7 @@ from services.gateway.protocol import (
 from services.gateway.sampling import to_sampling_params
 from services.gateway.structured import validate_structured_outputs
 from services.gateway.tokenization import to_tokenize_request
+from services.gateway.tool_calls import with_parser_tokens
 from services.gateway.unsupported import unsupported_asks
 from services.gateway.sse import sse_stream
 
@@ -267,6 +268,7 @@ class _API:
         return await route(parsed, request)
 
     async def batch_chat_completions(self, body: BatchChatCompletionRequest, request: Request) -> Response:
+        body = with_parser_tokens(body, self.options.tool_call_parser)
         model = self._served(body.model)
         params = await self._params(body, model)
         await self._check_sizes(model, (PromptSize(0, len(c)) for c in body.messages))  # before converting them
@@ -302,7 +304,7 @@ class _API:
                                    lambda g: completion_response(g, body, response_id, model))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        body = self._with_usage(body)
+        body = with_parser_tokens(self._with_usage(body), self.options.tool_call_parser)
         model = self._served(body.model)
         params = await self._params(body, model)
         await self._check_sizes(model, [PromptSize(0, len(body.messages))])  # before converting each of them

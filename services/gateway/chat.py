@@ -94,9 +94,11 @@ def read_tool_calls(request: ChatCompletionRequest, choices: list[ChatCompletion
     """The calls in each finished choice's text, into its message's tool_calls (services/gateway/tool_calls.py)."""
     reader = tool_call_reader(request, tool_parser)
     for choice in choices if reader is not None else ():
-        parsed = reader().parse(choice.message.content)
+        choice_reader = reader()
+        parsed = choice_reader.parse(choice.message.content)
         if parsed.calls:
-            choice.message.content, choice.message.tool_calls = parsed.content, tool_call_messages(parsed.calls)
+            choice.message.content = parsed.content
+            choice.message.tool_calls = tool_call_messages(parsed.calls, choice_reader.call_id)
             choice.finish_reason = finish_reason_with_calls(request, choice.finish_reason)
 
 

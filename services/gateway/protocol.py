@@ -4,6 +4,7 @@ knows and kvmesh does not implement are refused (services/gateway/unsupported.py
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -197,7 +198,24 @@ class ChatMessage(OpenAIRequest):
                     raise ValueError(f"content parts of type {part.type!r} are not supported; send text")
                 parts.append(part.text)
             message["content"] = "\n".join(parts)
+        if self.role == "assistant" and isinstance(message.get("tool_calls"), list):
+            _arguments_as_objects(message)
         return message
+
+
+def _arguments_as_objects(message: dict[str, Any]) -> None:
+    """vLLM's rule for the template: an assistant's calls carry their arguments as objects (OpenAI
+    sends JSON text), since tool-use templates write them out themselves; no calls is no tool_calls."""
+    if not message["tool_calls"]:
+        del message["tool_calls"]
+    for call in message.get("tool_calls", ()):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("arguments") or "", str):
+            continue
+        try:
+            function["arguments"] = json.loads(function.get("arguments") or "{}")
+        except (ValueError, RecursionError):
+            raise ValueError(f"a tool call's arguments are not JSON: {function['arguments'][:80]!r}") from None
 
 
 class ChatCompletionRequest(SamplingRequest, UnsupportedChat):

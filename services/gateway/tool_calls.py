@@ -79,6 +79,8 @@ class ForcedToolCalls:
         self.text = ""
         self.started = False  # a named call's first delta (id, type, name) is out
 
+    call_id = staticmethod(tool_call_id)
+
     def parse(self, text: str) -> ParsedOutput:
         """A whole output; no calls (the text as content) when it is not the calls' JSON (cut short)."""
         calls = self._calls(text)
@@ -116,6 +118,7 @@ class ForcedToolCalls:
 class ToolCallReader(Protocol):
     def parse(self, text: str) -> ParsedOutput: ...
     def feed(self, text: str, finished: bool) -> StreamedPiece: ...
+    def call_id(self) -> str: ...
 
 
 def tool_call_reader(body: ChatCompletionRequest, parser: str | None) -> Callable[[], ToolCallReader] | None:
@@ -127,6 +130,16 @@ def tool_call_reader(body: ChatCompletionRequest, parser: str | None) -> Callabl
     if body.tools and body.tool_choice in (None, "auto") and parser is not None:
         return TOOL_PARSERS[parser]
     return None
+
+
+def with_parser_tokens(body: ChatCompletionRequest, parser: str | None) -> ChatCompletionRequest:
+    """The request as its parser reads it: with special tokens kept in the text when the parser's
+    markers are special tokens (Mistral's [TOOL_CALLS]), which detokenizing would otherwise drop."""
+    if parser is None or not TOOL_PARSERS[parser].KEEPS_SPECIAL_TOKENS or not body.skip_special_tokens:
+        return body
+    if tool_call_reader(body, parser) is not TOOL_PARSERS[parser]:  # no tools, or a forced call
+        return body
+    return body.model_copy(update={"skip_special_tokens": False})
 
 
 def finish_reason_with_calls(body: ChatCompletionRequest, finish_reason: str | None) -> str | None:
@@ -144,5 +157,5 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def tool_call_messages(calls: list[FunctionCall]) -> list[ToolCall]:
-    return [ToolCall(id=tool_call_id(), function=call) for call in calls]
+def tool_call_messages(calls: list[FunctionCall], call_id: Callable[[], str]) -> list[ToolCall]:
+    return [ToolCall(id=call_id(), function=call) for call in calls]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.common.clients import ChoiceDelta, GenerateDelta, GenerateRequest, Tokenized, TokenizeRequest
@@ -11,6 +13,7 @@ from services.common.rpc.convert import (
     generate_delta_to_proto,
     generate_request_from_proto,
     generate_request_to_proto,
+    sampling_params_to_proto,
     tokenize_request_from_proto,
     tokenize_request_to_proto,
     tokenized_from_proto,
@@ -83,3 +86,48 @@ def test_tokenized_round_trip(tokenized: Tokenized):
 def test_a_tokenize_request_without_prompt_is_refused():
     with pytest.raises(ValueError, match="no prompt"):
         tokenize_request_from_proto(processor_pb2.TokenizeRequest())
+
+
+def test_chat_json_reaches_the_processor_as_the_client_wrote_it():
+    """Numbers keep their form across the wire: a tool's "minimum": 1 must reach the chat template
+    as 1, not 1.0 (a protobuf Struct would make every number a double), and integers past 2**53
+    stay exact."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 2**53 + 1}},
+        "required": ["n"]}}}]
+    messages = [{"role": "user", "content": "Grüße, 1.0 and 2"},
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"n": 3, "x": 0.5}}}]}]
+    request = GenerateRequest("r", SamplingParams(), messages=messages, chat_template_kwargs={"tools": tools})
+    back = generate_request_from_proto(generate_request_to_proto(request))
+    assert json.dumps(back.messages) == json.dumps(messages)
+    assert json.dumps(back.chat_template_kwargs) == json.dumps({"tools": tools})
+    tokenize = TokenizeRequest(messages=messages, chat_template_kwargs={"tools": tools})
+    assert json.dumps(tokenize_request_from_proto(tokenize_request_to_proto(tokenize)).chat_template_kwargs) == \
+        json.dumps({"tools": tools})
+
+
+def _deep(levels: int) -> dict:
+    value: dict = {"leaf": 1}
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize(("messages_json", "kwargs_json", "error"), [
+    ("[{\"role\": \"user\"", "", "messages is not JSON"),
+    ("{\"role\": \"user\"}", "", "messages is not a JSON array"),
+    ("[\"hi\"]", "", r"messages\[0\] is not a JSON object"),
+    (json.dumps([{"role": "user", "x": _deep(40)}]), "", r"messages\[0\] is nested more than 32"),
+    ("[" * 100_000 + "]" * 100_000, "", "messages is not JSON"),
+    ("[]", "[1]", "chat_template_kwargs is not a JSON object"),
+    ("[]", json.dumps({"x": _deep(40)}), "chat_template_kwargs is nested more than 32"),
+    ("[]", "{\"x\": 1" + "0" * 400 + "}", "chat_template_kwargs holds a number beyond the range of a double"),
+])
+def test_chat_json_from_any_caller_is_checked(messages_json: str, kwargs_json: str, error: str):
+    """The processor takes the JSON text from whoever calls it: malformed, mistyped, too deep or too
+    large, it is a ValueError (the server's INVALID_ARGUMENT), never a crash."""
+    message = processor_pb2.GenerateRequest(request_id="r", params=sampling_params_to_proto(SamplingParams()),
+                                            chat=processor_pb2.ChatMessages(json=messages_json),
+                                            chat_template_kwargs_json=kwargs_json)
+    with pytest.raises(ValueError, match=error):
+        generate_request_from_proto(message)

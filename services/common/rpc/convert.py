@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping, Sequence
+import json
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TypeVar
 
-from google.protobuf import json_format, struct_pb2
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 
 from services.common.clients import (
     ChoiceDelta,
@@ -337,24 +338,53 @@ def block_hashes_from_proto(m: engine_pb2.MatchPrefixRequest) -> list[bytes]:
 
 # ----------------------------------------------------------------------------- gateway <-> processor
 
-# JSON nesting a Struct may carry: each JSON level is two protobuf levels (Struct -> Value), and
-# protobuf refuses to parse a message more than 100 levels deep, wrappers included.
+# How deeply a chat message or chat_template_kwargs may nest objects and arrays: far beyond any
+# real message, and far below what would make the processor's JSON parser recurse deeply.
 MAX_STRUCT_DEPTH = 32
 
 
-def _struct(value: Mapping[str, object], what: str) -> struct_pb2.Struct:
-    """`value` (JSON: a chat message, chat_template_kwargs) as a Struct; ValueError naming `what`
-    for what a Struct cannot carry: nesting deeper than MAX_STRUCT_DEPTH, a number beyond a double."""
+def _json_text(value: object, what: str, items: bool = False) -> str:
+    """`value` (JSON: chat messages, chat_template_kwargs) as JSON text; ValueError naming `what`
+    for nesting deeper than MAX_STRUCT_DEPTH or a number beyond the range of a double. `items`:
+    `value` is a list whose items are checked each on its own (the messages)."""
+    for i, item in enumerate(value) if items else [(None, value)]:
+        _check_json(item, what if i is None else f"{what}[{i}]")
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (ValueError, TypeError):
+        raise ValueError(f"{what} holds a value that cannot be passed on") from None
+
+
+def _json_value(text: str, what: str, kind: type) -> object:
+    """The JSON `text` of a `kind` (dict or list) as _json_text wrote it; ValueError for anything
+    else, as a processor must treat what any caller sends."""
+    try:
+        value = json.loads(text) if text else kind()
+    except (ValueError, RecursionError):
+        raise ValueError(f"{what} is not JSON") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{what} is not a JSON {'object' if kind is dict else 'array'}")
+    if kind is dict:
+        _check_json(value, what)
+    return value
+
+
+def _check_json(value: object, what: str) -> None:
     if json_depth(value) > MAX_STRUCT_DEPTH:
         raise ValueError(f"{what} is nested more than {MAX_STRUCT_DEPTH} levels deep")
-    msg = struct_pb2.Struct()
-    try:
-        msg.update(value)
-    except OverflowError:
-        raise ValueError(f"{what} holds a number beyond the range of a double") from None
-    except (ValueError, TypeError, DecodeError):
-        raise ValueError(f"{what} holds a value that cannot be passed on") from None
-    return msg
+    if any(isinstance(v, int) and not -_DOUBLE_MAX <= v <= _DOUBLE_MAX for v in _json_leaves(value)):
+        raise ValueError(f"{what} holds a number beyond the range of a double")
+
+
+_DOUBLE_MAX = sys.float_info.max
+
+
+def _json_leaves(value: object) -> Iterator[object]:
+    level = [value]
+    while level:
+        yield from (v for v in level if not isinstance(v, (Mapping, list, tuple)))
+        level = [child for v in level if isinstance(v, (Mapping, list, tuple))
+                 for child in (v.values() if isinstance(v, Mapping) else v)]
 
 
 def json_depth(value: object) -> int:
@@ -366,6 +396,15 @@ def json_depth(value: object) -> int:
             return depth
         depth += 1
         level = [child for v in containers for child in (v.values() if isinstance(v, Mapping) else v)]
+
+
+def _messages(m: processor_pb2.ChatMessages) -> list[dict]:
+    messages = _json_value(m.json, "messages", list)
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] is not a JSON object")
+        _check_json(message, f"messages[{i}]")
+    return messages
 
 
 def generate_request_to_proto(r: GenerateRequest) -> processor_pb2.GenerateRequest:
@@ -381,9 +420,9 @@ def generate_request_to_proto(r: GenerateRequest) -> processor_pb2.GenerateReque
     elif r.prompt_token_ids is not None:
         msg.token_ids.ids.extend(r.prompt_token_ids)
     elif r.messages is not None:
-        msg.chat.messages.extend(_struct(m, f"messages[{i}]") for i, m in enumerate(r.messages))
+        msg.chat.json = _json_text(list(r.messages), "messages", items=True)
     if r.chat_template_kwargs:
-        msg.chat_template_kwargs.CopyFrom(_struct(r.chat_template_kwargs, "chat_template_kwargs"))
+        msg.chat_template_kwargs_json = _json_text(dict(r.chat_template_kwargs), "chat_template_kwargs")
     return msg
 
 
@@ -401,10 +440,10 @@ def generate_request_from_proto(m: processor_pb2.GenerateRequest) -> GenerateReq
         params=sampling_params_from_proto(m.params),
         prompt=m.text if which == "text" else None,
         prompt_token_ids=list(m.token_ids.ids) if which == "token_ids" else None,
-        messages=[json_format.MessageToDict(s) for s in m.chat.messages] if which == "chat" else None,
+        messages=_messages(m.chat) if which == "chat" else None,
         add_generation_prompt=m.add_generation_prompt,
         continue_final_message=m.continue_final_message,
-        chat_template_kwargs=json_format.MessageToDict(m.chat_template_kwargs),
+        chat_template_kwargs=_json_value(m.chat_template_kwargs_json, "chat_template_kwargs", dict),
         add_special_tokens=m.add_special_tokens,
         priority=m.priority,
         cache_salt=m.cache_salt if m.HasField("cache_salt") else None,
@@ -486,9 +525,9 @@ def tokenize_request_to_proto(r: TokenizeRequest) -> processor_pb2.TokenizeReque
     if r.prompt is not None:
         msg.text = r.prompt
     elif r.messages is not None:
-        msg.chat.messages.extend(_struct(m, f"messages[{i}]") for i, m in enumerate(r.messages))
+        msg.chat.json = _json_text(list(r.messages), "messages", items=True)
     if r.chat_template_kwargs:
-        msg.chat_template_kwargs.CopyFrom(_struct(r.chat_template_kwargs, "chat_template_kwargs"))
+        msg.chat_template_kwargs_json = _json_text(dict(r.chat_template_kwargs), "chat_template_kwargs")
     return msg
 
 
@@ -499,11 +538,11 @@ def tokenize_request_from_proto(m: processor_pb2.TokenizeRequest) -> TokenizeReq
         raise ValueError("the request has no prompt: set text or chat")
     return TokenizeRequest(
         prompt=m.text if which == "text" else None,
-        messages=[json_format.MessageToDict(s) for s in m.chat.messages] if which == "chat" else None,
+        messages=_messages(m.chat) if which == "chat" else None,
         add_special_tokens=m.add_special_tokens,
         add_generation_prompt=m.add_generation_prompt,
         continue_final_message=m.continue_final_message,
-        chat_template_kwargs=json_format.MessageToDict(m.chat_template_kwargs),
+        chat_template_kwargs=_json_value(m.chat_template_kwargs_json, "chat_template_kwargs", dict),
         return_token_strs=m.return_token_strs,
         model=m.model,
     )

@@ -1,4 +1,3 @@
-from google.protobuf import struct_pb2 as _struct_pb2
 from services.common.rpc.kvmesh.v1 import common_pb2 as _common_pb2
 from services.common.rpc.kvmesh.v1 import engine_pb2 as _engine_pb2
 from google.protobuf.internal import containers as _containers
@@ -18,7 +17,7 @@ class LoadLoRAAdapterCall(_message.Message):
     def __init__(self, adapter: _Optional[_Union[_engine_pb2.LoadLoRAAdapterRequest, _Mapping]] = ..., base_model_name: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "params", "text", "token_ids", "chat", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens", "priority", "cache_salt", "truncate_prompt_tokens", "echo", "group_id", "session_id", "tenant_id", "model", "truncate_right")
+    __slots__ = ("request_id", "params", "text", "token_ids", "chat", "add_generation_prompt", "continue_final_message", "chat_template_kwargs_json", "add_special_tokens", "priority", "cache_salt", "truncate_prompt_tokens", "echo", "group_id", "session_id", "tenant_id", "model", "truncate_right")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -26,7 +25,7 @@ class GenerateRequest(_message.Message):
     CHAT_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
@@ -44,7 +43,7 @@ class GenerateRequest(_message.Message):
     chat: ChatMessages
     add_generation_prompt: bool
     continue_final_message: bool
-    chat_template_kwargs: _struct_pb2.Struct
+    chat_template_kwargs_json: str
     add_special_tokens: bool
     priority: int
     cache_salt: str
@@ -55,7 +54,7 @@ class GenerateRequest(_message.Message):
     tenant_id: str
     model: str
     truncate_right: bool
-    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., echo: _Optional[bool] = ..., group_id: _Optional[str] = ..., session_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., model: _Optional[str] = ..., truncate_right: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., echo: _Optional[bool] = ..., group_id: _Optional[str] = ..., session_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., model: _Optional[str] = ..., truncate_right: _Optional[bool] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -64,10 +63,10 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
-    __slots__ = ("messages",)
-    MESSAGES_FIELD_NUMBER: _ClassVar[int]
-    messages: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
-    def __init__(self, messages: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ...) -> None: ...
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("choices", "prompt_token_ids", "num_prompt_tokens", "num_cached_tokens", "num_generated_tokens", "prompt_text", "prompt_logprobs", "prompt_logprob_tokens")
@@ -122,13 +121,13 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "chat", "add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "return_token_strs", "model")
+    __slots__ = ("text", "chat", "add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs_json", "return_token_strs", "model")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     RETURN_TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     text: str
@@ -136,10 +135,10 @@ class TokenizeRequest(_message.Message):
     add_special_tokens: bool
     add_generation_prompt: bool
     continue_final_message: bool
-    chat_template_kwargs: _struct_pb2.Struct
+    chat_template_kwargs_json: str
     return_token_strs: bool
     model: str
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., return_token_strs: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ..., return_token_strs: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids", "max_model_len", "token_strs")

@@ -393,8 +393,8 @@ def linear_f16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """F.linear(x, weight, bias) all in float16, as torch computes it on a CPU (float32 sums rounded to
     float16 once), at the speed of float32 arithmetic: a [N, k] float16 weight's bytes are F16 blocks, so
     the tiles widen it (F16C, AVX-512F) into float32 FMAs against x widened to float32, and from
-    `gemm_rows` torch's float32 GEMM takes it widened whole. torch's own float16 GEMM is 10-20x slower
-    than float32 on a CPU without AVX512-FP16 or AMX-FP16. x: [..., k] float16 -> [..., N] float16."""
+    `gemm_rows` torch's float32 GEMM takes it widened whole. torch's own float16 GEMM took 2-7x this
+    time at 1-64 rows on an AVX2 EPYC (docs/benchmarks/log.md). x: [..., k] float16 -> [..., N] float16."""
     if x.dtype != torch.float16 or weight.dtype != torch.float16 or weight.dim() != 2:
         raise ValueError(f"linear_f16 takes float16 x and a [N, k] float16 weight, got {x.dtype} and "
                          f"{weight.dtype} {tuple(weight.shape)}")

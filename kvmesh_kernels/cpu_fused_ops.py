@@ -4,7 +4,7 @@ several torch ops, at the same rounding as the torch code they replace:
   kv_write          the step's K and V rows into their paged-cache slots (two index_copy_)
   rope_inplace      neox RoPE on q and k together, in the qkv projection's output (chunk, 4 mul,
                     sub, add, cat per tensor)
-  rms_norm          bfloat16 RMSNorm (to float, rms_norm, to bfloat16, weight mul), and the
+  rms_norm          bfloat16 or float16 RMSNorm (to float, rms_norm, back, weight mul), and the
                     float32 one (torch's F.rms_norm: ~7 us a call at one token, 61 calls a step
                     for the default model; this one ~2 us and never a parallel region below 64 tokens)
   add_rms_norm      the decoder layer's residual add and the next RMSNorm in one pass
@@ -31,7 +31,7 @@ from kvmesh_kernels import native
 from kvmesh_kernels.native import FAST_MATH
 
 _BASE_FLAGS = ("-O3", *FAST_MATH, "-ffp-contract=off", "-fopenmp")
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _NAME = "fused_ops"
 
@@ -94,7 +94,7 @@ def rope_inplace(x: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, head_si
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """x: [n, hidden] float32 or bfloat16, contiguous -> a new [n, hidden] tensor."""
+    """x: [n, hidden] float32, bfloat16 or float16, contiguous -> a new [n, hidden] tensor."""
     _check_norm(x, weight)
     out = torch.empty_like(x)
     (lib or _library()).rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps,

@@ -20,7 +20,7 @@ __all__ = ["NativeKernelUnavailable", "build", "is_available", "paged_decode_att
            "vector_width"]
 
 _BASE_FLAGS = ("-O3", *FAST_MATH, "-fopenmp")
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _NAME = "paged_decode_attention"
 
 
@@ -64,7 +64,7 @@ def paged_decode_attention(
     num_seqs, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if q.dtype not in _DTYPES or not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
-        raise TypeError(f"q, caches and out must share float32 or bfloat16, got {q.dtype}, {k_cache.dtype}")
+        raise TypeError(f"q, caches and out must share float32, bfloat16 or float16, got {q.dtype}, {k_cache.dtype}")
     if q.device.type != "cpu":
         raise ValueError("the native decode kernel runs on the CPU")
     if q.stride(2) != 1 or q.stride(1) != head_size or out.stride(2) != 1 or out.stride(1) != head_size:

@@ -7,6 +7,7 @@ multiples of 256 (`block_weights`).
   matmul      the native tiles: each weight read and dequantized once per call (decode, small M)
   dequantize  the whole weight to float32 (for a large M, where torch's GEMM over it is faster)
   linear      either, by the number of rows (`GEMM_ROWS`, per build), plus an optional bias
+  linear_f16  F.linear of a `--dtype float16` model's layers: its float16 weights are F16 blocks
   pack        Q4_1 blocks repacked for the kernel (a vector's lanes are 16 output rows); the
               `*_packed` functions and `linear(..., n=rows)` compute with them: the layers' path
               where `packs_faster` measures it faster on the CPU at hand
@@ -115,7 +116,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 # The served build (`build(cache_dir)`) and the other instruction sets' (`variant(isa, cache_dir)`).
 _KERNEL = native.Kernel(_NAME, _BASE_FLAGS, _declare)
-build, variant = _KERNEL.build, _KERNEL.variant
+build, variant, available = _KERNEL.build, _KERNEL.variant, _KERNEL.available
 
 
 def is_built() -> bool:
@@ -385,3 +386,18 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int, bias
         if bias is not None:
             y += bias
     return y.reshape(*x.shape[:-1], n)
+
+
+def linear_f16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) all in float16, as torch computes it on a CPU (float32 sums rounded to
+    float16 once), at the speed of float32 arithmetic: a [N, k] float16 weight's bytes are F16 blocks, so
+    the tiles widen it (F16C, AVX-512F) into float32 FMAs against x widened to float32, and from
+    `gemm_rows` torch's float32 GEMM takes it widened whole. torch's own float16 GEMM took 2-7x this
+    time at 1-64 rows on an AVX2 EPYC (docs/benchmarks/log.md). x: [..., k] float16 -> [..., N] float16."""
+    if x.dtype != torch.float16 or weight.dtype != torch.float16 or weight.dim() != 2:
+        raise ValueError(f"linear_f16 takes float16 x and a [N, k] float16 weight, got {x.dtype} and "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    y = linear(x.float(), weight.view(torch.uint8), QuantType.F16, weight.shape[1],
+               None if bias is None else bias.float(), lib)
+    return y.to(torch.float16)

@@ -1,6 +1,6 @@
 """Builds the small C kernels under kvmesh_kernels/cpu/ once with the system's C compiler and loads them
 with ctypes. A library is cached under the cache dir its caller passes (kvmesh_kernels/ imports nothing
-from services/), under `native/`, keyed by its source, compiler, flags
+from services/), under `native/`, keyed by its source and the headers beside it, compiler, flags
 and the CPU's features (it is built with -march=native, and a cache dir may be shared by nodes
 with other CPUs), so a changed source is rebuilt and concurrent builds never see half a file.
 
@@ -120,7 +120,9 @@ def load(name: str, flags: tuple[str, ...], cache_dir: Path) -> ctypes.CDLL:
     source_path = SOURCES / f"{name}.c"
     command = [compiler, *flags, "-shared", "-fPIC"]
     key_text = " ".join([*command, *_LIBS, _cpu_features()])
-    key = hashlib.sha256(source_path.read_bytes() + key_text.encode()).hexdigest()[:16]
+    # The headers beside the sources (half.h) are part of every kernel's text.
+    headers = b"".join(path.read_bytes() for path in sorted(SOURCES.glob("*.h")))
+    key = hashlib.sha256(source_path.read_bytes() + headers + key_text.encode()).hexdigest()[:16]
     target = Path(cache_dir) / "native" / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

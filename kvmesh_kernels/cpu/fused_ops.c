@@ -1,13 +1,15 @@
 /*
  * Small fused CPU ops for the model's per-layer glue: each replaces several torch ops (and their
  * dispatch, temporaries and passes over memory) with one call, at the same rounding as the torch
- * code it replaces: every intermediate that torch rounds to bfloat16 is rounded here too, and
- * float32 products are never contracted into FMAs (this file is built with -ffp-contract=off).
- * dtype: 0 = float32, 1 = bfloat16.
+ * code it replaces: every intermediate that torch rounds to bfloat16 or float16 is rounded here too,
+ * and float32 products are never contracted into FMAs (this file is built with -ffp-contract=off).
+ * dtype: 0 = float32, 1 = bfloat16, 2 = float16 (bfloat16 and float16: "half" below).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "half.h"
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -24,7 +26,11 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+/* The half types by dtype (1: bfloat16, 2: float16); the loops below test a loop-invariant dtype, which
+ * the compiler hoists out of them. */
+static inline float half_to_f32(uint16_t h, int dtype) { return dtype == 2 ? f16_to_f32(h) : bf16_to_f32(h); }
+static inline uint16_t f32_to_half(float f, int dtype) { return dtype == 2 ? f32_to_f16(f) : f32_to_bf16(f); }
+static inline float round_half(float f, int dtype) { return half_to_f32(f32_to_half(f, dtype), dtype); }
 
 /* KV-cache write: row i of k and v goes to slot slots[i] of each cache ([num_slots, row] rows);
  * slot < 0 is padding, skipped. Plain copies: exact in any dtype. */
@@ -64,10 +70,10 @@ void rope_inplace(void *x, int64_t x_stride, const void *cos_sin, int64_t cs_str
             for (int h = 0; h < num_heads; h++) {
                 uint16_t *x1 = (uint16_t *)x + t * x_stride + (int64_t)h * head_size, *x2 = x1 + half;
                 for (int i = 0; i < half; i++) {
-                    const float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
-                    const float ci = bf16_to_f32(c[i]), si = bf16_to_f32(s[i]);
-                    x1[i] = f32_to_bf16(round_bf16(a * ci) - round_bf16(b * si));
-                    x2[i] = f32_to_bf16(round_bf16(b * ci) + round_bf16(a * si));
+                    const float a = half_to_f32(x1[i], dtype), b = half_to_f32(x2[i], dtype);
+                    const float ci = half_to_f32(c[i], dtype), si = half_to_f32(s[i], dtype);
+                    x1[i] = f32_to_half(round_half(a * ci, dtype) - round_half(b * si, dtype), dtype);
+                    x2[i] = f32_to_half(round_half(b * ci, dtype) + round_half(a * si, dtype), dtype);
                 }
             }
         }
@@ -84,18 +90,19 @@ static inline void rms_norm_row_f32(float *dst, const float *row, const float *w
     for (int i = 0; i < hidden; i++) dst[i] = weight[i] * (row[i] * inv);
 }
 
-/* bfloat16 RMSNorm of one row as the model's reference computes it: normalise in float32, round to
- * bfloat16, then scale by the bfloat16 weight (rounded again). */
-static inline void rms_norm_row_bf16(uint16_t *dst, const uint16_t *row, const uint16_t *weight, int hidden,
-                                     float eps) {
+/* bfloat16 or float16 RMSNorm of one row as the model's reference computes it: normalise in float32,
+ * round to the half type, then scale by the weight of that type (rounded again). */
+static inline void rms_norm_row_half(uint16_t *dst, const uint16_t *row, const uint16_t *weight, int hidden,
+                                     float eps, int dtype) {
     float sum = 0.f;
     for (int i = 0; i < hidden; i++) {
-        const float v = bf16_to_f32(row[i]);
+        const float v = half_to_f32(row[i], dtype);
         sum += v * v;
     }
     const float inv = 1.f / sqrtf(sum / hidden + eps);
     for (int i = 0; i < hidden; i++)
-        dst[i] = f32_to_bf16(bf16_to_f32(weight[i]) * round_bf16(bf16_to_f32(row[i]) * inv));
+        dst[i] = f32_to_half(half_to_f32(weight[i], dtype) * round_half(half_to_f32(row[i], dtype) * inv, dtype),
+                             dtype);
 }
 
 /* RMSNorm of each of num_tokens rows of x ([num_tokens, hidden], contiguous). */
@@ -107,7 +114,8 @@ void rms_norm(void *out, const void *x, const void *weight, int64_t num_tokens, 
         if (dtype == 0)
             rms_norm_row_f32((float *)out + t * hidden, (const float *)x + t * hidden, weight, hidden, eps);
         else
-            rms_norm_row_bf16((uint16_t *)out + t * hidden, (const uint16_t *)x + t * hidden, weight, hidden, eps);
+            rms_norm_row_half((uint16_t *)out + t * hidden, (const uint16_t *)x + t * hidden, weight, hidden, eps,
+                              dtype);
     }
 }
 
@@ -127,8 +135,9 @@ void add_rms_norm(void *out, void *residual_out, const void *x, const void *resi
         } else {
             uint16_t *r = (uint16_t *)residual_out + o;
             const uint16_t *a = (const uint16_t *)x + o, *b = (const uint16_t *)residual + o;
-            for (int i = 0; i < hidden; i++) r[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
-            rms_norm_row_bf16((uint16_t *)out + o, r, weight, hidden, eps);
+            for (int i = 0; i < hidden; i++)
+                r[i] = f32_to_half(half_to_f32(a[i], dtype) + half_to_f32(b[i], dtype), dtype);
+            rms_norm_row_half((uint16_t *)out + o, r, weight, hidden, eps, dtype);
         }
     }
 }

@@ -11,12 +11,15 @@
  * prompt prefix from the prefix cache: cascade attention, the prefix read once for them all); each
  * item reads its context once and serves the H / Hkv query heads that share that kv head (GQA) in
  * each of its rows, with an online softmax in float32. Items of one kv head are handed out together.
- * dtype: 0 = float32, 1 = bfloat16 (q, cache and out share it).
+ * dtype: 0 = float32, 1 = bfloat16, 2 = float16 (q, cache and out share it); the arithmetic is float32
+ * in all three, a bfloat16 or float16 row made float32 as it is loaded.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "half.h"
 
 #define MAX_GROUP 16
 #define MAX_HEAD 256
@@ -40,11 +43,25 @@ static inline uint16_t f32_to_bf16(float f) {
 static inline void load_row(const void *base, int64_t index, int dtype, int d, float *dst) {
     if (dtype == 0) {
         memcpy(dst, (const float *)base + index, sizeof(float) * d);
+    } else if (dtype == 2) {
+        const uint16_t *src = (const uint16_t *)base + index;
+        for (int i = 0; i < d; i++) dst[i] = f16_to_f32(src[i]);
     } else {
         /* bf16 -> f32 is a 16-bit shift; written on integers so the compiler vectorizes it. */
         const uint16_t *src = (const uint16_t *)base + index;
         uint32_t *bits = (uint32_t *)dst;
         for (int i = 0; i < d; i++) bits[i] = ((uint32_t)src[i]) << 16;
+    }
+}
+
+/* Row `o` of out from float32 values: rounded to nearest even for bfloat16 and float16. */
+static inline void store_row(void *out, int64_t o, int dtype, int d, const float *values, float scale) {
+    if (dtype == 0) {
+        for (int i = 0; i < d; i++) ((float *)out)[o + i] = values[i] * scale;
+    } else if (dtype == 2) {
+        for (int i = 0; i < d; i++) ((uint16_t *)out)[o + i] = f32_to_f16(values[i] * scale);
+    } else {
+        for (int i = 0; i < d; i++) ((uint16_t *)out)[o + i] = f32_to_bf16(values[i] * scale);
     }
 }
 
@@ -103,14 +120,7 @@ static inline __attribute__((always_inline)) void attend_item(
     }
     for (int g = 0; g < group; g++) {
         const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        const int64_t o = b * out_stride + (int64_t)(kvh * group + g) * head_size;
-        if (dtype == 0) {
-            float *dst = (float *)out + o;
-            for (int i = 0; i < head_size; i++) dst[i] = acc[g][i] * inv;
-        } else {
-            uint16_t *dst = (uint16_t *)out + o;
-            for (int i = 0; i < head_size; i++) dst[i] = f32_to_bf16(acc[g][i] * inv);
-        }
+        store_row(out, b * out_stride + (int64_t)(kvh * group + g) * head_size, dtype, head_size, acc[g], inv);
     }
 }
 
@@ -158,6 +168,7 @@ static inline vlive v_live(int n) { return (vlive)((1u << n) - 1); }
 static inline vf v_select(vlive live, vf v, vf fill) { return _mm512_mask_blend_ps(live, fill, v); }
 static inline vf v_load_row(const void *base, int64_t index, int dtype) {
     if (dtype == 0) return _mm512_loadu_ps((const float *)base + index);
+    if (dtype == 2) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index)));
     const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
@@ -202,6 +213,15 @@ static inline vlive v_live(int n) {
 static inline vf v_select(vlive live, vf v, vf fill) { return _mm256_blendv_ps(fill, v, live); }
 static inline vf v_load_row(const void *base, int64_t index, int dtype) {
     if (dtype == 0) return _mm256_loadu_ps((const float *)base + index);
+    if (dtype == 2) {
+#if defined(__F16C__)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + index)));
+#else
+        float row[W] __attribute__((aligned(32)));
+        load_row(base, index, dtype, W, row);
+        return _mm256_load_ps(row);
+#endif
+    }
     const __m128i bits = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
@@ -457,7 +477,8 @@ static inline __attribute__((always_inline)) void attend_tile_vector(
                         __builtin_prefetch((const char *)v_cache + (next + t * row_stride) * elem + o, 0, 3);
                     }
             }
-            /* float32 rows are read where they lie; bfloat16 ones are made float32 once for the tile. */
+            /* float32 rows are read where they lie; bfloat16 and float16 ones are made float32 once for
+             * the tile. */
             const float *kp = (const float *)k_cache + row0, *vp = (const float *)v_cache + row0;
             int64_t ks = row_stride;
             if (dtype != 0) {
@@ -481,8 +502,7 @@ static inline __attribute__((always_inline)) void attend_tile_vector(
             for (int c = 0; c < C; c++)
                 v_storeu((float *)out + o + W * c, v_mul(v_load(acc[r] + W * c), v_set1(inv)));
         } else {
-            uint16_t *dst = (uint16_t *)out + o;
-            for (int i = 0; i < head_size; i++) dst[i] = f32_to_bf16(acc[r][i] * inv);
+            store_row(out, o, dtype, head_size, acc[r], inv);
         }
     }
 }

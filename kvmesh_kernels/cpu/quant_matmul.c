@@ -43,6 +43,8 @@
 #include <immintrin.h>
 #endif
 
+#include "half.h"
+
 /* A read-ahead hint (no fault, whatever the address). */
 #define PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
 
@@ -103,27 +105,6 @@ static inline uint32_t read_u32(const uint8_t *p) {
     uint32_t u;
     memcpy(&u, p, sizeof u);
     return u;
-}
-
-static inline float f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    } else {
-        float f = (float)mant * 5.9604644775390625e-08f; /* subnormal: mant * 2^-24, exact */
-        memcpy(&bits, &f, sizeof bits);
-        bits |= sign;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
 }
 
 int64_t quant_block_bytes(int type) {

@@ -26,6 +26,7 @@ from services.common.sampling_params import MAX_LOGPROBS, MAX_TOKEN_IDS
 from services.common.unix_socket import SCHEME as UNIX_SCHEME, check_path_length, socket_path
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names for them
 QUANTIZATIONS = ("auto", "gguf", "int8", "f16", "none")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 POLICIES = ("fcfs", "priority")
@@ -37,6 +38,11 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("KVMESH_CACHE_DIR", Path.home() / ".cache" / "kvmesh"))
+
+
+def parse_dtype(text: str) -> str:
+    """A --dtype as DTYPES names it: vLLM's `half` and `float` are float16 and float32."""
+    return DTYPE_ALIASES.get(text, text)
 
 
 def parse_bytes(text: str) -> int:
@@ -106,7 +112,8 @@ class ModelConfig:
                                 "with AVX512_BF16 or AMX, else of 2+ tokens against int8 activations with AVX2; "
                                 "other weights on a CPU bfloat16 with those, else float32; "
                                 "on a GPU bfloat16, else float16); float32 is the exact one (greedy tokens "
-                                "identical to transformers')", choices=DTYPES)
+                                "identical to transformers'); half and float are vLLM's names for float16 "
+                                "and float32", choices=DTYPES, parse=parse_dtype)
     quantization: str = option(
         "auto", "weights in blocks for a native CPU kernel (float32 activations): gguf keeps a .gguf model's "
                 "own (Q4_1, Q8_0, F16: its exact weights), int8 quantizes any model's to Q8_0 at load (weight-only "
@@ -120,13 +127,9 @@ class ModelConfig:
         None, "where converted GGUF models are kept (default: $KVMESH_CACHE_DIR, else ~/.cache/kvmesh)")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))  # LLM(dtype="half") hands vLLM's name
         check_fields(self)
-        # The CPU's attention and fused kernels take float32 or bfloat16 only: refused here, at
-        # start-up, rather than by every request's first step.
         on_cpu = self.device.split(":")[0] == "cpu"
-        if self.dtype == "float16" and on_cpu:
-            raise ValueError("dtype float16 is not supported on the CPU (its kernels take float32 or bfloat16): "
-                             "use --dtype bfloat16 or --dtype float32, or float16 with --device cuda")
         if self.quantization not in ("auto", "none") and (self.dtype not in ("float32", "auto") or not on_cpu):
             raise ValueError(f"quantization {self.quantization} runs on the CPU in float32: use --dtype float32 "
                              "--device cpu, or --quantization none")

@@ -166,9 +166,9 @@ def resolve_dtype(dtype: str, quantization: str, model: str, device: torch.devic
     """`--dtype` as a torch dtype, `auto` resolved to the fastest this device runs natively: float32
     where the weights stay in GGUF blocks (their kernel computes in float32, exactly); else on a CPU
     bfloat16 where it has bfloat16 instructions (AVX512_BF16, AMX-BF16: torch's GEMM uses them),
-    float32 otherwise (without them torch's bfloat16 and float16 matmuls are slower than float32's
-    from a batch of 8 up; float16 is refused by the CPU's attention kernels anyway); on a GPU
-    bfloat16 where supported, else float16."""
+    float32 otherwise (without them torch's bfloat16 matmuls are slower than float32's from a batch
+    of 8 up, and float16 ones, through the float32 tiles, are float32's speed at float16's rounding);
+    on a GPU bfloat16 where supported, else float16."""
     if dtype != "auto":
         return _DTYPES[dtype]
     if device.type != "cpu":

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh_kernels import cpu_decoder, cpu_fused_ops, cpu_lora
+from kvmesh_kernels import cpu_decoder, cpu_fused_ops, cpu_lora, cpu_quant_matmul
 from services.common.clients import WorkerInfo
 from services.common.config import (CacheConfig, DisaggregationConfig, LoRAConfig, ModelConfig, ParallelConfig,
                                    WorkerConfig, default_cache_dir)
@@ -62,6 +62,8 @@ class Worker:
         self.model_path = resolve_model(model_config.model, cache_dir)
         if self.device.type == "cpu":
             cpu_fused_ops.available(cache_dir)  # built once here; without a compiler the layers use torch ops
+            if self.dtype == torch.float16:  # the float16 layers' matmul (cpu_quant_matmul.linear_f16)
+                cpu_quant_matmul.available(cache_dir)
         self.tp = TensorParallelGroup.create(parallel_config, self.device, secret)  # waits for the other ranks
         gguf_weights = gguf_weights_for(model_config.quantization, model_config.model, self.device, self.dtype,
                                         cache_dir)

@@ -1,7 +1,7 @@
-"""The fused CPU ops against the torch code they replace: RoPE and the KV write bit-exact in both
-dtypes (float32 outputs must stay token-identical to transformers), bfloat16 RMSNorm within one
-bfloat16 rounding step and float32 RMSNorm within a few ulps (only their sums' order differs); in every build this CPU can run (the `isa`
-fixture: native, AVX2 + FMA, scalar)."""
+"""The fused CPU ops against the torch code they replace: RoPE and the KV write bit-exact in every
+dtype (float32 outputs must stay token-identical to transformers), bfloat16 and float16 RMSNorm within
+one rounding step of their type and float32 RMSNorm within a few ulps (only their sums' order
+differs); in every build this CPU can run (the `isa` fixture: native, AVX2 + FMA, scalar)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from services.worker.layers.rmsnorm import RMSNorm
 from services.worker.layers.rotary_embedding import apply_rotary, split_and_rotate_qkv
 
 N, H, HKV, D = 37, 6, 2, 64
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# One unit in the last place of a half type's significand, relative (bfloat16: 8 bits, float16: 11).
+HALF_ULP = {torch.bfloat16: 2**-7, torch.float16: 2**-10}
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +32,7 @@ def cos_sin(dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_in_place_equals_the_torch_rotation_bit_for_bit(dtype, isa):
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(N, (H + 2 * HKV) * D, generator=gen).to(dtype)
@@ -44,6 +47,23 @@ def test_rope_in_place_equals_the_torch_rotation_bit_for_bit(dtype, isa):
     assert torch.equal(v, want_v)
 
 
+def test_float16_rope_rounds_as_torch_into_subnormals_and_overflow(isa):
+    # Magnitudes from 2^-26 to 2^15: products below float16's smallest normal (2^-14) round into its
+    # subnormals, sums past 65504 round to infinity; every value bit for bit torch's (the scalar
+    # build's conversions are the portable C ones).
+    gen = torch.Generator().manual_seed(8)
+    scale = 2.0 ** torch.randint(-26, 15, (N, (H + 2 * HKV) * D), generator=gen)
+    qkv = (torch.randn(N, (H + 2 * HKV) * D, generator=gen).clamp(-1.99, 1.99) * scale).half()
+    cs = cos_sin(torch.float16, gen)
+    qkv[0, [0, D // 2]] = torch.tensor([60000.0, -60000.0], dtype=torch.float16)
+    cs[0, [0, D // 2]] = 0.7071  # token 0's first pair: 60000 (cos + sin) overflows
+    cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)
+    want_q = apply_rotary(qkv[:, : H * D].reshape(N, H, D), cos, sin)
+    assert want_q.isinf().any() and (want_q.abs() < 2**-14).logical_and(want_q != 0).any()
+    cpu_fused_ops.rope_inplace(qkv, cs, H + HKV, D, lib=cpu_fused_ops.variant(isa, default_cache_dir()))
+    assert torch.equal(qkv[:, : H * D].reshape(N, H, D).view(torch.int16), want_q.view(torch.int16))
+
+
 def test_the_layer_rotates_q_and_k_with_the_served_build():
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(N, (H + 2 * HKV) * D, generator=gen)
@@ -54,7 +74,7 @@ def test_the_layer_rotates_q_and_k_with_the_served_build():
     assert torch.equal(q, want_q)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_kv_write_equals_index_copy_and_skips_padding(dtype, isa):
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(N, (H + 2 * HKV) * D, generator=gen).to(dtype)
@@ -71,13 +91,14 @@ def test_kv_write_equals_index_copy_and_skips_padding(dtype, isa):
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
-def test_bf16_rms_norm_matches_the_reference_rounding(isa):
+@pytest.mark.parametrize("dtype", list(HALF_ULP))
+def test_half_rms_norm_matches_the_reference_rounding(dtype, isa):
     gen = torch.Generator().manual_seed(2)
-    x = (torch.randn(N, 576, generator=gen) * 3).bfloat16()
-    weight = (torch.randn(576, generator=gen) * 0.1 + 1).bfloat16()
-    want = weight * F.rms_norm(x.float(), (576,), None, 1e-5).to(torch.bfloat16)
+    x = (torch.randn(N, 576, generator=gen) * 3).to(dtype)
+    weight = (torch.randn(576, generator=gen) * 0.1 + 1).to(dtype)
+    want = weight * F.rms_norm(x.float(), (576,), None, 1e-5).to(dtype)
     got = cpu_fused_ops.rms_norm(x, weight, 1e-5, lib=cpu_fused_ops.variant(isa, default_cache_dir()))
-    torch.testing.assert_close(got, want, atol=0, rtol=2**-7)  # one bf16 ulp at most
+    torch.testing.assert_close(got, want, atol=0, rtol=HALF_ULP[dtype])  # one ulp at most
     assert (got != want).float().mean() < 0.01
 
 
@@ -90,7 +111,7 @@ def test_f32_rms_norm_matches_transformers_within_summation_order(isa):
     torch.testing.assert_close(got, want, atol=0, rtol=4e-7)  # a few float32 ulps
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rms_norm_is_the_residual_add_then_the_norm(dtype, isa):
     gen = torch.Generator().manual_seed(5)
     x, residual = (torch.randn(2, N, 576, generator=gen) * 3).to(dtype)
@@ -103,7 +124,7 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm(dtype, isa):
     norm = RMSNorm(576, 1e-5, dtype)
     norm.weight.data.copy_(weight)
     want_out, want_residual = norm._norm(x + residual), x + residual
-    torch.testing.assert_close(out, want_out, atol=0, rtol=4e-7 if dtype == torch.float32 else 2**-7)
+    torch.testing.assert_close(out, want_out, atol=0, rtol=HALF_ULP.get(dtype, 4e-7))
     assert torch.equal(new_residual, want_residual)
 
 

@@ -1,7 +1,7 @@
 """The native CPU paged decode-attention kernel (the `cpu` backend's decode path) against the
 plain-torch reference: odd context lengths, GQA ratios, head and block sizes, sliding window,
-soft-cap, float32 and bfloat16, NaN-poisoned cache outside the contexts and a NaN-poisoned output;
-in every build this CPU can run (the `isa` fixture: native, AVX2 + FMA, scalar)."""
+soft-cap, float32, bfloat16 and float16, NaN-poisoned cache outside the contexts and a NaN-poisoned
+output; in every build this CPU can run (the `isa` fixture: native, AVX2 + FMA, scalar)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from services.common.config import default_cache_dir
 from tests.kernels.paged_inputs import TOLERANCES, Shape, make_case, poisoned_like
 
 SEQ_LENS = [1, 15, 16, 17, 100, 257]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -33,7 +34,7 @@ def test_each_build_runs_the_path_it_was_compiled_for(isa):
         cpu_paged_attention.variant("native", default_cache_dir()))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
 @pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 32), (64, 32), (80, 8), (40, 16)])
 def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_size, block_size, isa, gen):
@@ -77,7 +78,7 @@ def prefill_rows(q_lens: list[int], seq_lens: list[int]) -> tuple[torch.Tensor, 
     return torch.tensor(seq_of_row, dtype=torch.int32), torch.tensor(row_lens, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (8, None), (20, 5.0)])
 def test_prefill_rows_match_reference(dtype, window, soft_cap, isa, gen):
     case = make_case(Shape(6, 2, 64, 16, dtype), Q_LENS, CONTEXTS, torch.device("cpu"), gen)
@@ -93,7 +94,7 @@ def test_prefill_rows_match_reference(dtype, window, soft_cap, isa, gen):
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decodes_sharing_a_prefix_match_reference_and_each_row_alone(dtype, isa, gen):
     # Requests 0-4 hold the same first five blocks (a prompt prefix from the prefix cache); the
     # kernel reads them once for the rows of a tile. Request 5 shares nothing; a prefill chunk

@@ -114,6 +114,23 @@ def test_linear_either_path_equals_f_linear_with_bias(lib, rows):
     torch.testing.assert_close(got[0], F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 65, 300])
+def test_linear_f16_is_torchs_float16_linear_within_its_rounding(lib, rows):
+    # A `--dtype float16` layer: torch's float16 F.linear sums in float32 and rounds once, as linear_f16
+    # does over the weight's bytes read as F16 blocks; only the sums' order differs (from gemm_rows the
+    # widened weight goes to torch's float32 GEMM: 64 rows on AVX2, 256 on AVX-512, all on the portable build).
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).half()
+    weight, bias = (torch.randn(40, 576, generator=gen) * 0.05).half(), torch.randn(40, generator=gen).half()
+    got = qm.linear_f16(x.reshape(1, rows, 576), weight, bias, lib)
+    assert got.shape == (1, rows, 40) and got.dtype == torch.float16
+    want = F.linear(x, weight, bias)
+    torch.testing.assert_close(got[0], want, rtol=2**-10, atol=2**-14)  # one float16 ulp at most
+    assert (got[0] != want).float().mean() < 0.01
+    with pytest.raises(ValueError, match="float16"):
+        qm.linear_f16(x.float(), weight, bias, lib)
+
+
 def test_the_portable_build_leaves_every_row_count_to_torch_gemm(lib):
     # Where the tiles are slower than dequantize + GEMM (docs/benchmarks/log.md), linear never takes them.
     assert qm.gemm_rows(lib) == {0: 1, 256: 64, 512: 256}[qm.isa(lib)]

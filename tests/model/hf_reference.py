@@ -11,9 +11,13 @@ fixture in tests/conftest.py), so tests that generate the same tokens share it."
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+from services.llm import RequestOutput
 
 
 @dataclass
@@ -43,3 +47,34 @@ class HFReference:
             logits = self.hf_model(torch.tensor([prompt + generated]), logits_to_keep=len(generated) + 1).logits[0]
         logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
         return Reference(logprobs.argmax(dim=-1).tolist(), logprobs)
+
+
+class Agreement(NamedTuple):
+    """How a dtype that is not float32 agrees with a reference, by teacher forcing."""
+
+    agree: int  # positions where our greedy token is the reference's argmax given our prefix
+    positions: int
+    errors: torch.Tensor  # |our logprob - the reference's| of each of our top tokens at each position
+
+    @property
+    def rate(self) -> float:
+        return self.agree / self.positions
+
+    def summary(self) -> str:
+        return (f"top-1 agreement {self.rate:.4f} ({self.agree}/{self.positions}); logprob error mean "
+                f"{self.errors.mean().item():.4f}, p99 {self.errors.quantile(0.99).item():.4f}, "
+                f"max {self.errors.max().item():.4f}")
+
+
+def agreement(reference: HFReference, prompts: Sequence[list[int]], outputs: Sequence[RequestOutput]) -> Agreement:
+    """Our greedy outputs (with logprobs) of `prompts` scored against `reference`."""
+    agree = positions = 0
+    errors: list[float] = []
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ours = output.outputs[0]
+        ref = reference(prompt, ours.token_ids)
+        agree += sum(a == b for a, b in zip(ours.token_ids, ref.token_ids))
+        positions += len(ours.token_ids)
+        for i, top in enumerate(ours.logprobs):
+            errors.extend(abs(lp.logprob - ref.logprobs[i, token].item()) for token, lp in top.items())
+    return Agreement(agree, positions, torch.tensor(errors))

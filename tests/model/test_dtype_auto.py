@@ -18,11 +18,10 @@ import gc
 from pathlib import Path
 
 import pytest
-import torch
 
 from services import LLM, SamplingParams
 from services.processor.tokenizer import apply_chat_template, load_tokenizer
-from tests.model.hf_reference import HFReference
+from tests.model.hf_reference import HFReference, agreement
 from tests.model.prompts import conversations, raw_prompts
 
 MAX_NEW_TOKENS = 64
@@ -43,20 +42,12 @@ def test_dtype_auto_agrees_with_float32_hugging_face(model_path: Path, hf_refere
     finally:
         del llm
         gc.collect()
-    agree = positions = 0
-    errors: list[float] = []
-    for prompt, output in zip(prompts, outputs):
+    for output in outputs:
         ours = output.outputs[0]
         assert ours.finish_reason == "stop" or len(ours.token_ids) == MAX_NEW_TOKENS, (ours.finish_reason,
                                                                                       len(ours.token_ids))
-        reference = hf_reference(prompt, ours.token_ids)
-        agree += sum(a == b for a, b in zip(ours.token_ids, reference.token_ids))
-        positions += len(ours.token_ids)
-        for i, top in enumerate(ours.logprobs):
-            errors.extend(abs(lp.logprob - reference.logprobs[i, token].item()) for token, lp in top.items())
-    err = torch.tensor(errors)
-    mean, p99 = err.mean().item(), err.quantile(0.99).item()
-    print(f"--dtype auto: top-1 agreement {agree / positions:.4f} ({agree}/{positions}); logprob error mean "
-          f"{mean:.4f}, p99 {p99:.4f}, max {err.max().item():.4f}")
-    assert agree / positions >= MIN_AGREEMENT, f"top-1 agreement {agree}/{positions}"
+    scored = agreement(hf_reference, prompts, outputs)
+    print(f"--dtype auto: {scored.summary()}")
+    assert scored.rate >= MIN_AGREEMENT, f"top-1 agreement {scored.agree}/{scored.positions}"
+    mean, p99 = scored.errors.mean().item(), scored.errors.quantile(0.99).item()
     assert mean <= MAX_MEAN_ERROR and p99 <= MAX_P99_ERROR, (mean, p99)

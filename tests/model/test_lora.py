@@ -6,6 +6,8 @@ Hugging Face transformers + PEFT with the same adapter (tests/model/lora_adapter
   - over GGUF-style blocks (`quantization="int8"`) LoRA runs in the native decoder, bit for bit the
     LoRA layers' modules, in a mixed batch of chunks and decodes, with float32 adapters and with the
     bfloat16 ones of `--dtype auto`;
+  - under `--dtype float16` an adapter agrees with PEFT in float16 (tests/model/test_dtype_float16.py's
+    bounds), through the torch LoRA path: the native LoRA kernels take float32 and bfloat16;
   - the prefix cache never crosses adapters: the same prompt under another adapter hits nothing,
     under the same adapter it hits its full blocks, and the pool holds one chain per adapter;
   - with one adapter slot, requests of three adapters all finish with their own tokens, and a waiting
@@ -16,6 +18,7 @@ Hugging Face transformers + PEFT with the same adapter (tests/model/lora_adapter
 
 from __future__ import annotations
 
+import copy
 import gc
 import shutil
 from collections.abc import Iterator
@@ -31,6 +34,8 @@ from services.common.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from services.llm import LoRARequest
 from services.worker.native_decoder import NativeDecoder
 from tests.model.families import BLOCK_SIZE, GREEDY, Family, Scenario, check_greedy, random_prompts
+from tests.model.hf_reference import HFReference, agreement
+from tests.model.test_dtype_float16 import assert_float16_agreement
 from tests.model.lora_adapters import Adapter, save_adapter
 
 MAX_RANK = 8
@@ -99,6 +104,21 @@ def test_an_adapter_of_a_tied_llama_and_of_gemma3_gives_peft_tokens(
         del llm
         gc.collect()
     assert check_greedy(Scenario(prompts, outputs), adapter.reference) <= 1
+
+
+def test_an_adapter_in_float16_agrees_with_peft_in_float16(llama: Family, adapters: dict[str, Adapter]) -> None:
+    adapter = adapters["a"]
+    prompts = random_prompts((5, BLOCK_SIZE + 1, 40), seed=3)
+    llm = make_llm(llama, dtype="half")
+    try:
+        assert {layer.a_stack.dtype for layer in llm.worker.lora.layers[0].values()} == {torch.float16}
+        outputs = llm.generate(prompts, GREEDY, lora_request=adapter.request)
+    finally:
+        del llm
+        gc.collect()
+    scored = agreement(HFReference(copy.deepcopy(adapter.reference.hf_model).to(torch.float16)), prompts, outputs)
+    print(f"adapter a in float16: {scored.summary()}")
+    assert_float16_agreement(scored)
 
 
 def test_two_adapters_and_the_base_in_one_batch_give_each_request_its_tokens_alone(

@@ -1,22 +1,26 @@
 """vLLM's server flags, through one `kvmesh serve` started with all of them:
 --root-path, --enable-request-id-headers, --enable-force-include-usage,
 --enable-tokenizer-info-endpoint and --max-logprobs -1 (logprobs of the whole vocabulary); and
---dtype float16 on the CPU, refused at start-up. The defaults (no X-Request-Id, no
-/tokenizer_info, at most 20 logprobs) are checked on the session's shared stack.
+--dtype half on the CPU, on a stack of its own. The defaults (no X-Request-Id, no /tokenizer_info,
+at most 20 logprobs) are checked on the session's shared stack.
 """
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2 as httpx
 import openai
 import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from services.processor.tokenizer import load_tokenizer
-from tests.services.procs import PYTHON, REPO_ROOT, Serve, client_for, gateway_over
+from services.worker.kv_cache import KVCacheSpec
+from tests.model.hf_reference import HFReference
+from tests.services.procs import SERVE_KV_BYTES, Serve, client_for, gateway_over, running_serve
+from tests.unit.test_metrics import samples
 
 ROOT_PATH = "/kvmesh"
 CHAT = [{"role": "user", "content": "Name a colour."}]
@@ -128,8 +132,26 @@ def test_whole_vocabulary_needs_the_limit_lifted(serve: Serve):
         client.chat.completions.create(model=model, messages=CHAT, max_tokens=1, logprobs=True, top_logprobs=-1)
 
 
-def test_float16_on_the_cpu_is_refused_at_start_up(model_path: Path):
-    done = subprocess.run([PYTHON, "-m", "services.cli", "serve", "--model", str(model_path), "--dtype", "float16",
-                           "--port", "0"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "float16 is not supported on the CPU" in done.stderr and "--dtype bfloat16" in done.stderr
+def test_dtype_half_serves_float16_on_the_cpu(model_path: Path):
+    # vLLM's `--dtype half`: float16 weights and KV cache. Its greedy tokens are transformers' in float16
+    # (teacher forcing: each is the reference's argmax after the tokens before it), its logprobs within
+    # float16's rounding, and the KV budget holds twice the blocks of float32's.
+    prompt = "The capital of France is"
+    with running_serve(model_path, extra_args=["--dtype", "half", "--max-model-len", "256"]) as serve:
+        client, model = client_for(serve)
+        completion = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
+                                               extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0)
+        metrics = samples(httpx.get(serve.services["gateway"]["metrics"], timeout=30).content)
+    logprobs = completion.choices[0].logprobs
+    tokens = [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
+    reference = HFReference(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float16).eval())
+    scored = reference(load_tokenizer(model_path).encode(prompt), tokens)
+    assert tokens == scored.token_ids
+    want = [scored.logprobs[i, token].item() for i, token in enumerate(tokens)]
+    assert logprobs.token_logprobs == pytest.approx(want, abs=0.1)
+    assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
+    config = AutoConfig.from_pretrained(model_path)
+    spec = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 16, torch.float16)
+    [info] = [dict(labels) for name, labels in metrics if name == "vllm:cache_config_info"]
+    assert int(info["num_gpu_blocks"]) == SERVE_KV_BYTES // spec.bytes_per_block

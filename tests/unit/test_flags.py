@@ -107,6 +107,17 @@ def test_a_bad_environment_value_is_a_usage_error():
     assert result.returncode == 2 and "$KVMESH_ENGINE_ENABLE_PREFIX_CACHING: not a boolean" in result.stderr
 
 
+def test_vllms_dtype_names_read_as_ours(monkeypatch):
+    # vLLM's scripts and charts pass --dtype half (and float); the config names each dtype one way.
+    assert parse(ModelConfig, ["--dtype", "half"]).dtype == "float16"
+    assert parse(ModelConfig, ["--dtype", "float"]).dtype == "float32"
+    assert ModelConfig(dtype="half") == ModelConfig(dtype="float16")  # LLM(dtype="half")
+    monkeypatch.setenv("KVMESH_TEST_DTYPE", "half")
+    assert parse(ModelConfig, [], "KVMESH_TEST").dtype == "float16"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        ModelConfig(dtype="fp16")
+
+
 def test_sizes_read_as_memory_sizes():
     assert parse(CacheConfig, ["--kv-cache-memory", "1.5GiB"]).kv_cache_memory == 3 * 2**29
     assert parse(CacheConfig, ["--kv-cache-memory", "128M"]).kv_cache_memory == 2**27

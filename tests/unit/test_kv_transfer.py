@@ -47,6 +47,16 @@ def test_blocks_arrive_in_order_and_the_pair_group_is_reused():
     assert p.num_groups == d.num_groups == 1  # the same pair's group, no second rendezvous
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_caches_arrive_bit_for_bit(dtype):
+    # `--dtype bfloat16` and `--dtype float16` workers send their caches as they hold them, half float32's bytes.
+    p, d = KVTransferEndpoint("127.0.0.1:0", CPU, 5.0), KVTransferEndpoint("127.0.0.1:0", CPU, 5.0)
+    src, dst = [c.to(dtype) for c in caches(3, seed=1)], [c.to(dtype) for c in caches(3, seed=None)]
+    assert transfer(p, d, src, dst, [2, 0], [1, 2], tag=1) == 3 * 2 * 2 * 4 * 2 * 8 * 2
+    for s, t in zip(src, dst):
+        assert torch.equal(t[:, 1], s[:, 2]) and torch.equal(t[:, 2], s[:, 0]) and t[:, 0].abs().sum() == 0
+
+
 def test_a_sender_that_never_comes_fails_the_receive_within_the_timeout():
     d = KVTransferEndpoint("127.0.0.1:0", CPU, 0.3)
     absent = KVTransferEndpoint("127.0.0.1:0", CPU, 0.3)

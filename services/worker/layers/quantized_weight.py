@@ -161,6 +161,8 @@ class BlockWeightHolder:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.block_weight is not None:
             return self.block_weight.linear(x, bias)
+        if self.weight.dtype == torch.float16 and x.device.type == "cpu" and cpu_quant_matmul.is_built():
+            return cpu_quant_matmul.linear_f16(x, self.weight, bias)  # torch's float16 GEMM is slow on a CPU
         return F.linear(x, self.weight, bias)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:

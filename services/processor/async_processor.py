@@ -8,6 +8,9 @@ strings, the deltas), driven by engine streams instead of `EngineCore.step()`:
         ├── pump choice 1: engine.generate(req 1) ─┼──▶ queue ──▶ RequestState.apply ──▶ GenerateDelta
         └── ...                                    ─┘
 
+A beam search request (`use_beam_search`) is stepped by services/processor/beam_search.py instead:
+each step's beams go to the engine at once as one-token requests, and the answer is one delta.
+
 Tokenizing, chat templates and /detokenize run on a bounded pool of threads, never on the event
 loop, so that one long prompt does not stall every other stream's deltas; what one request may
 make them do is bounded by the prompt's size (services/common/prompt_size.py), so a request whose

@@ -29,6 +29,8 @@ from services.common.sampling_params import SamplingParams
 from services.processor.processor import Processor
 
 MAX_BEAM_WIDTH = 32  # each step asks for 2 x width logprobs of width requests
+# length ** length_penalty stays a finite, non-zero float for any length up to 2**20 tokens.
+MAX_LENGTH_PENALTY = 32
 # What a beam search request may set besides n, max_tokens, ignore_eos, include_stop_str_in_output,
 # temperature (no effect: the logprobs are the model's own) and how the text is detokenized.
 FIXED = SamplingParams()
@@ -59,8 +61,9 @@ def check_beam_search(request: GenerateRequest) -> None:
         if request.length_penalty != 1.0:
             raise ValueError("length_penalty weighs beam search only: set use_beam_search too")
         return
-    if not -1e4 <= request.length_penalty <= 1e4:  # False for NaN too
-        raise ValueError(f"length_penalty must be a finite number in [-10000, 10000], got {request.length_penalty}")
+    if not -MAX_LENGTH_PENALTY <= request.length_penalty <= MAX_LENGTH_PENALTY:  # False for NaN too
+        raise ValueError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
+                         f"got {request.length_penalty}")
     if not 1 <= params.n <= MAX_BEAM_WIDTH:
         raise ValueError(f"n is the beam width with use_beam_search: at most {MAX_BEAM_WIDTH}, got {params.n}")
     asked = [name for name in REFUSED if getattr(params, name) != getattr(FIXED, name)]

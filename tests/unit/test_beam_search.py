@@ -84,7 +84,8 @@ def test_ignore_eos_makes_eos_a_token_like_any(processor):
     ({"stop": ("x",)}, "does not support stop"),
     ({"logprobs": 1, "min_tokens": 1}, "does not support min_tokens, logprobs"),
     ({"width": 33}, "at most 32"),
-    ({"length_penalty": float("inf")}, "length_penalty must be a finite number"),
+    ({"length_penalty": float("nan")}, r"length_penalty must be a number in \[-32, 32\]"),
+    ({"length_penalty": 33.0}, "length_penalty must be a number"),
 ])
 def test_what_beam_search_cannot_do_is_refused(processor, params, match):
     with pytest.raises(ValueError, match=match):

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from services.llm import LLM, CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str) -> Any:

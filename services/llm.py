@@ -22,8 +22,10 @@ from services.common.clients import GenerateDelta, GenerateRequest
 from services.common.config import EngineArgs
 from services.common.lora import LoRARequest
 from services.common.model_runner_output import TokenLogprobs
-from services.common.sampling_params import SamplingParams
+from services.common.engine_output import EngineCoreOutput
+from services.common.sampling_params import BeamSearchParams, SamplingParams
 from services.inprocess import OfflineStack
+from services.processor.beam_search import BeamSearch
 from services.processor.processor import Prompt
 from services.processor.request_state import RequestState
 
@@ -114,16 +116,55 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string or a list of token ids); outputs in prompt order.
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
+        return self._run(self._prompt_requests(prompts, sampling_params, priority, lora_request))
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: LoRARequests = None,
+    ) -> list[RequestOutput]:
+        """Beam search for each prompt (services/processor/beam_search.py), every prompt's beams
+        stepped together in one batch; each output's `beam_width` completions best first, with their
+        cumulative logprobs."""
+        requests = self._prompt_requests(prompts, params.sampling_params(), None, lora_request)
+        for r in requests:
+            r.use_beam_search, r.length_penalty = True, params.length_penalty
+        searches = [BeamSearch(self.processor, r) for r in requests]  # all validated before any runs
+        running: set[str] = set()
+        try:
+            while live := [s for s in searches if not s.finished]:
+                steps = [s.step_requests() for s in live]
+                for request in itertools.chain.from_iterable(steps):
+                    self.engine.add_request(request)
+                    running.add(request.request_id)
+                outputs: dict[str, EngineCoreOutput] = {}
+                while running:
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in running:
+                            running.discard(out.request_id)
+                            outputs[out.request_id] = out
+                for search, step in zip(live, steps):
+                    search.advance([outputs[r.request_id] for r in step])
+        finally:
+            if running:
+                self.engine.abort_requests(list(running))
+            self.flush()
+        return [_beam_output(r, s) for r, s in zip(requests, searches)]
+
+    def _prompt_requests(self, prompts: Prompt | Sequence[Prompt],
+                         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                         priority: Sequence[int] | None, lora_request: LoRARequests) -> list[GenerateRequest]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_list(sampling_params, len(prompts))
         loras = self._lora_names(lora_request, len(prompts))
-        return self._run([
+        return [
             GenerateRequest(str(next(self._ids)), p, prompt=prompt if isinstance(prompt, str) else None,
                             prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
                             priority=priority[i] if priority else 0, lora_name=lora)
             for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras))
-        ])
+        ]
 
     def chat(
         self,
@@ -203,6 +244,16 @@ class LLM:
         """Run an empty step so the worker drops the state of requests that just finished."""
         if self.engine.has_finished_requests() and not self.engine.has_unfinished_requests():
             self.engine.step()
+
+
+def _beam_output(request: GenerateRequest, search: BeamSearch) -> RequestOutput:
+    """A finished search's answer: its choices best first, each with its cumulative logprob."""
+    result = RequestOutput(request.request_id, request.prompt, search.prompt_token_ids,
+                           [CompletionOutput(i) for i in range(search.width)])
+    _fold(result, search.result())
+    for completion, beam in zip(result.outputs, search.best()):
+        completion.cumulative_logprob = beam.cumulative_logprob
+    return result
 
 
 def _fold(result: RequestOutput, delta: GenerateDelta) -> None:

@@ -164,6 +164,10 @@ class GenerateRequest:
     # The LoRA adapter it runs with (None: the base model): set by the processor when `model` names an
     # adapter, or by the offline LLM's lora_request; never on the gateway's wire (`model` is).
     lora_name: str | None = None
+    # Beam search over params.n beams (vLLM's use_beam_search; services/processor/beam_search.py); its
+    # final ranking divides each beam's cumulative logprob by its length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 @dataclass(slots=True)

@@ -145,3 +145,23 @@ class SamplingParams:
     @property
     def all_stop_token_ids(self) -> frozenset[int]:
         return frozenset(self.stop_token_ids)
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """The offline `LLM.beam_search`'s parameters, with vLLM's names and defaults. Beam search is
+    deterministic: `temperature` is taken for vLLM's sake and changes nothing (the beams are scored
+    by the model's own logprobs)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        """What a beam search request carries as its SamplingParams: n is the beam width."""
+        return SamplingParams(n=self.beam_width, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              temperature=self.temperature,
+                              include_stop_str_in_output=self.include_stop_str_in_output)

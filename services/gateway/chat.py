@@ -44,7 +44,8 @@ def generate_request(body: ChatCompletionRequest, request_id: str, params: Sampl
         add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
         chat_template_kwargs={**(body.chat_template_kwargs or {}), **template_inputs}, priority=body.priority,
         cache_salt=body.cache_salt, truncate_prompt_tokens=body.truncate_prompt_tokens,
-        truncate_right=body.truncation_side == "right",
+        truncate_right=body.truncation_side == "right", use_beam_search=body.use_beam_search,
+        length_penalty=body.length_penalty,
     )
 
 

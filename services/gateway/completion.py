@@ -36,7 +36,8 @@ def generate_requests(body: CompletionRequest, request_id: str, params: Sampling
             prompt_token_ids=None if isinstance(prompt, str) else prompt,
             add_special_tokens=body.add_special_tokens, priority=body.priority, cache_salt=body.cache_salt,
             truncate_prompt_tokens=body.truncate_prompt_tokens, truncate_right=body.truncation_side == "right",
-            echo=body.echo, group_id=request_id,
+            echo=body.echo, group_id=request_id, use_beam_search=body.use_beam_search,
+            length_penalty=body.length_penalty,
         )
         for i, prompt in enumerate(prompts)
     ]

@@ -83,6 +83,8 @@ class SamplingRequest(OpenAIRequest, UnsupportedSampling):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    use_beam_search: bool = False  # n is the beam width; the processor refuses what beam search cannot do
+    length_penalty: float = 1.0  # weighs beam search's final ranking
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

@@ -27,8 +27,6 @@ class Unsupported(NamedTuple):
 
 REASONING = Unsupported("reasoning models' controls are not implemented")
 UNSUPPORTED: dict[str, Unsupported] = {
-    "use_beam_search": Unsupported("beam search is not implemented"),
-    "length_penalty": Unsupported("it weighs beam search, which is not implemented", lambda v: v != 1.0),
     "best_of": Unsupported("every choice is sampled on its own; ask for n instead", lambda v: v is not None and v > 1),
     "bad_words": Unsupported("bad words are not implemented; logit_bias of -100 bans single tokens"),
     # Structured outputs are supported (services/gateway/structured.py) but for these of vLLM's fields.
@@ -72,8 +70,6 @@ AUTO_TOOLS = ("tool_choice 'auto' needs the server started with --enable-auto-to
 class UnsupportedSampling(BaseModel):
     """vLLM's fields of both endpoints that kvmesh refuses (types as vLLM's; see UNSUPPORTED)."""
 
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
     best_of: int | None = None
     bad_words: list[str] | None = None
     guided_decoding_backend: str | None = None

@@ -8,6 +8,9 @@ strings, the deltas), driven by engine streams instead of `EngineCore.step()`:
         ├── pump choice 1: engine.generate(req 1) ─┼──▶ queue ──▶ RequestState.apply ──▶ GenerateDelta
         └── ...                                    ─┘
 
+A beam search request (`use_beam_search`) is stepped by services/processor/beam_search.py instead:
+each step's beams go to the engine at once as one-token requests, and the answer is one delta.
+
 Tokenizing, chat templates and /detokenize run on a bounded pool of threads, never on the event
 loop, so that one long prompt does not stall every other stream's deltas; what one request may
 make them do is bounded by the prompt's size (services/common/prompt_size.py), so a request whose
@@ -36,7 +39,8 @@ from services.common.clients import (
     Tokenized,
     TokenizeRequest,
 )
-from services.common.engine_output import EngineCoreOutput
+from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
+from services.processor.beam_search import BeamSearch
 from services.processor.metrics import ProcessorMetrics
 from services.processor.processor import Processor
 from services.processor.request_state import Choice, RequestState
@@ -88,6 +92,9 @@ class AsyncProcessor:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """Deltas until every choice finished; the first carries the prompt. Raises ValueError for
         invalid input (before any delta), and the engine client's errors as they come."""
+        if request.use_beam_search:
+            yield await self._beam_search(request)
+            return
         start = time.perf_counter()
         state = await self._off_loop(RequestState, self.processor, request)
         if self.metrics is not None:
@@ -119,6 +126,30 @@ class AsyncProcessor:
                     yield state.delta(deltas, [out for _, out in batch if isinstance(out, EngineCoreOutput)])
         finally:
             await self._release(pumps, state.running_ids())
+
+    async def _beam_search(self, request: GenerateRequest) -> GenerateDelta:
+        """The whole answer of a beam search, in one delta. Each step's beams go to the engine at
+        once, one task each, so that they are scheduled in one batch; whatever ends the search
+        early (the caller went away, an engine error) aborts the step's requests still running."""
+        search = await self._off_loop(BeamSearch, self.processor, request)
+        while not search.finished:
+            requests = search.step_requests()
+            steps = [asyncio.create_task(self._one_token(r), name=f"beam-{r.request_id}") for r in requests]
+            try:
+                outputs = await asyncio.gather(*steps)
+            except BaseException:  # aborts are idempotent: every request of the step, finished or not
+                await self._release(steps, [r.request_id for r in requests])
+                raise
+            search.advance(outputs)
+        return await self._off_loop(search.result)
+
+    async def _one_token(self, request: EngineCoreRequest) -> EngineCoreOutput:
+        """The final output of a one-token engine request."""
+        async with aclosing(self.engine.generate(request)) as stream:
+            async for out in stream:
+                if out.finished:
+                    return out
+        raise ConnectionError(f"the engine stream of {request.request_id} ended before it finished")
 
     async def _pump(self, choice: Choice, queue: asyncio.Queue) -> None:
         """Forwards one engine stream to `queue`; errors too, so the merging loop raises them."""

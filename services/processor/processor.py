@@ -154,6 +154,12 @@ class Processor:
             return self.truncate(prompt, request.truncate_prompt_tokens, request.truncate_right)
         return prompt
 
+    def prompt_text(self, request: GenerateRequest, prompt_token_ids: Sequence[int]) -> str:
+        """`request`'s prompt as the user wrote it, or as its (maybe truncated) token ids read: what echo returns."""
+        if request.prompt is not None and request.truncate_prompt_tokens is None:
+            return request.prompt
+        return self.tokenizer.decode(list(prompt_token_ids))
+
     def check_prompt_size(self, size: PromptSize) -> None:
         """ValueError for a prompt too long to fit the context, told before tokenizing it."""
         check_prompt_size(size, self.max_model_len, self.info.max_token_chars)

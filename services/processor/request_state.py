@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from services.common.clients import ChoiceDelta, GenerateDelta, GenerateRequest
 from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.model_runner_output import TokenLogprobs
+from services.processor.beam_search import check_beam_search
 from services.processor.output_processor import FINISH_STOP, RequestOutputState
 from services.processor.processor import Processor
 
@@ -36,6 +37,8 @@ class Choice:
 class RequestState:
     def __init__(self, processor: Processor, request: GenerateRequest) -> None:
         """ValueError for invalid input, before any engine request exists."""
+        assert not request.use_beam_search, "beam search runs in services/processor/beam_search.py"
+        check_beam_search(request)
         self.processor = processor
         self.request = request
         self.prompt_token_ids = processor.prompt_of(request)
@@ -91,7 +94,8 @@ class RequestState:
             num_prompt_tokens=len(self.prompt_token_ids),
             num_cached_tokens=max(c.num_cached_tokens for c in self.choices),
             num_generated_tokens=sum(c.state.num_output_tokens for c in self.choices),
-            prompt_text=self._prompt_text() if self._first and self.request.echo else None,
+            prompt_text=(self.processor.prompt_text(self.request, self.prompt_token_ids)
+                         if self._first and self.request.echo else None),
         )
         prompt_logprobs = next((out.new_prompt_logprobs for out in outputs if out.new_prompt_logprobs), None)
         if prompt_logprobs is None and len(self.prompt_token_ids) == 1:
@@ -101,12 +105,6 @@ class RequestState:
             self._prompt_logprobs_sent = True
         self._first = False
         return delta
-
-    def _prompt_text(self) -> str:
-        """The prompt as the user wrote it, or as its (maybe truncated) token ids read."""
-        if self.request.prompt is not None and self.request.truncate_prompt_tokens is None:
-            return self.request.prompt
-        return self.processor.tokenizer.decode(self.prompt_token_ids)
 
     def _add_prompt_logprobs(self, delta: GenerateDelta, logprobs: list[TokenLogprobs]) -> None:
         """Entry i is about prompt token i + 1: the first prompt token has none."""

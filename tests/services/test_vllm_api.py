@@ -181,7 +181,6 @@ def test_refused_values_are_all_named(http, model):
 
 
 @pytest.mark.parametrize("route, field, value", [
-    ("completions", "use_beam_search", True),
     ("completions", "prompt_embeds", "AAAA"),
     ("completions", "kv_transfer_params", {"do_remote_decode": True}),
     ("completions", "guided_decoding_backend", "xgrammar"),
@@ -213,8 +212,8 @@ def test_fields_that_ask_for_nothing_pass(client, model):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     assert client.chat.completions.create(model=model, messages=CHAT, **GREEDY, tools=tools, tool_choice="none") \
         .choices[0].message.content
-    with pytest.raises(openai.BadRequestError, match="use_beam_search.*kv_transfer_params"):
+    with pytest.raises(openai.BadRequestError, match="bad_words.*kv_transfer_params"):
         client.completions.create(model=model, prompt=PROMPT, max_tokens=1,
-                                  extra_body={"use_beam_search": True, "kv_transfer_params": {"x": 1}})
+                                  extra_body={"bad_words": ["x"], "kv_transfer_params": {"x": 1}})
     with pytest.raises(openai.NotFoundError, match="my-lora"):  # a LoRA's name is an unknown model, as in vLLM
         client.completions.create(model="my-lora", prompt=PROMPT, max_tokens=1)

@@ -414,6 +414,7 @@ def generate_request_to_proto(r: GenerateRequest) -> processor_pb2.GenerateReque
         add_special_tokens=r.add_special_tokens, priority=r.priority, cache_salt=r.cache_salt,
         truncate_prompt_tokens=r.truncate_prompt_tokens, truncate_right=r.truncate_right, echo=r.echo,
         group_id=r.group_id, session_id=r.session_id, tenant_id=r.tenant_id, model=r.model,
+        use_beam_search=r.use_beam_search, length_penalty=None if r.length_penalty == 1.0 else r.length_penalty,
     )
     if r.prompt is not None:
         msg.text = r.prompt
@@ -454,6 +455,8 @@ def generate_request_from_proto(m: processor_pb2.GenerateRequest) -> GenerateReq
         session_id=m.session_id if m.HasField("session_id") else None,
         tenant_id=_tenant_id(m),
         model=m.model,
+        use_beam_search=m.use_beam_search,
+        length_penalty=m.length_penalty if m.HasField("length_penalty") else 1.0,
     )
 
 

@@ -26,7 +26,7 @@ from services.common.rpc.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common
 from services.common.rpc.kvmesh.v1 import engine_pb2 as kvmesh_dot_v1_dot_engine__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/processor.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\x1a\x16kvmesh/v1/engine.proto\"b\n\x13LoadLoRAAdapterCall\x12\x32\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32!.kvmesh.v1.LoadLoRAAdapterRequest\x12\x17\n\x0f\x62\x61se_model_name\x18\x02 \x01(\t\"\xe2\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06params\x18\x02 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x06 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x07 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x13 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\t \x01(\x08\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x17\n\ncache_salt\x18\x0b \x01(\tH\x01\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x0c \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04\x65\x63ho\x18\r \x01(\x08\x12\x15\n\x08group_id\x18\x0e \x01(\tH\x03\x88\x01\x01\x12\x17\n\nsession_id\x18\x0f \x01(\tH\x04\x88\x01\x01\x12\x16\n\ttenant_id\x18\x10 \x01(\tH\x05\x88\x01\x01\x12\r\n\x05model\x18\x11 \x01(\t\x12\x16\n\x0etruncate_right\x18\x12 \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_cache_saltB\x19\n\x17_truncate_prompt_tokensB\x0b\n\t_group_idB\r\n\x0b_session_idB\x0c\n\n_tenant_idJ\x04\x08\x08\x10\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\"\n\x0c\x43hatMessages\x12\x0c\n\x04json\x18\x02 \x01(\tJ\x04\x08\x01\x10\x02\"\xbc\x02\n\x10GenerateResponse\x12\'\n\x07\x63hoices\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChoiceDelta\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x1c\n\x14num_generated_tokens\x18\x05 \x01(\x05\x12\x18\n\x0bprompt_text\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x34\n\x15prompt_logprob_tokens\x18\x08 \x03(\x0b\x32\x15.kvmesh.v1.TokenTextsB\x0e\n\x0c_prompt_text\"\x85\x02\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12-\n\x0elogprob_tokens\x18\x05 \x03(\x0b\x32\x15.kvmesh.v1.TokenTexts\x12\x1a\n\rfinish_reason\x18\x06 \x01(\tH\x01\x88\x01\x01\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x42\r\n\x0bstop_reasonB\x10\n\x0e_finish_reason\"\x1b\n\nTokenTexts\x12\r\n\x05texts\x18\x01 \x03(\t\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x82\x02\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\t \x01(\t\x12\x19\n\x11return_token_strs\x18\x07 \x01(\x08\x12\r\n\x05model\x18\x08 \x01(\tB\x08\n\x06promptJ\x04\x08\x06\x10\x07\"g\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12)\n\ntoken_strs\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.TokenTexts\"5\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05model\x18\x02 \x01(\t\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"(\n\x17GetTokenizerInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"$\n\rTokenizerInfo\x12\x13\n\x0b\x63onfig_json\x18\x01 \x01(\t2\xb2\x04\n\tProcessor\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12\x45\n\x0cGetModelInfo\x12\x1e.kvmesh.v1.GetModelInfoRequest\x1a\x15.kvmesh.v1.EngineInfo\x12\x43\n\x08Tokenize\x12\x1a.kvmesh.v1.TokenizeRequest\x1a\x1b.kvmesh.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.kvmesh.v1.DetokenizeRequest\x1a\x1d.kvmesh.v1.DetokenizeResponse\x12P\n\x10GetTokenizerInfo\x12\".kvmesh.v1.GetTokenizerInfoRequest\x1a\x18.kvmesh.v1.TokenizerInfo\x12U\n\x0fLoadLoRAAdapter\x12\x1e.kvmesh.v1.LoadLoRAAdapterCall\x1a\".kvmesh.v1.LoadLoRAAdapterResponse\x12^\n\x11UnloadLoRAAdapter\x12#.kvmesh.v1.UnloadLoRAAdapterRequest\x1a$.kvmesh.v1.UnloadLoRAAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/processor.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\x1a\x16kvmesh/v1/engine.proto\"b\n\x13LoadLoRAAdapterCall\x12\x32\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32!.kvmesh.v1.LoadLoRAAdapterRequest\x12\x17\n\x0f\x62\x61se_model_name\x18\x02 \x01(\t\"\xab\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06params\x18\x02 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x06 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x07 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x13 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\t \x01(\x08\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x17\n\ncache_salt\x18\x0b \x01(\tH\x01\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x0c \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04\x65\x63ho\x18\r \x01(\x08\x12\x15\n\x08group_id\x18\x0e \x01(\tH\x03\x88\x01\x01\x12\x17\n\nsession_id\x18\x0f \x01(\tH\x04\x88\x01\x01\x12\x16\n\ttenant_id\x18\x10 \x01(\tH\x05\x88\x01\x01\x12\r\n\x05model\x18\x11 \x01(\t\x12\x16\n\x0etruncate_right\x18\x12 \x01(\x08\x12\x17\n\x0fuse_beam_search\x18\x1e \x01(\x08\x12\x1b\n\x0elength_penalty\x18\x1f \x01(\x01H\x06\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_cache_saltB\x19\n\x17_truncate_prompt_tokensB\x0b\n\t_group_idB\r\n\x0b_session_idB\x0c\n\n_tenant_idB\x11\n\x0f_length_penaltyJ\x04\x08\x08\x10\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\"\n\x0c\x43hatMessages\x12\x0c\n\x04json\x18\x02 \x01(\tJ\x04\x08\x01\x10\x02\"\xbc\x02\n\x10GenerateResponse\x12\'\n\x07\x63hoices\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChoiceDelta\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x1c\n\x14num_generated_tokens\x18\x05 \x01(\x05\x12\x18\n\x0bprompt_text\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x34\n\x15prompt_logprob_tokens\x18\x08 \x03(\x0b\x32\x15.kvmesh.v1.TokenTextsB\x0e\n\x0c_prompt_text\"\x85\x02\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12-\n\x0elogprob_tokens\x18\x05 \x03(\x0b\x32\x15.kvmesh.v1.TokenTexts\x12\x1a\n\rfinish_reason\x18\x06 \x01(\tH\x01\x88\x01\x01\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x42\r\n\x0bstop_reasonB\x10\n\x0e_finish_reason\"\x1b\n\nTokenTexts\x12\r\n\x05texts\x18\x01 \x03(\t\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x82\x02\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\t \x01(\t\x12\x19\n\x11return_token_strs\x18\x07 \x01(\x08\x12\r\n\x05model\x18\x08 \x01(\tB\x08\n\x06promptJ\x04\x08\x06\x10\x07\"g\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12)\n\ntoken_strs\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.TokenTexts\"5\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05model\x18\x02 \x01(\t\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"(\n\x17GetTokenizerInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"$\n\rTokenizerInfo\x12\x13\n\x0b\x63onfig_json\x18\x01 \x01(\t2\xb2\x04\n\tProcessor\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12\x45\n\x0cGetModelInfo\x12\x1e.kvmesh.v1.GetModelInfoRequest\x1a\x15.kvmesh.v1.EngineInfo\x12\x43\n\x08Tokenize\x12\x1a.kvmesh.v1.TokenizeRequest\x1a\x1b.kvmesh.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.kvmesh.v1.DetokenizeRequest\x1a\x1d.kvmesh.v1.DetokenizeResponse\x12P\n\x10GetTokenizerInfo\x12\".kvmesh.v1.GetTokenizerInfoRequest\x1a\x18.kvmesh.v1.TokenizerInfo\x12U\n\x0fLoadLoRAAdapter\x12\x1e.kvmesh.v1.LoadLoRAAdapterCall\x1a\".kvmesh.v1.LoadLoRAAdapterResponse\x12^\n\x11UnloadLoRAAdapter\x12#.kvmesh.v1.UnloadLoRAAdapterRequest\x1a$.kvmesh.v1.UnloadLoRAAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,31 +36,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADLORAADAPTERCALL']._serialized_start=88
   _globals['_LOADLORAADAPTERCALL']._serialized_end=186
   _globals['_GENERATEREQUEST']._serialized_start=189
-  _globals['_GENERATEREQUEST']._serialized_end=799
-  _globals['_TOKENIDS']._serialized_start=801
-  _globals['_TOKENIDS']._serialized_end=824
-  _globals['_CHATMESSAGES']._serialized_start=826
-  _globals['_CHATMESSAGES']._serialized_end=860
-  _globals['_GENERATERESPONSE']._serialized_start=863
-  _globals['_GENERATERESPONSE']._serialized_end=1179
-  _globals['_CHOICEDELTA']._serialized_start=1182
-  _globals['_CHOICEDELTA']._serialized_end=1443
-  _globals['_TOKENTEXTS']._serialized_start=1445
-  _globals['_TOKENTEXTS']._serialized_end=1472
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1474
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1510
-  _globals['_TOKENIZEREQUEST']._serialized_start=1513
-  _globals['_TOKENIZEREQUEST']._serialized_end=1771
-  _globals['_TOKENIZERESPONSE']._serialized_start=1773
-  _globals['_TOKENIZERESPONSE']._serialized_end=1876
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1878
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1931
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1933
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1967
-  _globals['_GETTOKENIZERINFOREQUEST']._serialized_start=1969
-  _globals['_GETTOKENIZERINFOREQUEST']._serialized_end=2009
-  _globals['_TOKENIZERINFO']._serialized_start=2011
-  _globals['_TOKENIZERINFO']._serialized_end=2047
-  _globals['_PROCESSOR']._serialized_start=2050
-  _globals['_PROCESSOR']._serialized_end=2612
+  _globals['_GENERATEREQUEST']._serialized_end=872
+  _globals['_TOKENIDS']._serialized_start=874
+  _globals['_TOKENIDS']._serialized_end=897
+  _globals['_CHATMESSAGES']._serialized_start=899
+  _globals['_CHATMESSAGES']._serialized_end=933
+  _globals['_GENERATERESPONSE']._serialized_start=936
+  _globals['_GENERATERESPONSE']._serialized_end=1252
+  _globals['_CHOICEDELTA']._serialized_start=1255
+  _globals['_CHOICEDELTA']._serialized_end=1516
+  _globals['_TOKENTEXTS']._serialized_start=1518
+  _globals['_TOKENTEXTS']._serialized_end=1545
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1547
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1583
+  _globals['_TOKENIZEREQUEST']._serialized_start=1586
+  _globals['_TOKENIZEREQUEST']._serialized_end=1844
+  _globals['_TOKENIZERESPONSE']._serialized_start=1846
+  _globals['_TOKENIZERESPONSE']._serialized_end=1949
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1951
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2004
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2006
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2040
+  _globals['_GETTOKENIZERINFOREQUEST']._serialized_start=2042
+  _globals['_GETTOKENIZERINFOREQUEST']._serialized_end=2082
+  _globals['_TOKENIZERINFO']._serialized_start=2084
+  _globals['_TOKENIZERINFO']._serialized_end=2120
+  _globals['_PROCESSOR']._serialized_start=2123
+  _globals['_PROCESSOR']._serialized_end=2685
 # @@protoc_insertion_point(module_scope)

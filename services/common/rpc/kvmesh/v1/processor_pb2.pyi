@@ -17,7 +17,7 @@ class LoadLoRAAdapterCall(_message.Message):
     def __init__(self, adapter: _Optional[_Union[_engine_pb2.LoadLoRAAdapterRequest, _Mapping]] = ..., base_model_name: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "params", "text", "token_ids", "chat", "add_generation_prompt", "continue_final_message", "chat_template_kwargs_json", "add_special_tokens", "priority", "cache_salt", "truncate_prompt_tokens", "echo", "group_id", "session_id", "tenant_id", "model", "truncate_right")
+    __slots__ = ("request_id", "params", "text", "token_ids", "chat", "add_generation_prompt", "continue_final_message", "chat_template_kwargs_json", "add_special_tokens", "priority", "cache_salt", "truncate_prompt_tokens", "echo", "group_id", "session_id", "tenant_id", "model", "truncate_right", "use_beam_search", "length_penalty")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class GenerateRequest(_message.Message):
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_RIGHT_FIELD_NUMBER: _ClassVar[int]
+    USE_BEAM_SEARCH_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     params: _common_pb2.SamplingParams
     text: str
@@ -54,7 +56,9 @@ class GenerateRequest(_message.Message):
     tenant_id: str
     model: str
     truncate_right: bool
-    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., echo: _Optional[bool] = ..., group_id: _Optional[str] = ..., session_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., model: _Optional[str] = ..., truncate_right: _Optional[bool] = ...) -> None: ...
+    use_beam_search: bool
+    length_penalty: float
+    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., echo: _Optional[bool] = ..., group_id: _Optional[str] = ..., session_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., model: _Optional[str] = ..., truncate_right: _Optional[bool] = ..., use_beam_search: _Optional[bool] = ..., length_penalty: _Optional[float] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

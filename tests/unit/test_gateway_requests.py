@@ -42,9 +42,10 @@ def test_continuous_usage_only_with_usage_as_in_vllm():
         return body.include_usage, body.continuous_usage_stats
 
     assert options(include_usage=False, continuous_usage_stats=True) == (False, False)
-    assert options(continuous_usage_stats=True) == (True, True)  # vLLM: include_usage defaults to true
-    assert options() == (True, False)
+    assert options(continuous_usage_stats=True) == (False, False)  # include_usage defaults to false, as in vLLM
+    assert options() == (False, False)
     assert options(include_usage=True) == (True, False)
+    assert options(include_usage=True, continuous_usage_stats=True) == (True, True)
     assert completion(stream=True).include_usage is False  # no stream_options: OpenAI's default, no usage
 
 

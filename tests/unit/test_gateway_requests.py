@@ -85,6 +85,15 @@ def test_defaults_ask_for_nothing_and_every_refused_field_is_named():
         assert name in ChatCompletionRequest.model_fields or name in CompletionRequest.model_fields, name
 
 
+def test_an_empty_prompt_is_refused_in_vllms_words_unless_embeddings_stand_in():
+    for body in ({"prompt": ""}, {"prompt": []}, {"prompt": None}, {}, {"prompt_embeds": []}):
+        with pytest.raises(ValidationError, match="Either prompt or prompt_embeds must be provided and non-empty"):
+            CompletionRequest.model_validate(body)
+    # Embeddings in its place: the 400 refusing them, which says more.
+    body = CompletionRequest.model_validate({"prompt_embeds": "AAAA"})
+    assert [a.field for a in unsupported_asks(body)] == ["prompt_embeds"]
+
+
 def test_the_docs_table_lists_every_request_field():
     """docs/serving/vllm_api.md's table has a row for each field of both request models (and of the refused ones)."""
     rows = set(re.findall(r"^\| `(\w+)` \|", DOCS.read_text(), flags=re.MULTILINE))

@@ -677,7 +677,7 @@ class GatewayConfig:
     enable_request_id_headers: bool = option(
         False, "answer every response with an X-Request-Id header (the client's, or a new one), as vLLM's flag")
     enable_force_include_usage: bool = option(
-        False, "every stream ends with a usage chunk, as if stream_options.include_usage were true")
+        False, "usage on every stream chunk and a usage chunk last, whatever stream_options say (as vLLM)")
     enable_tokenizer_info_endpoint: bool = option(
         False, "serve GET /tokenizer_info (the tokenizer's configuration, chat template included)")
     # Tool calling: tool_choice "required" or named works with any model, through the grammar;

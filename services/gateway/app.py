@@ -194,7 +194,7 @@ class ApiOptions:
     """vLLM's server flags the app itself honours (GatewayConfig's fields of the same names)."""
 
     request_id_headers: bool = False  # X-Request-Id on every response
-    force_include_usage: bool = False  # every stream ends with a usage chunk
+    force_include_usage: bool = False  # usage on every stream chunk, and a usage chunk last
     tokenizer_info: bool = False  # GET /tokenizer_info
     return_tokens_as_token_ids: bool = False  # the default of the request field of that name
     tool_call_parser: str | None = None  # with tool_choice "auto" (None: "auto" is refused)
@@ -283,12 +283,12 @@ class _API:
                                                                  self.options.tool_call_parser))
 
     def _with_usage(self, body: S) -> S:
-        """With --enable-force-include-usage, a stream's body as if it asked for usage (vLLM's rule:
-        continuous usage still only when asked)."""
-        if not (self.options.force_include_usage and body.stream) or body.include_usage:
+        """With --enable-force-include-usage, a stream's body as if it asked for usage on every chunk
+        and at the end, whatever its stream_options say (vLLM's rule)."""
+        if not (self.options.force_include_usage and body.stream):
             return body
-        options = body.stream_options or StreamOptions()
-        return body.model_copy(update={"stream_options": options.model_copy(update={"include_usage": True})})
+        forced = StreamOptions(include_usage=True, continuous_usage_stats=True)
+        return body.model_copy(update={"stream_options": forced})
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         body = self._with_usage(body)
@@ -579,7 +579,8 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
 
 
 def _described(error: Mapping[str, Any]) -> tuple[list[str], str, bool]:
-    """(the field's path, "path: message", whether pydantic was trying a union's member) of one error."""
+    """(the field's path, "path: message", whether pydantic was trying a union's member) of one error.
+    A check of pydantic's own ends its message with its type: "seed: Input should be ... (less_than_equal)"."""
     path: list[str] = []
     in_union = False
     for part in error.get("loc", ()):
@@ -589,7 +590,12 @@ def _described(error: Mapping[str, Any]) -> tuple[list[str], str, bool]:
         if part != "body":
             path.append(str(part))
     message = str(error.get("msg", "invalid request")).removeprefix("Value error, ")
+    if error.get("type") not in _OUR_OWN:  # vLLM's clients match on the type, which vLLM's 400 shows
+        message = f"{message} ({error.get('type')})"
     return path, f"{'.'.join(path)}: {message}" if path else message, in_union
+
+
+_OUR_OWN = ("value_error", "assertion_error", None)  # the types of our validators' errors
 
 
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|[A-Z]\w*|\w+\[.*\])$")

@@ -3,7 +3,8 @@
 The body is a chat completion's, except that `messages` is a list of conversations. Each becomes
 its own processor request (`{request_id}-c{i}`, all in the group `request_id`, so the engine shares
 itself fairly with other clients), and the response is one `chat.completion` whose choice `i`
-answers conversation `i`, with the usage of all of them. As in vLLM: no streaming, and `n` is 1.
+answers conversation `i`, with the usage of all of them. As in vLLM: no streaming, and `n` is 1;
+each choice's logprobs and `token_ids` are those its conversation's chat completion would have.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from pydantic import Field, model_validator
 
 from services.common.clients import GenerateRequest
 from services.common.sampling_params import SamplingParams
-from services.gateway.chat import echoed, generate_request, read_tool_calls
+from services.gateway.chat import echoed, generate_request, read_tool_calls, token_logprobs
 from services.gateway.generation import Generation
-from services.gateway.logprobs import chat_logprobs
 from services.gateway.protocol import (
     AssistantMessage,
     ChatChoiceLogprobs,
@@ -66,14 +66,17 @@ async def batch_chat_response(generation: Generation, body: BatchChatCompletionR
                               model: str, tool_parser: str | None = None) -> ChatCompletionResponse:
     conversations = body.conversations()
     choices = [ChatCompletionChoice(index=i, message=AssistantMessage(role=c.role, content=echoed(c)),
-                                    logprobs=ChatChoiceLogprobs(content=[]) if body.logprobs else None)
+                                    logprobs=ChatChoiceLogprobs(content=[]) if body.logprobs else None,
+                                    token_ids=[] if body.return_token_ids else None)
                for i, c in enumerate(conversations)]
     async for i, delta in generation.deltas():
         choice = choices[i]
         for c in delta.choices:  # n is 1: the conversation's one choice
             choice.message.content += c.text
+            if choice.token_ids is not None:
+                choice.token_ids += c.token_ids
             if choice.logprobs is not None:
-                choice.logprobs.content.extend(chat_logprobs(c))
+                choice.logprobs.content.extend(token_logprobs(body, c))
             if c.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
     for conversation, choice in zip(conversations, choices):  # tool calls, as /v1/chat/completions reads them

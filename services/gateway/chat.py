@@ -2,9 +2,10 @@
 
 The stream opens with one chunk per choice carrying the role and empty content (with `echo`, a
 chunk with the echoed content follows), then content deltas; each choice's last chunk carries its
-finish_reason; with `stream_options.include_usage` a usage chunk with `choices: []` follows. With
-vLLM's `return_token_ids` the response carries the prompt's ids (`prompt_token_ids`; streamed, on
-each role chunk) and each choice its generated ids (`token_ids`; streamed, each chunk's new ones).
+finish_reason; with `stream_options.include_usage` a usage chunk with `choices: []` follows (and with
+`continuous_usage_stats` each chunk carries its choice's usage so far). With vLLM's
+`return_token_ids` the response carries the prompt's ids (`prompt_token_ids`; streamed, on each role
+chunk only) and each choice its generated ids (`token_ids`; streamed, each delta chunk's new ones).
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def generate_request(body: ChatCompletionRequest, request_id: str, params: Sampl
     )
 
 
-def _logprobs(request: ChatCompletionRequest, choice: ChoiceDelta) -> list[ChatTokenLogprob]:
+def token_logprobs(request: ChatCompletionRequest, choice: ChoiceDelta) -> list[ChatTokenLogprob]:
+    """The logprobs entries of `choice`'s new tokens, as `request` asks for them (ids as tokens,
+    explicit ids)."""
     return chat_logprobs(choice, bool(request.return_tokens_as_token_ids), request.logprob_token_ids is not None)
 
 
@@ -82,7 +85,7 @@ async def chat_response(generation: Generation, request: ChatCompletionRequest, 
             if choice.token_ids is not None:
                 choice.token_ids += c.token_ids
             if choice.logprobs is not None:
-                choice.logprobs.content.extend(_logprobs(request, c))
+                choice.logprobs.content.extend(token_logprobs(request, c))
             if c.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
     read_tool_calls(request, choices, tool_parser)
@@ -106,27 +109,29 @@ def read_tool_calls(request: ChatCompletionRequest, choices: list[ChatCompletion
 async def chat_chunks(generation: Generation, request: ChatCompletionRequest, response_id: str,
                       model: str, tool_parser: str | None = None) -> AsyncIterator[ChatCompletionChunk]:
     created = now()
+    continuous = request.continuous_usage_stats
 
-    def chunk(choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk:
+    def chunk(choice: ChatStreamChoice, **extras: list[int] | None) -> ChatCompletionChunk:
+        # vLLM's continuous usage is the chunk's choice's: the prompt's tokens and its own so far.
+        usage = generation.choice_usage(0, choice.index) if continuous else None
         return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice], usage=usage,
-                                   prompt_token_ids=prompt_token_ids)
+                                   **extras)
 
-    usage = generation.usage() if request.continuous_usage_stats else None
     reader = tool_call_reader(request, tool_parser)
     readers = [reader() for _ in range(request.n)] if reader is not None else None
     readers_called = [False] * request.n  # whether a choice's stream has made a call
     prefix = echoed(request)
     prompt_ids = _prompt_ids(generation, request)
     for i in range(request.n):
-        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role=request.role, content="")), prompt_ids)
+        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role=request.role, content="")),
+                    prompt_token_ids=prompt_ids)
         if prefix:
             yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=prefix)))
     async for _, delta in generation.deltas():
-        usage = generation.usage() if request.continuous_usage_stats else None
         for c in delta.choices:
             if not (c.text or c.finish_reason or c.logprobs or (request.return_token_ids and c.token_ids)):
                 continue
-            logprobs = ChatChoiceLogprobs(content=_logprobs(request, c)) if request.logprobs else None
+            logprobs = ChatChoiceLogprobs(content=token_logprobs(request, c)) if request.logprobs else None
             message = DeltaMessage(content=c.text) if c.text else DeltaMessage()
             finish_reason = c.finish_reason
             if readers is not None:

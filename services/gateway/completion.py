@@ -94,7 +94,6 @@ async def completion_chunks(generation: Generation, request: CompletionRequest, 
     firsts: dict[int, GenerateDelta] = {}
     async for p, delta in generation.deltas():
         first = firsts.setdefault(p, delta)
-        usage = generation.usage() if request.continuous_usage_stats else None
         for c in delta.choices:
             index = p * n + c.index
             text, logprobs, prompt_ids = "", None, None
@@ -111,6 +110,8 @@ async def completion_chunks(generation: Generation, request: CompletionRequest, 
             if not (text or c.finish_reason or (logprobs and logprobs.tokens) or prompt_ids
                     or (request.return_token_ids and token_ids)):
                 continue
+            # vLLM's continuous usage is the chunk's choice's: its prompt's tokens and its own so far.
+            usage = generation.choice_usage(p, c.index) if request.continuous_usage_stats else None
             yield CompletionChunk(id=response_id, created=created, model=model, usage=usage, choices=[
                 CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
                                  stop_reason=c.stop_reason, prompt_token_ids=prompt_ids,

@@ -5,6 +5,8 @@
                                              raised by now, so it is a status code, not an error event
     first(i)                                 prompt i's first delta (its prompt ids), once started
     async for i, delta in deltas()           (prompt index, delta) until every stream ended
+    usage() / choice_usage(i, c)             token counts so far: of the whole request / of prompt
+                                             i's choice c (vLLM's continuous usage)
     end(error)                               from outside: deltas() raises `error` (server shutdown)
     await aclose()                           cancels the pumps, which closes their streams and so
                                              aborts the engine requests
@@ -42,6 +44,7 @@ class Generation:
         self._started: list[tuple[int, GenerateDelta]] = []  # read by started(), replayed by deltas()
         self._last: dict[int, GenerateDelta] = {}  # per prompt: its usage counters are cumulative
         self._first: dict[int, GenerateDelta] = {}  # per prompt: its first delta
+        self._generated: dict[tuple[int, int], int] = {}  # per (prompt, choice): tokens read by deltas()
 
     @classmethod
     def start(cls, processor: ProcessorClient, requests: Sequence[GenerateRequest]) -> Generation:
@@ -70,6 +73,8 @@ class Generation:
             i, delta = self._started.pop(0) if self._started else await self._next()
             if delta is not None:
                 self._last[i] = delta
+                for c in delta.choices:
+                    self._generated[i, c.index] = self._generated.get((i, c.index), 0) + len(c.token_ids)
                 yield i, delta
 
     def usage(self) -> Usage:
@@ -79,6 +84,13 @@ class Generation:
         cached = sum(d.num_cached_tokens for d in self._last.values())
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    def choice_usage(self, prompt: int, choice: int) -> Usage:
+        """Prompt `prompt`'s tokens and its choice `choice`'s so far, as vLLM counts a chunk's
+        continuous usage (once started: the first delta has the prompt's count)."""
+        num_prompt = self._first[prompt].num_prompt_tokens
+        generated = self._generated.get((prompt, choice), 0)
+        return Usage(prompt_tokens=num_prompt, completion_tokens=generated, total_tokens=num_prompt + generated)
 
     def end(self, error: Exception) -> None:
         """Makes the reader raise `error` next (it then closes this generation)."""

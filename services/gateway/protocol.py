@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer,
+                      model_validator)
 
 from services.gateway.unsupported import UnsupportedChat, UnsupportedCompletion, UnsupportedSampling
 
@@ -27,8 +28,14 @@ class OpenAIResponse(BaseModel):
 # ----------------------------------------------------------------------------- requests
 
 
+# The integers the wire carries: vLLM's bounds for a seed, the narrower int32 of kvmesh's protos for
+# the others. A value beyond them is pydantic's greater_than_equal / less_than_equal 400.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+
+
 class StreamOptions(OpenAIRequest):
-    include_usage: bool | None = True  # vLLM's default once stream_options is sent (OpenAI's is false)
+    include_usage: bool | None = False  # OpenAI's default, and vLLM's
     continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk, when include_usage is on
 
 
@@ -72,13 +79,13 @@ class SamplingRequest(OpenAIRequest, UnsupportedSampling):
     temperature: float | None = None  # None: 1.0
     top_p: float | None = None  # None: 1.0
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
@@ -90,9 +97,10 @@ class SamplingRequest(OpenAIRequest, UnsupportedSampling):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context length)
+    # Keep the prompt's last k tokens (-1: the context length).
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
     truncation_side: Literal["left", "right"] | None = None  # "right": keep the first k tokens instead
-    priority: int = 0  # lower runs first, under the engine's priority policy
+    priority: Int32 = 0  # lower runs first, under the engine's priority policy
     request_id: str | None = None  # names the request, unless X-Request-Id does
     cache_salt: str | None = None  # prefix-cache blocks are shared only between requests of one salt
     structured_outputs: StructuredOutputsRequest | None = None  # and vLLM's older guided_* fields:
@@ -144,12 +152,21 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingRequest, UnsupportedCompletion):
-    prompt: Prompt
+    prompt: Prompt | None = Field(default=None, validate_default=True)  # missing: vLLM's empty-prompt 400
     max_tokens: int | None = 16  # 0 with echo: score the prompt only
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None  # refused (services/gateway/unsupported.py)
     add_special_tokens: bool = True  # vLLM's extra
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty_prompt(cls, prompt: Prompt | None, info: ValidationInfo) -> Prompt | None:
+        # None, "" or []: vLLM's words, which its clients match. With prompt_embeds (validated
+        # before: a field of the base class), the 400 that refuses them says more.
+        if not prompt and not info.data.get("prompt_embeds"):
+            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
+        return prompt
 
     @model_validator(mode="after")
     def _check_completion_request(self) -> CompletionRequest:
@@ -167,10 +184,9 @@ class CompletionRequest(SamplingRequest, UnsupportedCompletion):
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: each a string or a list of token ids."""
         prompt = self.prompt
+        assert prompt, "validated non-empty"
         if isinstance(prompt, str):
             return [prompt]
-        if not prompt:
-            raise ValueError("prompt must not be empty")
         if isinstance(prompt[0], int):
             return [prompt]
         return list(prompt)
@@ -436,13 +452,28 @@ class DeltaMessage(OpenAIResponse):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
+def _without_unset(model: BaseModel, data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """`data` without those of `names` that `model` was built without: vLLM writes its chat chunks
+    with exclude_unset, so a chunk either carries one of its extras (null included) or lacks the key."""
+    for name in names:
+        if name not in model.model_fields_set:
+            data.pop(name, None)
+    return data
+
+
 class ChatStreamChoice(OpenAIResponse):
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: this chunk's new ids
+    # vLLM's: on each delta chunk (this chunk's new ids with return_token_ids, else null); the role
+    # and echo chunks have none, not even null
+    token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return _without_unset(self, handler(self), ("token_ids",))
 
 
 class ChatCompletionChunk(OpenAIResponse):
@@ -452,7 +483,13 @@ class ChatCompletionChunk(OpenAIResponse):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
-    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids: on each choice's role chunk
+    # vLLM's: on each choice's role chunk (the prompt's ids with return_token_ids, else null); the
+    # chunks after it have none, not even null
+    prompt_token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return _without_unset(self, handler(self), ("prompt_token_ids",))
 
 
 class CompletionChunk(OpenAIResponse):

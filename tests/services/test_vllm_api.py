@@ -9,6 +9,7 @@ On the session's shared stack (`serve`, tests/conftest.py); small max_tokens thr
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -53,17 +54,53 @@ def test_completion_returns_prompt_and_output_token_ids(client, model, http):
     assert plain["prompt_token_ids"] is None and plain["token_ids"] is None
 
 
-def test_chat_returns_prompt_and_output_token_ids(client, model, http):
-    prompt = http.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
-    whole = client.chat.completions.create(model=model, messages=CHAT, **GREEDY, extra_body=IDS).model_dump()
+EMOJI_CHAT = [{"role": "system", "content": "You like to use emojis in your responses."},
+              {"role": "user", "content": "Repeat after me: I love cats 🐱"}]
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a given location",
+    "parameters": {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]}}}
+WEATHER_CHAT = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What's the weather like in Paris?"}]
+
+
+def check_chat_token_ids(client, model: str, http, **body) -> dict:
+    """A chat answer with return_token_ids, whole and streamed, in vLLM's shape; the whole answer."""
+    template_inputs = {"tools": body["tools"]} if "tools" in body else {}  # what chat hands the template
+    prompt = http.post("/tokenize", json={"messages": body["messages"],
+                                          "chat_template_kwargs": template_inputs}).json()["tokens"]
+    whole = client.chat.completions.create(model=model, **body, extra_body=IDS).model_dump()
     assert whole["prompt_token_ids"] == prompt
     [choice] = whole["choices"]
-    assert text_of(http, choice["token_ids"]) == choice["message"]["content"] and len(choice["token_ids"]) == 6
-    chunks = [c.model_dump() for c in client.chat.completions.create(model=model, messages=CHAT, stream=True,
-                                                                     **GREEDY, extra_body=IDS)]
+    assert choice["token_ids"] and len(choice["token_ids"]) == whole["usage"]["completion_tokens"]
+    chunks = [c.model_dump() for c in client.chat.completions.create(model=model, **body, stream=True,
+                                                                     extra_body=IDS)]
+    # vLLM's chunks: the prompt's ids on the role chunk and nowhere after (no key, not even null);
+    # the role chunk has no token_ids; every chunk after it its new ids.
     assert chunks[0]["prompt_token_ids"] == prompt and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert all(c["prompt_token_ids"] is None for c in chunks[1:])
+    assert "token_ids" not in chunks[0]["choices"][0]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
     assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+    return whole
+
+
+def test_chat_returns_prompt_and_output_token_ids(client, model, http):
+    whole = check_chat_token_ids(client, model, http, messages=CHAT, **GREEDY)
+    [choice] = whole["choices"]
+    assert text_of(http, choice["token_ids"]) == choice["message"]["content"] and len(choice["token_ids"]) == 6
+    # Text that is not one token per character: the ids are still all there, the prompt's and the answer's.
+    whole = check_chat_token_ids(client, model, http, messages=EMOJI_CHAT, temperature=0, max_tokens=12)
+    assert "I love cats 🐱" in text_of(http, whole["prompt_token_ids"])
+    # The ids end with the end-of-turn token, which the text leaves out (as in vLLM).
+    [choice] = whole["choices"]
+    assert text_of(http, choice["token_ids"]) == choice["message"]["content"] + "<|im_end|>"
+    # With tools: a call's tokens are ids like any others.
+    whole = check_chat_token_ids(client, model, http, messages=WEATHER_CHAT, tools=[WEATHER_TOOL],
+                                 tool_choice="required", temperature=0, max_tokens=30)
+    assert whole["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    # Not asked for: null on the role chunk and on each delta chunk, as vLLM writes them.
+    chunks = [c.model_dump() for c in client.chat.completions.create(model=model, messages=CHAT, stream=True,
+                                                                     **GREEDY)]
+    assert chunks[0]["prompt_token_ids"] is None and all(c["choices"][0]["token_ids"] is None for c in chunks[1:])
 
 
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, model, http):
@@ -82,6 +119,28 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, model, ht
     # Off (the server's default): text.
     assert not client.completions.create(model=model, prompt=PROMPT, logprobs=1, max_tokens=2) \
         .choices[0].logprobs.tokens[0].startswith("token_id:")
+
+
+def test_token_ids_agree_with_logprobs_and_prompt_logprobs(client, model):
+    # vLLM's test_comparison_with_prompt_logprobs_and_logprobs: with ids as logprob tokens, the
+    # echoed logprobs name the prompt's ids then the answer's, and the prompt logprobs score the same ids.
+    choice = client.completions.create(model=model, prompt=PROMPT, echo=True, logprobs=1, **GREEDY, extra_body={
+        "return_token_ids": True, "return_tokens_as_token_ids": True, "prompt_logprobs": 1,
+        "ignore_eos": True}).choices[0]
+    named = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+    assert named == choice.prompt_token_ids + choice.token_ids and len(choice.token_ids) == 6
+    assert len(choice.prompt_logprobs) == len(choice.prompt_token_ids) and choice.prompt_logprobs[0] is None
+    for position, (token, scored) in enumerate(zip(choice.prompt_token_ids[1:], choice.prompt_logprobs[1:]), 1):
+        assert scored[str(token)]["logprob"] == pytest.approx(choice.logprobs.token_logprobs[position], abs=1e-4)
+    # Streamed: the prompt's ids in the first chunk; each chunk's ids those its logprobs name.
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, logprobs=1, stream=True, **GREEDY,
+                                            extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True,
+                                                        "ignore_eos": True}))
+    assert chunks[0].choices[0].prompt_token_ids == choice.prompt_token_ids
+    for chunk in chunks:
+        ids = [int(t.removeprefix("token_id:")) for t in chunk.choices[0].logprobs.tokens]
+        assert ids == chunk.choices[0].token_ids
+    assert [t for c in chunks for t in c.choices[0].token_ids] == choice.token_ids
 
 
 def test_allowed_token_ids_restrict_what_is_sampled(client, model, http):
@@ -127,26 +186,71 @@ def test_logprob_token_ids_give_the_logprobs_of_the_tokens_asked_for(client, mod
     assert error_of(r)["message"].startswith("logprob_token_ids can only be set when logprobs is true")
 
 
+def test_chat_prompt_logprobs_list_the_prompt_token_and_the_top_n(client, model, http):
+    # As vLLM lists them: per prompt token (None for the first) the token itself and the top N, so N
+    # entries where it is among the top N and N + 1 where it is not; the numbers are those the
+    # same ids get as a completion's prompt.
+    prompt = http.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+    for n in (1, 2):
+        positions = client.chat.completions.create(model=model, messages=CHAT, max_tokens=1,
+                                                   extra_body={"prompt_logprobs": n}).prompt_logprobs
+        assert len(positions) == len(prompt) and positions[0] is None
+        for token, position in zip(prompt[1:], positions[1:]):
+            rank = position[str(token)]["rank"]
+            assert len(position) == (n if rank <= n else n + 1)
+            assert {e["rank"] for t, e in position.items() if t != str(token)} | {rank} >= set(range(1, n + 1))
+        if n == 1:
+            assert {len(p) for p in positions[1:]} == {1, 2}  # both cases occur in this prompt
+        same = client.completions.create(model=model, prompt=prompt, max_tokens=1,
+                                          extra_body={"prompt_logprobs": n}).choices[0].prompt_logprobs
+        for position, other in zip(positions[1:], same[1:]):
+            assert position.keys() == other.keys()
+            assert [e["logprob"] for e in position.values()] == \
+                pytest.approx([e["logprob"] for e in other.values()], abs=1e-4)
+
+
 # ----------------------------------------------------------------------------- item 4: stream_options
 
 
-def test_continuous_usage_needs_include_usage_as_in_vllm(http, model):
-    def stream(options: dict) -> list[dict]:
-        body = {"model": model, "prompt": PROMPT, **GREEDY, "stream": True, "stream_options": options}
-        with http.stream("POST", "/v1/completions", json=body) as r:
+def test_stream_usage_follows_vllms_rules(http, model):
+    def stream(route: str, options: dict, **body) -> list[dict]:
+        body = {"model": model, **GREEDY, **body, "stream": True, "stream_options": options}
+        with http.stream("POST", f"/v1/{route}", json=body) as r:
             assert r.status_code == 200
             events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         return [json.loads(e) for e in events[:-1]]
 
-    off = stream({"include_usage": False, "continuous_usage_stats": True})
-    assert all(c.get("usage") is None for c in off) and all(c["choices"] for c in off)
-    # vLLM's StreamOptions.include_usage defaults to true once stream_options is sent.
-    on = stream({"continuous_usage_stats": True})
-    assert all(c["usage"] is not None for c in on) and on[-1]["choices"] == []
-    assert on[-1]["usage"]["completion_tokens"] == 6
-    final_only = stream({})
+    # include_usage defaults to false, as OpenAI's and vLLM's StreamOptions: no usage without it, and
+    # continuous_usage_stats alone asks for nothing.
+    for options in ({}, {"continuous_usage_stats": True}, {"include_usage": False, "continuous_usage_stats": True}):
+        chunks = stream("completions", options, prompt=PROMPT)
+        assert all(c.get("usage") is None and c["choices"] for c in chunks), options
+    final_only = stream("completions", {"include_usage": True}, prompt=PROMPT)
     assert [c.get("usage") is not None for c in final_only] == [False] * (len(final_only) - 1) + [True]
+    # Continuous usage is each chunk's choice's, as vLLM counts it: its prompt's tokens and its own
+    # so far (the role chunk's, none yet); the last chunk sums the request.
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = stream("chat/completions", both, messages=CHAT, n=2, return_token_ids=True, ignore_eos=True)
+    prompt_tokens = len(chunks[0]["prompt_token_ids"])
+    seen = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        [choice] = chunk["choices"]
+        seen[choice["index"]] += len(choice.get("token_ids", []))
+        assert chunk["usage"]["prompt_tokens"] == prompt_tokens
+        assert chunk["usage"]["completion_tokens"] == seen[choice["index"]]
+    assert seen == {0: 6, 1: 6} and chunks[-1]["choices"] == []
+    assert (chunks[-1]["usage"]["prompt_tokens"], chunks[-1]["usage"]["completion_tokens"]) == (prompt_tokens, 12)
+    prompts = [PROMPT, "1, 2, 3,"]
+    prompt_lengths = [len(tokens(http, p)) for p in prompts]
+    chunks = stream("completions", both, prompt=prompts, return_token_ids=True, ignore_eos=True)
+    counted: dict[int, int] = {}
+    for chunk in chunks[:-1]:
+        [choice] = chunk["choices"]
+        counted[choice["index"]] = counted.get(choice["index"], 0) + len(choice["token_ids"])
+        assert chunk["usage"]["completion_tokens"] == counted[choice["index"]]
+        assert chunk["usage"]["prompt_tokens"] == prompt_lengths[choice["index"]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
 
 
 # ----------------------------------------------------------------------------- item 5: coercion
@@ -175,6 +279,25 @@ def test_refused_values_are_all_named(http, model):
     error = error_of(http.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 1,
                                                         "stop_token_ids": [2, 10**6, 10**7]}))
     assert "1000000, 10000000" in error["message"]
+
+
+def test_error_bodies_say_what_vllms_clients_match(client, model):
+    # A seed beyond 64 bits: pydantic's error type in the message, as vLLM's 400 shows it.
+    for seed, words in ((2**63, "less_than_equal"), (-(2**63) - 1, "greater_than_equal")):
+        with pytest.raises(openai.BadRequestError, match=words) as refused:
+            client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=1, seed=seed)
+        assert refused.value.param == "seed"
+    for seed in (2**63 - 1, -(2**63)):
+        assert client.completions.create(model=model, prompt=PROMPT, max_tokens=1, seed=seed).choices[0].text
+    # kvmesh's wire carries priority and top_k in 32 bits: beyond them, the same kind of 400.
+    with pytest.raises(openai.BadRequestError, match=r"priority: .*\(less_than_equal\)"):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body={"priority": 2**31})
+    # An empty prompt, or none: vLLM's words.
+    empty = re.escape("Either prompt or prompt_embeds must be provided and non-empty.")
+    for prompt, extra in (("", {}), ([], {}), (None, {"prompt_embeds": []})):
+        with pytest.raises(openai.BadRequestError, match=empty) as refused:
+            client.completions.create(model=model, prompt=prompt, max_tokens=5, extra_body=extra)
+        assert refused.value.param == "prompt"
 
 
 # ----------------------------------------------------------------------------- item 6: refused fields

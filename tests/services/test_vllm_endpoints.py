@@ -120,6 +120,31 @@ def test_batched_chat_answers_each_conversation(client, model, http, serve: Serv
     serve.wait_until_engine_idle()
 
 
+def test_batched_chat_logprobs_and_ids_as_its_single_chats(client, model, http):
+    # logprob_token_ids, tokens written as ids and return_token_ids mean in a batch what they mean in
+    # /v1/chat/completions: each choice is its conversation's single chat's.
+    asked = http.post("/tokenize", json={"prompt": " red green"}).json()["tokens"]
+    extra = {"logprob_token_ids": asked, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    singles = [client.chat.completions.create(model=model, messages=c, logprobs=True, **GREEDY, extra_body=extra)
+               for c in CONVERSATIONS]
+    response = http.post("/v1/chat/completions/batch", json={"model": model, "messages": CONVERSATIONS,
+                                                              "logprobs": True, **GREEDY, **extra})
+    assert response.status_code == 200, response.text
+    for choice, single in zip(response.json()["choices"], singles):
+        ids = single.choices[0].model_dump()["token_ids"]
+        assert choice["token_ids"] == ids and len(ids) == single.usage.completion_tokens
+        content = choice["logprobs"]["content"]
+        assert [e["token"] for e in content] == [f"token_id:{t}" for t in ids]
+        for entry, other in zip(content, single.choices[0].logprobs.content):
+            assert [t["token"] for t in entry["top_logprobs"]] == [t.token for t in other.top_logprobs]
+            assert {t["token"] for t in entry["top_logprobs"]} == {entry["token"], *(f"token_id:{t}" for t in asked)}
+    # Without them, text, as the singles.
+    plain = http.post("/v1/chat/completions/batch", json={"model": model, "messages": CONVERSATIONS[:1],
+                                                           "logprobs": True, "top_logprobs": 1, **GREEDY}).json()
+    assert not plain["choices"][0]["logprobs"]["content"][0]["token"].startswith("token_id:")
+    assert plain["choices"][0]["token_ids"] is None
+
+
 def test_batched_chat_refuses_what_vllm_refuses(http):
     for extra, param in (({"stream": True}, "stream"), ({"n": 2}, "n"), ({"messages": []}, "messages"),
                          ({"messages": [[]]}, "messages"), ({"messages": CONVERSATIONS[0]}, "messages")):

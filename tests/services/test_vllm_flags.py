@@ -1,6 +1,7 @@
 """vLLM's server flags, through one `kvmesh serve` started with all of them:
 --root-path, --enable-request-id-headers, --enable-force-include-usage,
---enable-tokenizer-info-endpoint and --max-logprobs -1 (logprobs of the whole vocabulary); and
+--enable-tokenizer-info-endpoint, --max-logprobs -1 (logprobs of the whole vocabulary) and
+--enable-auto-tool-choice --tool-call-parser hermes; and
 --dtype half on the CPU, on a stack of its own. The defaults (no X-Request-Id, no /tokenizer_info,
 at most 20 logprobs) are checked on the session's shared stack.
 """
@@ -20,6 +21,7 @@ from services.processor.tokenizer import load_tokenizer
 from services.worker.kv_cache import KVCacheSpec
 from tests.model.hf_reference import HFReference
 from tests.services.procs import SERVE_KV_BYTES, Serve, client_for, gateway_over, running_serve
+from tests.services.test_vllm_api import WEATHER_CHAT, WEATHER_TOOL
 from tests.unit.test_metrics import samples
 
 ROOT_PATH = "/kvmesh"
@@ -30,7 +32,8 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 def flagged(serve: Serve) -> Iterator[Serve]:
     """A gateway with the flags, in front of the shared stack: all of them are the gateway's."""
     with gateway_over(serve, ["--root-path", ROOT_PATH, "--enable-request-id-headers", "--enable-force-include-usage",
-                              "--enable-tokenizer-info-endpoint", "--max-logprobs", "-1"]) as gateway:
+                              "--enable-tokenizer-info-endpoint", "--max-logprobs", "-1",
+                              "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as gateway:
         yield gateway
 
 
@@ -72,20 +75,39 @@ def test_no_request_id_header_by_default(serve: Serve):
         assert "X-Request-Id" not in http.get("/health").headers
 
 
-def test_force_include_usage_ends_every_stream_with_usage(flagged: Serve):
+def test_force_include_usage_puts_usage_on_every_chunk(flagged: Serve):
+    # vLLM's test_enable_force_include_usage: usage on every chunk, its completion tokens growing
+    # chunk by chunk, then a usage chunk with no choices; whatever stream_options say.
     client, model = client_for(flagged)
-    chunks = list(client.chat.completions.create(model=model, messages=CHAT, max_tokens=3, stream=True,
-                                                 extra_body={"ignore_eos": True}))
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
-    assert all(c.usage is None for c in chunks[:-1])  # continuous usage only when asked
-    chunks = list(client.completions.create(model=model, prompt="Hi", max_tokens=2, stream=True,
+    for stream_options in (None, {"include_usage": False}):
+        chunks = list(client.chat.completions.create(model=model, messages=CHAT, max_tokens=3, temperature=0,
+                                                     stream=True, stream_options=stream_options,
+                                                     extra_body={"ignore_eos": True}))
+        assert [c.usage.completion_tokens for c in chunks] == [0, 1, 2, 3, 3] and chunks[-1].choices == []
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1 and chunks[0].usage.prompt_tokens > 0
+    chunks = list(client.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True}))
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+    assert [c.usage.completion_tokens for c in chunks] == [1, 2, 2] and chunks[-1].choices == []
     assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 2
-    # Asked for as well: still one usage chunk.
-    chunks = list(client.completions.create(model=model, prompt="Hi", max_tokens=2, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
-    assert [c.usage is not None for c in chunks].count(True) == 1
+
+
+def test_auto_tool_choice_answers_carry_token_ids(flagged: Serve, http):
+    # vLLM's test_chat_completion_with_tool_use, under --enable-auto-tool-choice --tool-call-parser hermes.
+    client, model = client_for(flagged)
+    body = {"model": model, "messages": WEATHER_CHAT, "tools": [WEATHER_TOOL], "tool_choice": "auto",
+            "max_tokens": 20, "temperature": 0, "logprobs": True}
+    whole = client.chat.completions.create(**body, extra_body={"return_token_ids": True}).model_dump()
+    [choice] = whole["choices"]
+    assert len(choice["token_ids"]) == whole["usage"]["completion_tokens"] == len(choice["logprobs"]["content"])
+    prompt = http.post("/detokenize", json={"tokens": whole["prompt_token_ids"]}).json()["prompt"]
+    assert "What's the weather like in Paris?" in prompt
+    chunks = [c.model_dump() for c in client.chat.completions.create(**body, stream=True,
+                                                                     extra_body={"return_token_ids": True})]
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert [t for c in chunks[1:] if c["choices"] for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+    without = client.chat.completions.create(**body).model_dump()
+    assert without["prompt_token_ids"] is None and without["choices"][0]["token_ids"] is None
 
 
 def test_tokenizer_info_is_the_tokenizers_configuration(http, model_path: Path):

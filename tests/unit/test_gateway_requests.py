@@ -42,9 +42,10 @@ def test_continuous_usage_only_with_usage_as_in_vllm():
         return body.include_usage, body.continuous_usage_stats
 
     assert options(include_usage=False, continuous_usage_stats=True) == (False, False)
-    assert options(continuous_usage_stats=True) == (True, True)  # vLLM: include_usage defaults to true
-    assert options() == (True, False)
+    assert options(continuous_usage_stats=True) == (False, False)  # include_usage defaults to false, as in vLLM
+    assert options() == (False, False)
     assert options(include_usage=True) == (True, False)
+    assert options(include_usage=True, continuous_usage_stats=True) == (True, True)
     assert completion(stream=True).include_usage is False  # no stream_options: OpenAI's default, no usage
 
 
@@ -81,6 +82,15 @@ def test_defaults_ask_for_nothing_and_every_refused_field_is_named():
     assert [a.field for a in unsupported_asks(chat(tools=[]))] == ["tools"]
     for name in UNSUPPORTED:
         assert name in ChatCompletionRequest.model_fields or name in CompletionRequest.model_fields, name
+
+
+def test_an_empty_prompt_is_refused_in_vllms_words_unless_embeddings_stand_in():
+    for body in ({"prompt": ""}, {"prompt": []}, {"prompt": None}, {}, {"prompt_embeds": []}):
+        with pytest.raises(ValidationError, match="Either prompt or prompt_embeds must be provided and non-empty"):
+            CompletionRequest.model_validate(body)
+    # Embeddings in its place: the 400 refusing them, which says more.
+    body = CompletionRequest.model_validate({"prompt_embeds": "AAAA"})
+    assert [a.field for a in unsupported_asks(body)] == ["prompt_embeds"]
 
 
 def test_the_docs_table_lists_every_request_field():

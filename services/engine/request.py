@@ -86,6 +86,9 @@ class Request:
         self.stop_reason: int | str | None = None
         # Structured outputs: the matcher of its constraint, set once compiled (None: unconstrained).
         self.grammar: RequestGrammar | None = None
+        # Speculative decoding's backoff after rejected drafts (services/engine/speculator.py).
+        self.spec_backoff = 0
+        self.spec_skip_steps = 0
 
         self._block_size = block_size
         self._model_id = model_id

@@ -9,6 +9,7 @@ import gc
 import pytest
 
 from services import LLM, SamplingParams
+from services.common.structured_outputs import StructuredOutputs
 from services.engine.speculator import SpecDecodingStats
 
 KV_BYTES = 64 * 2**20
@@ -159,4 +160,20 @@ def test_prefix_cache_hits_on_blocks_computed_with_drafts(plain: LLM, spec: LLM)
     [got] = spec.generate([follow_up], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert got.num_cached_tokens >= len(follow_up) - 16 - 1  # the output's blocks were hits too
     assert got.outputs[0].token_ids == expected.token_ids
+    assert_nothing_left(spec)
+
+
+def test_structured_outputs_do_not_speculate_and_keep_their_grammar(plain: LLM, spec: LLM):
+    """A grammar's mask covers one position a step, so a constrained request drafts nothing (its
+    unconstrained batch-mates still do) and its output is the one without speculation."""
+    constrained = SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputs(
+        "regex", "(The lighthouse keeper climbed the (spiral|long) stairs)"))
+    free = SamplingParams(temperature=0, max_tokens=30)
+    prompts = PROMPTS[:1] * 2
+    before = stats(spec)
+    expected = [o.outputs[0] for o in plain.generate(prompts, [constrained, free])]
+    got = [o.outputs[0] for o in spec.generate(prompts, [constrained, free])]
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert got[0].text == "The lighthouse keeper climbed the spiral stairs"
+    assert stats(spec).num_accepted_tokens > before.num_accepted_tokens  # the free one speculated
     assert_nothing_left(spec)

@@ -194,7 +194,6 @@ class ModelRunner:
         draws = SampleRows.of(states, drafts)
         if out.grammar_bitmask is not None:  # structured outputs: forbidden tokens to -inf, before sampling
             apply_grammar_bitmask(logits, [s.req_id for s in draws.states], out.grammar_bitmask)
-        all_rows = sample_rows
         try:
             token_ids, logprobs = self._sample(logits, draws)
         except (ValueError, RuntimeError):  # torch's own errors are RuntimeErrors

@@ -5,15 +5,25 @@ with a rejected draft's KV."""
 from __future__ import annotations
 
 import gc
+from contextlib import ExitStack
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from services import LLM, SamplingParams
+from services.common.config import SchedulerConfig
+from services.engine.engine_core import EngineCore
+from services.processor.tokenizer import load_tokenizer
+from services.worker.client import GrpcWorkerClient
+from tests.model.test_tp_hf_equivalence import FanOutExecutor, generate, start_group
 from services.common.structured_outputs import StructuredOutputs
 from services.engine.speculator import SpecDecodingStats
 
 KV_BYTES = 64 * 2**20
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+TP_SCHEDULER = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4, max_num_waiting=None)
 
 PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, "
            "and wrote the weather in a leather book that had belonged to his grandfather.")
@@ -41,7 +51,8 @@ def plain():
 
 @pytest.fixture(scope="module")
 def spec():
-    llm = make_llm(speculative_config=SPEC)
+    # A small token budget: prompts are read in chunks while other requests verify their drafts.
+    llm = make_llm(speculative_config=SPEC, max_num_batched_tokens=32)
     yield llm
     del llm
     gc.collect()
@@ -177,3 +188,27 @@ def test_structured_outputs_do_not_speculate_and_keep_their_grammar(plain: LLM, 
     assert got[0].text == "The lighthouse keeper climbed the spiral stairs"
     assert stats(spec).num_accepted_tokens > before.num_accepted_tokens  # the free one speculated
     assert_nothing_left(spec)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_verify_the_same_drafts(model_path: Path):
+    """At TP=2 the driver broadcasts every draw and each rank verifies the drafts itself: the ranks'
+    batches stay alike (the next steps' all-reduces would mix different tokens otherwise), and the
+    tokens are those of the same group without speculation."""
+    tokenizer = load_tokenizer(model_path)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:2]]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
+    with ExitStack() as exits:
+        ranks = start_group(model_path, 2, KV_BYTES // 4, timeout=30.0)
+        for rank in ranks:
+            exits.callback(rank.kill)
+        executor = FanOutExecutor([GrpcWorkerClient(r.address) for r in ranks])
+        exits.callback(executor.close)
+        plain_engine = executor.engine(TP_SCHEDULER)
+        expected = generate(plain_engine, prompts, params)
+        plain_engine.step()  # the workers drop the finished requests
+        spec_engine = EngineCore(executor, plain_engine.worker_info, plain_engine.kv_cache_manager.block_pool.num_blocks,
+                                 replace(TP_SCHEDULER, speculative_config=SPEC))
+        got = generate(spec_engine, prompts, params)
+        assert spec_engine.scheduler.speculator.stats.num_accepted_tokens > 10
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]

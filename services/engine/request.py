@@ -86,7 +86,10 @@ class Request:
         self.stop_reason: int | str | None = None
         # Structured outputs: the matcher of its constraint, set once compiled (None: unconstrained).
         self.grammar: RequestGrammar | None = None
-        # Speculative decoding's backoff after rejected drafts (services/engine/speculator.py).
+        # Speculative decoding: the moving average of its drafts' acceptance and the backoff when that
+        # is too low to pay (services/engine/speculator.py). It starts at an even chance: one stream
+        # drafts in full from the first match, a large batch probes first.
+        self.spec_acceptance = 0.5
         self.spec_backoff = 0
         self.spec_skip_steps = 0
 

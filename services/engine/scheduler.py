@@ -226,7 +226,7 @@ class Scheduler:
             return []
         room = min(budget, self.max_model_len - request.num_tokens - 1,
                    request.max_tokens - request.num_output_tokens - 1)
-        return self.speculator.draft(request, room)
+        return self.speculator.draft(request, room, len(self.running))
 
     def _prefix_hits(self, request: Request) -> tuple[list, int]:
         # Prompt logprobs need every prompt position computed, so such requests take no hits.
@@ -241,7 +241,6 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        request.spec_backoff = request.spec_skip_steps = 0
         self.num_preemptions += 1
         self._prompt_logprobs.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
@@ -271,7 +270,7 @@ class Scheduler:
             if drafts:
                 # The rejected drafts' KV is garbage: compute from the first of them again.
                 request.num_computed_tokens -= len(drafts) - num_accepted
-                self.speculator.record(request, len(drafts), num_accepted)
+                self.speculator.record(request, len(drafts), num_accepted, len(self.running))
             new_token_ids = [*drafts[:num_accepted], runner_output.sampled_token_ids[i]]
             for num_new, token_id in enumerate(new_token_ids, 1):
                 request.append_output_token_ids([token_id])

@@ -54,19 +54,29 @@ def test_config_follows_vllm_defaults_and_refuses_bad_values():
             SpeculativeConfig.from_json(text)
 
 
-def test_rejected_drafts_back_off_and_an_accepted_one_resets():
+def test_low_acceptance_backs_off_and_probes_with_one_token():
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1))
     request = Request("r", [1, 2, 1], SamplingParams(max_tokens=50), 50, block_size=4)
-    assert speculator.draft(request, 8) == [2, 1]
+    # Alone in the batch, an even chance (its start) is above 1 / 3: it drafts in full.
+    assert speculator.draft(request, 8, num_running=1) == [2, 1]
+    speculator.record(request, 2, 2, num_running=1)  # acceptance 0.5 -> 0.75
+    assert request.spec_acceptance == 0.75
+    assert speculator.draft(request, 8, num_running=1) == [2, 1]
+    # With 8 requests decoding a draft pays from 8 / 10 = 0.8 acceptance: 0.75 is below it.
+    assert speculator.draft(request, 8, num_running=8) == [2]  # a probe
     skipped = []
-    for _ in range(6):  # all rejected, six times: skip 1, 2, 4, 8, 16, 16 steps
-        speculator.record(request, 2, 0)
+    for _ in range(7):  # rejected every time: skip 1, 2, 4 ... 32 steps, then probe with one token
+        speculator.record(request, 1, 0, num_running=8)
         skipped.append(0)
-        while not speculator.draft(request, 8):
+        while not (drafts := speculator.draft(request, 8, num_running=8)):
             skipped[-1] += 1
-    assert skipped == [1, 2, 4, 8, 16, MAX_BACKOFF_STEPS]
-    speculator.record(request, 2, 1)
-    assert speculator.draft(request, 8) == [2, 1]
-    assert speculator.stats.num_drafts == 7
-    assert speculator.stats.num_draft_tokens == 14
-    assert speculator.stats.num_accepted_tokens_per_pos == [1, 0]
+        assert drafts == [2]
+    assert skipped == [1, 2, 4, 8, 16, 32, MAX_BACKOFF_STEPS]
+    for _ in range(3):  # accepted: the average climbs back over the threshold, the backoff ends
+        speculator.record(request, 1, 1, num_running=8)
+        while not speculator.draft(request, 8, num_running=8):
+            pass
+    assert request.spec_acceptance > Speculator.threshold(8) and request.spec_backoff == 0
+    assert speculator.draft(request, 8, num_running=8) == [2, 1]
+    assert (speculator.stats.num_drafts, speculator.stats.num_draft_tokens) == (11, 12)
+    assert speculator.stats.num_accepted_tokens_per_pos == [4, 1]

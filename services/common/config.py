@@ -13,6 +13,7 @@ writes into these objects.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -190,6 +191,61 @@ class CacheConfig:
             raise ValueError("memory_fraction must be in (0, 1], got 0")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's `--speculative-config` JSON names it. `ngram` (prompt lookup):
+    the engine drafts the tokens that followed the latest earlier occurrence of the context's last
+    n-gram (n from prompt_lookup_max down to prompt_lookup_min); the worker verifies them in one step."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
+        # As vLLM: one bound given stands for both; neither means 5.
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        low, high = low or high or 5, high or low or 5
+        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if low > high:
+            raise ValueError(f"prompt_lookup_min ({low}) must not exceed prompt_lookup_max ({high})")
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """From the flag's JSON object; ValueError naming what is wrong."""
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        return cls.of(values)
+
+    @classmethod
+    def of(cls, values: SpeculativeConfig | dict[str, Any]) -> SpeculativeConfig:
+        if isinstance(values, SpeculativeConfig):
+            return values
+        if not isinstance(values, dict):
+            raise ValueError(f"the speculative config must be a JSON object, got {values!r}")
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown speculative config key(s): {', '.join(sorted(unknown))}")
+        return cls(**values)
+
+    def __str__(self) -> str:
+        """The flag's JSON (flags.to_argv hands it on to a child process)."""
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, separators=(",", ":"))
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = option(2048, "tokens one engine step may compute", minimum=1)
@@ -204,9 +260,14 @@ class SchedulerConfig:
         0.5, "the step time the scheduler aims at: prefill chunks are cut to the tokens recent steps computed in "
              "this long, so running streams get a token at least this often (0: always the full "
              "--max-num-batched-tokens)", minimum=0.0)
+    speculative_config: SpeculativeConfig | None = option(
+        None, 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_min": 2, "prompt_lookup_max": 5}; off when unset', parse=SpeculativeConfig.from_json)
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.speculative_config is not None:  # `LLM(speculative_config={...})` passes vLLM's dict
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,9 @@ class SchedulerOutput:
     grammar_bitmask: GrammarBitmask | None = None  # None: no request samples under a grammar this step
     # LoRA adapters unloaded since the last step, by id: the worker drops their slots and host memory.
     removed_lora_ids: list[int] = field(default_factory=list)
+    # Speculative decoding: request id -> the tokens drafted after its next token. Its
+    # num_scheduled_tokens count them (1 + len(drafts)); the worker verifies them in this step.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

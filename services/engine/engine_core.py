@@ -20,6 +20,7 @@ from services.engine.kv_event_queue import KVEventQueue
 from services.engine.lora_registry import LoRARegistry, LoRASlots, LoRAStepLimit
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler
+from services.engine.speculator import Speculator
 from services.engine.structured_output import GrammarError, StructuredOutputManager
 
 
@@ -71,6 +72,8 @@ class EngineCore:
             max_num_waiting=scheduler_config.max_num_waiting,
             chunking=AdaptiveChunking(scheduler_config.max_num_batched_tokens, scheduler_config.target_step_seconds),
             lora_limit=LoRAStepLimit(lora.max_loras if lora.enable_lora else None),
+            speculator=None if scheduler_config.speculative_config is None
+            else Speculator(scheduler_config.speculative_config),
         )
         # Structured outputs: requests wait here, outside the scheduler, until their grammar compiled.
         self.structured_output = StructuredOutputManager(

@@ -31,6 +31,7 @@ from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.metrics import COMPONENT, STEP_BUCKETS, build_1_2_5_buckets
 from services.common.scheduler_output import SchedulerOutput
 from services.engine.engine_core import EngineCore
+from services.engine.speculator import SpecDecodingStats
 from services.engine.structured_output import StructuredOutputManager
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -159,6 +160,8 @@ class EngineMetrics:
                                core.max_model_len)
         metrics = cls(registry, labels, core.max_model_len, cache_info, core.stats)
         metrics.watch_grammars(registry, core.structured_output)
+        if core.scheduler.speculator is not None:
+            registry.register(_SpecDecodingCollector(labels, core.scheduler.speculator.stats))
         return metrics
 
     def watch_grammars(self, registry: CollectorRegistry, manager: StructuredOutputManager) -> None:
@@ -314,6 +317,31 @@ class _SchedulerCollector:
         family.add_metric([*self._values, str(lora.max_loras), ",".join(lora.waiting), ",".join(lora.running)],
                           time.time())
         return family
+
+
+class _SpecDecodingCollector:
+    """vLLM's vllm:spec_decode_* counters (speculative decoding), read from the speculator's
+    cumulative counts when scraped."""
+
+    def __init__(self, labels: EngineLabels, stats: SpecDecodingStats) -> None:
+        self._values = [labels.model_name, labels.engine]
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats, names = self._stats, ["model_name", "engine"]
+        for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", stats.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", stats.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", stats.num_accepted_tokens),
+        ):
+            family = CounterMetricFamily(name, doc, labels=names)
+            family.add_metric(self._values, value)
+            yield family
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=[*names, "position"])
+        for position, value in enumerate(list(stats.num_accepted_tokens_per_pos)):
+            per_pos.add_metric([*self._values, str(position)], value)
+        yield per_pos
 
 
 class _GrammarCacheCollector:

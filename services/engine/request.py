@@ -86,6 +86,12 @@ class Request:
         self.stop_reason: int | str | None = None
         # Structured outputs: the matcher of its constraint, set once compiled (None: unconstrained).
         self.grammar: RequestGrammar | None = None
+        # Speculative decoding: the moving average of its drafts' acceptance and the backoff when that
+        # is too low to pay (services/engine/speculator.py). It starts at an even chance: one stream
+        # drafts in full from the first match, a large batch probes first.
+        self.spec_acceptance = 0.5
+        self.spec_backoff = 0
+        self.spec_skip_steps = 0
 
         self._block_size = block_size
         self._model_id = model_id

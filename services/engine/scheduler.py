@@ -4,6 +4,12 @@ One rule: each request has `num_computed_tokens` and `num_tokens`; `schedule()` 
 budget closing that gap, running requests first, then waiting ones. Chunked prefill, prefix-cache
 hits and preemption by recompute all follow from it. `num_computed_tokens` advances here, at
 schedule time, so the next schedule never hands out the same chunk twice.
+
+Speculative decoding (a `Speculator`): a decoding request also computes the tokens drafted after its
+next one, so `num_computed_tokens` runs ahead of `num_tokens` until the step's output says how many
+drafts the worker accepted; the rejected ones are taken back then. Their KV slots stay the request's
+(the blocks are reused by the tokens that follow) and are never cached: a block is cached only once
+its tokens are all known.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.lora_registry import LoRAStepLimit
 from services.engine.request import Request, RequestStatus
 from services.engine.request_queue import make_request_queue
+from services.engine.speculator import Speculator
 
 
 class Scheduler:
@@ -32,6 +39,7 @@ class Scheduler:
         max_num_waiting: int | None = None,
         chunking: AdaptiveChunking | None = None,
         lora_limit: LoRAStepLimit | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -44,6 +52,7 @@ class Scheduler:
         # depend on whether a step ran in between: exactly max_num_seqs + max_num_waiting.
         self.max_num_requests = None if max_num_waiting is None else max_num_seqs + max_num_waiting
         self.max_model_len = max_model_len
+        self.speculator = speculator  # None: no speculative decoding
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(policy)
         self.running: list[Request] = []
@@ -118,6 +127,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: dict[str, CachedRequestData] = {}
+        spec_tokens: dict[str, list[int]] = {}
         preempted: list[Request] = []
         self.lora_limit.begin()
 
@@ -137,6 +147,8 @@ class Scheduler:
                     index += 1  # its turn comes when the prompts ahead of it are read
                     continue
                 prefill_budget -= num_new
+            drafts = self._draft(request, budget - num_new)
+            num_new += len(drafts)
             self.lora_limit.add(request)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
@@ -154,6 +166,8 @@ class Scheduler:
                 request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens
             )
             num_scheduled[request.request_id] = num_new
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             request.num_computed_tokens += num_new
             budget -= num_new
             index += 1
@@ -199,9 +213,20 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids,
             num_preempted=len(preempted),
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
         return output
+
+    def _draft(self, request: Request, budget: int) -> list[int]:
+        """Drafted tokens to verify after a decoding request's next token, within the step's `budget`.
+        They stop short of the context's end and of max_tokens: the worker writes each accepted draft
+        and one more token into the request's row."""
+        if self.speculator is None or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        room = min(budget, self.max_model_len - request.num_tokens - 1,
+                   request.max_tokens - request.num_output_tokens - 1)
+        return self.speculator.draft(request, room, len(self.running))
 
     def _prefix_hits(self, request: Request) -> tuple[list, int]:
         # Prompt logprobs need every prompt position computed, so such requests take no hits.
@@ -232,18 +257,33 @@ class Scheduler:
             if request_id in self.requests:
                 self._prompt_logprobs.setdefault(request_id, []).extend(chunk)
 
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        logprobs_start = 0  # logprobs are aligned with the step's tokens: each request's accepted drafts, then its own
         for i, request_id in enumerate(runner_output.req_ids):
+            drafts = spec_tokens.get(request_id, ())
+            num_accepted = runner_output.num_accepted_drafts[i] if drafts else 0
+            num_new = num_accepted + 1
+            logprobs_start += num_new
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            token_id = runner_output.sampled_token_ids[i]
-            request.append_output_token_ids([token_id])
-            self._check_stop(request, token_id)
-            error = None if request.grammar is None else self._advance_grammar(request, token_id)
-            output = EngineCoreOutput(request_id, [token_id], num_cached_tokens=request.num_cached_tokens, error=error)
+            if drafts:
+                # The rejected drafts' KV is garbage: compute from the first of them again.
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.speculator.record(request, len(drafts), num_accepted, len(self.running))
+            new_token_ids = [*drafts[:num_accepted], runner_output.sampled_token_ids[i]]
+            for num_new, token_id in enumerate(new_token_ids, 1):
+                request.append_output_token_ids([token_id])
+                self._check_stop(request, token_id)
+                if request.is_finished:
+                    break  # a stop inside the accepted drafts: the tokens after it are not the output's
+            error = None if request.grammar is None else self._advance_grammar(request, new_token_ids[0])
+            output = EngineCoreOutput(request_id, new_token_ids[:num_new], num_cached_tokens=request.num_cached_tokens,
+                                      error=error)
             if runner_output.logprobs is not None:
-                output.new_logprobs = [runner_output.logprobs[i]]
-            if request.num_output_tokens == 1:
+                first = logprobs_start - num_accepted - 1
+                output.new_logprobs = runner_output.logprobs[first : first + num_new]
+            if request.num_output_tokens == num_new:
                 output.new_prompt_logprobs = self._prompt_logprobs.pop(request_id, [])
             if request.is_finished:
                 output.finish_reason = request.status.finish_reason

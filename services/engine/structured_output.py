@@ -11,7 +11,8 @@ step's packed token bitmask for the requests that sample under a grammar.
 A matcher accepts only the tokens a request keeps: a step's token that arrives for a request
 preempted meanwhile is dropped before it reaches the matcher, and a request resumed after
 preemption keeps its outputs, so its matcher is exactly where its outputs left it (no rollback is
-needed without speculative tokens). Nothing outlives the request but the cached compiled grammar.
+needed: a constrained request drafts no speculative tokens). Nothing outlives the request but the
+cached compiled grammar.
 
 What a compile may cost is bounded twice: the constraint's bounds (GrammarLimits, checked in linear
 time before anything is built) and llguidance's own fuel limits, which end a lexer or grammar too

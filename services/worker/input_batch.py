@@ -96,8 +96,29 @@ class InputBatch:
         self.req_ids.pop()
         self.states.pop()
 
-    def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
-        self.token_ids_np[rows, self.num_tokens[rows]] = token_ids
-        self.num_tokens[rows] += 1
-        for row, token_id in zip(rows.tolist(), token_ids):
-            self.states[row].output_token_ids.append(token_id)
+    def write_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Speculative decoding: each request's drafted tokens after its known ones, as this step's
+        inputs. num_tokens stays: the drafts become tokens only if append_tokens takes them."""
+        for req_id, tokens in drafts.items():
+            row = self.row_of[req_id]
+            start = self.num_tokens[row]
+            self.token_ids_np[row, start : start + len(tokens)] = tokens
+
+    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray, counts: np.ndarray) -> list[list[int]]:
+        """Append counts[i] tokens to rows[i], taken in order from `token_ids` [counts.sum()].
+        Returns each row's new tokens."""
+        if not len(rows):
+            return []
+        self.token_ids_np[np.repeat(rows, counts), flat_ranges(self.num_tokens[rows], counts)] = token_ids
+        self.num_tokens[rows] += counts
+        new_tokens = np.split(token_ids, np.cumsum(counts)[:-1])
+        per_row = [tokens.tolist() for tokens in new_tokens]
+        for row, tokens in zip(rows.tolist(), per_row):
+            self.states[row].output_token_ids.extend(tokens)
+        return per_row
+
+
+def flat_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """[counts.sum()] int64: starts[0] .. starts[0] + counts[0] - 1, then the same for row 1, ..."""
+    total = int(counts.sum())
+    return np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(total)

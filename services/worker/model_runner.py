@@ -20,9 +20,10 @@ from services.common.scheduler_output import NewRequestData, SchedulerOutput
 from services.worker.attention import AttentionBackend, AttentionMetadata
 from services.worker.forward_context import ForwardContext, set_forward_context
 from services.worker.grammar_bitmask import apply_grammar_bitmask
-from services.worker.input_batch import CachedRequestState, InputBatch
+from services.worker.input_batch import CachedRequestState, InputBatch, flat_ranges
 from services.worker.lora.manager import LoRAManager
 from services.worker.parallel_group import TensorParallelGroup
+from services.worker.rejection_sampler import num_accepted_drafts
 from services.worker.sampler import Sampler, compute_prompt_logprobs, gather_logprobs
 from services.worker.sampling_metadata import RequestSamplingTensors, SamplingMetadata
 
@@ -30,6 +31,31 @@ from services.worker.sampling_metadata import RequestSamplingTensors, SamplingMe
 class SampledTokens(NamedTuple):
     token_ids: list[int]  # one per sampled row
     logprobs: list[TokenLogprobs] | None  # aligned with token_ids when any row asked
+
+
+class AcceptedTokens(NamedTuple):
+    kept: list[int]  # the draws that became tokens, in order
+    new_tokens: list[list[int]]  # per surviving request: its accepted drafts, then its sampled token
+    num_accepted: np.ndarray  # [surviving requests] int64
+
+
+class SampleRows(NamedTuple):
+    """The sampler's rows of a step: one per draw, a request with d drafts having d + 1 in a row. Draw j
+    of such a request sees its outputs followed by its first j drafts (penalties, min_tokens and the
+    seed's position count them, as if those drafts had been sampled already)."""
+
+    states: list[CachedRequestState]
+    output_token_ids: list[list[int]]
+
+    @classmethod
+    def of(cls, states: list[CachedRequestState], drafts: list[list[int]]) -> SampleRows:
+        if not any(drafts):
+            return cls(states, [s.output_token_ids for s in states])
+        return cls([s for s, d in zip(states, drafts) for _ in range(len(d) + 1)],
+                   [[*s.output_token_ids, *d[:j]] for s, d in zip(states, drafts) for j in range(len(d) + 1)])
+
+    def row(self, i: int) -> SampleRows:
+        return SampleRows(self.states[i : i + 1], self.output_token_ids[i : i + 1])
 
 
 class ModelRunner:
@@ -107,10 +133,14 @@ class ModelRunner:
         # Scheduled requests in row order; token j of request i is at flat index starts[i] + j.
         rows = np.fromiter((batch.row_of[r] for r in num_scheduled_tokens), dtype=np.int64)
         q_lens = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64)
+        spec = out.scheduled_spec_decode_tokens
+        num_drafts = np.fromiter((len(spec.get(r, ())) for r in num_scheduled_tokens), dtype=np.int64)
         # With LoRA, the rows of each adapter side by side: the step's mapping makes them one segment, so
         # the LoRA kernels read an adapter's weights once for all its rows, not once a request.
         order = np.argsort(rows, kind="stable") if self.lora is None else np.lexsort((rows, batch.lora_ids[rows]))
-        rows, q_lens = rows[order], q_lens[order]
+        rows, q_lens, num_drafts = rows[order], q_lens[order], num_drafts[order]
+        if spec:  # drafted tokens sit after a row's known tokens, for this step's inputs only
+            batch.write_drafts(spec)
         ends = np.cumsum(q_lens)
         starts = ends - q_lens
         computed = batch.num_computed_tokens[rows]
@@ -118,7 +148,7 @@ class ModelRunner:
         num_tokens = int(ends[-1])
         token_rows = np.repeat(rows, q_lens)
         positions = np.repeat(computed - starts, q_lens) + np.arange(num_tokens)  # [num_tokens]
-        assert (seq_lens <= batch.num_tokens[rows]).all(), "scheduled past the known tokens"
+        assert (seq_lens <= batch.num_tokens[rows] + num_drafts).all(), "scheduled past the known tokens"
 
         positions_t = torch.from_numpy(positions)
         token_rows_t = torch.from_numpy(token_rows)
@@ -147,53 +177,81 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, rows, starts, computed, q_lens)
         batch.num_computed_tokens[rows] = seq_lens
 
-        # Only requests whose scheduled tokens reach their last known token sample; partial
-        # prefills are not sampled at all.
-        done = seq_lens == batch.num_tokens[rows]
+        # Only requests whose scheduled tokens reach their last known token (and drafts) sample;
+        # partial prefills are not sampled at all. A request with d drafts samples at its last d + 1
+        # positions: the draws that verify its drafts (services/worker/rejection_sampler.py).
+        done = seq_lens == batch.num_tokens[rows] + num_drafts
         sample_rows = rows[done]
         if not len(sample_rows):
             return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs, failed=failed)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(ends[done] - 1)])  # [B, vocab]; None off rank 0
+        num_draws = num_drafts[done] + 1  # [R]
+        draw_index = flat_ranges(ends[done] - num_draws, num_draws)  # [draws] flat index of each draw's position
+        logits = self.model.compute_logits(hidden[torch.from_numpy(draw_index)])  # [draws, vocab]; None off rank 0
         states = [batch.states[r] for r in sample_rows.tolist()]
+        drafts = [spec.get(s.req_id, []) for s in states]
         if logits is None:
-            return self._follow_driver(sample_rows, states, prompt_logprobs, failed)
+            return self._follow_driver(sample_rows, states, drafts, prompt_logprobs, failed)
+        draws = SampleRows.of(states, drafts)
         if out.grammar_bitmask is not None:  # structured outputs: forbidden tokens to -inf, before sampling
-            apply_grammar_bitmask(logits, [s.req_id for s in states], out.grammar_bitmask)
-        all_rows = sample_rows
+            apply_grammar_bitmask(logits, [s.req_id for s in draws.states], out.grammar_bitmask)
         try:
-            token_ids, logprobs = self._sample(logits, states)
+            token_ids, logprobs = self._sample(logits, draws)
         except (ValueError, RuntimeError):  # torch's own errors are RuntimeErrors
             # One row's parameters broke the batched sampler: sample row by row, fail the culprits.
-            sampled = self._sample_each(logits, states, failed)
-            sample_rows = sample_rows[[i for i, s in enumerate(states) if s.req_id not in failed]]
-            states = [s for s in states if s.req_id not in failed]
-            token_ids, logprobs = sampled.token_ids, sampled.logprobs
-        batch.append_sampled(sample_rows, token_ids)
-        if self.tp.size > 1:  # the other ranks append the same tokens; -1: a row that failed sampling
-            sampled = dict(zip(sample_rows.tolist(), token_ids))
-            self.tp.broadcast_tokens([sampled.get(r, -1) for r in all_rows.tolist()], len(all_rows))
+            token_ids, logprobs = self._sample_each(logits, draws, failed)
+        if self.tp.size > 1:  # the other ranks verify the same draws; -1: a row that failed sampling
+            self.tp.broadcast_tokens(token_ids, len(token_ids))
+        kept, new_tokens, num_accepted = self._accept(sample_rows, states, drafts, token_ids, failed)
+        if logprobs is not None:  # the kept draws' logprobs, in the order of the kept tokens
+            logprobs = [logprobs[i] for i in kept]
+        states = [s for s in states if s.req_id not in failed]
         return ModelRunnerOutput(
             req_ids=[s.req_id for s in states],
-            sampled_token_ids=token_ids,
+            sampled_token_ids=[tokens[-1] for tokens in new_tokens],
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             failed=failed,
+            num_accepted_drafts=num_accepted.tolist() if spec else [],
         )
 
-    def _follow_driver(self, sample_rows: np.ndarray, states: list[CachedRequestState],
-                       prompt_logprobs: dict[str, list[TokenLogprobs]], failed: dict[str, str]) -> ModelRunnerOutput:
-        """A rank other than 0: take the driver's sampled tokens into this rank's batch. Its output
-        names the same requests in the same order, without tokens (the engine reads rank 0's)."""
-        token_ids = self.tp.broadcast_tokens(None, len(sample_rows))
-        kept = [i for i, t in enumerate(token_ids) if t >= 0]
-        self.batch.append_sampled(sample_rows[kept], [token_ids[i] for i in kept])
-        return ModelRunnerOutput([s.req_id for s in states], [], prompt_logprobs=prompt_logprobs, failed=failed)
+    def _accept(self, sample_rows: np.ndarray, states: list[CachedRequestState], drafts: list[list[int]],
+                token_ids: list[int], failed: dict[str, str]) -> AcceptedTokens:
+        """Verify the drafts against the draws (one per position, -1 where sampling failed), append each
+        surviving row's new tokens to the batch and take back the KV of its rejected drafts."""
+        batch = self.batch
+        draws = np.asarray(token_ids, dtype=np.int64)
+        num_accepted = num_accepted_drafts(draws, drafts)  # [R]
+        num_draws = np.fromiter(map(len, drafts), dtype=np.int64, count=len(drafts)) + 1
+        firsts = np.cumsum(num_draws) - num_draws
+        ok = np.array([s.req_id not in failed for s in states], dtype=bool)
+        rows, num_accepted = sample_rows[ok], num_accepted[ok]
+        kept = flat_ranges(firsts[ok], num_accepted + 1)  # the draws kept: each surviving row's first a + 1
+        new_tokens = batch.append_tokens(rows, draws[kept], num_accepted + 1)
+        batch.num_computed_tokens[rows] -= num_draws[ok] - 1 - num_accepted
+        return AcceptedTokens(kept.tolist(), new_tokens, num_accepted)
 
-    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SampledTokens:
-        """One batched sampler call over `logits` [len(states), vocab], row i being states[i]."""
+    def _follow_driver(self, sample_rows: np.ndarray, states: list[CachedRequestState], drafts: list[list[int]],
+                       prompt_logprobs: dict[str, list[TokenLogprobs]], failed: dict[str, str]) -> ModelRunnerOutput:
+        """A rank other than 0: take the driver's draws, verify them as it does, and append the same
+        tokens to this rank's batch. Its output names the same requests in the same order, without
+        tokens (the engine reads rank 0's)."""
+        num_draws = sum(map(len, drafts)) + len(drafts)
+        token_ids = self.tp.broadcast_tokens(None, num_draws)
+        failed_here = dict(failed)
+        firsts = np.cumsum([len(d) + 1 for d in drafts]) - [len(d) + 1 for d in drafts]
+        for state, first, draft in zip(states, firsts.tolist(), drafts):
+            if min(token_ids[first : first + len(draft) + 1]) < 0:
+                failed_here[state.req_id] = "sampling failed on the driver"
+        self._accept(sample_rows, states, drafts, token_ids, failed_here)
+        return ModelRunnerOutput([s.req_id for s in states if s.req_id not in failed_here], [],
+                                 prompt_logprobs=prompt_logprobs, failed=failed)
+
+    def _sample(self, logits: torch.Tensor, draws: SampleRows) -> SampledTokens:
+        """One batched sampler call over `logits` [len(draws.states), vocab], row i being draw i."""
+        states = draws.states
         meta = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
+            output_token_ids=draws.output_token_ids,
             prompt_token_ids=[s.prompt_token_ids for s in states],
             stop_token_ids_per_row=[s.stop_token_ids for s in states],
             vocab_size=self.vocab_size,
@@ -206,24 +264,26 @@ class ModelRunner:
             logprobs = sampled.logprobs.to_host([s.sampling_params.num_logprobs or 0 for s in states])
         return SampledTokens(sampled.sampled_token_ids.tolist(), logprobs)
 
-    def _sample_each(self, logits: torch.Tensor, states: list[CachedRequestState],
-                     failed: dict[str, str]) -> SampledTokens:
-        """The slow path after a failed batched call: each row alone; a row that fails again goes to
-        `failed`. (A seeded row draws the same again: its noise is keyed by its seed and position.)"""
+    def _sample_each(self, logits: torch.Tensor, draws: SampleRows, failed: dict[str, str]) -> SampledTokens:
+        """The slow path after a failed batched call: each row alone; a row that fails again fails its
+        request (`failed`) and draws -1. (A seeded row draws the same again: its noise is keyed by its
+        seed and position.)"""
         token_ids: list[int] = []
         logprobs: list[TokenLogprobs] = []
-        for i, state in enumerate(states):
+        for i, state in enumerate(draws.states):
             try:
-                one = self._sample(logits[i : i + 1], [state])
+                one = self._sample(logits[i : i + 1], draws.row(i))
             except (ValueError, RuntimeError) as exc:
                 failed[state.req_id] = f"request {state.req_id}: sampling failed ({type(exc).__name__})"
+                token_ids.append(-1)
+                logprobs.append(TokenLogprobs([-1], [float("nan")], 0))
                 continue
             token_ids += one.token_ids
             # As the batched call: when any row asks for logprobs, every row has its sampled token's.
             logprobs += one.logprobs or gather_logprobs(
                 logits[i : i + 1].log_softmax(dim=-1), torch.tensor(one.token_ids, device=logits.device), 0
             ).to_host([0])
-        any_logprobs = any(s.sampling_params.num_logprobs is not None for s in states)
+        any_logprobs = any(s.sampling_params.num_logprobs is not None for s in draws.states)
         return SampledTokens(token_ids, logprobs if any_logprobs else None)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: np.ndarray, starts: np.ndarray,

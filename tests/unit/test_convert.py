@@ -71,8 +71,13 @@ def test_scheduler_output_round_trip():
         num_preempted=1,
         grammar_bitmask=GrammarBitmask(["d", "a"], bytes(range(16))),
         removed_lora_ids=[2, 7],
+        scheduled_spec_decode_tokens={"d": [4, 4, 9], "c": [1]},
     )
     assert convert.scheduler_output_from_proto(convert.scheduler_output_to_proto(out)) == out
+    broken = convert.scheduler_output_to_proto(out)
+    del broken.spec_token_ids[-1]
+    with pytest.raises(ValueError, match="spec_token_ids"):
+        convert.scheduler_output_from_proto(broken)
     empty = SchedulerOutput([], [], {}, 0)
     assert convert.scheduler_output_from_proto(convert.scheduler_output_to_proto(empty)) == empty
 
@@ -83,6 +88,7 @@ def test_model_runner_output_round_trip():
         ModelRunnerOutput(["a", "b"], [5, 6]),
         ModelRunnerOutput(["a", "b"], [5, 6], logprobs=[LOGPROBS, TokenLogprobs([6], [-0.5], 1)],
                           prompt_logprobs={"a": [LOGPROBS, LOGPROBS], "c": []}),
+        ModelRunnerOutput(["a", "b"], [5, 6], num_accepted_drafts=[0, 3]),
     ]
     for out in outputs:
         assert convert.model_runner_output_from_proto(convert.model_runner_output_to_proto(out)) == out

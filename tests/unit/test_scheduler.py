@@ -9,12 +9,14 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.common.config import SpeculativeConfig
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import SchedulerOutput
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler
+from services.engine.speculator import Speculator
 
 BLOCK = 4
 EOS = 2
@@ -203,3 +205,63 @@ def test_random_traffic_keeps_invariants(seed: int, policy: str, caching: bool):
     sched.finish_requests(list(sched.requests), RequestStatus.FINISHED_ABORTED)
     sched.check_integrity()
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 24
+
+
+def make_speculating_scheduler(num_blocks=64) -> Scheduler:
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=2))
+    return Scheduler(KVCacheManager(num_blocks, BLOCK, True), 32, 8, 256, speculator=speculator)
+
+
+def decoding_request(sched: Scheduler, **params) -> Request:
+    """A request past its prefill whose tokens 5 6 7 8 5 6 | 7 repeat: it drafts 8 5 6 next (the 2-gram
+    "6 7" occurred at positions 1-2)."""
+    request = Request("r", [5, 6, 7, 8, 5, 6], SamplingParams(**params), params["max_tokens"],
+                      eos_token_ids=[EOS], block_size=BLOCK)
+    sched.add_request(request)
+    out = sched.schedule()
+    assert out.scheduled_spec_decode_tokens == {}  # a prompt drafts nothing
+    sched.update_from_output(out, ModelRunnerOutput(["r"], [7]))
+    return request
+
+
+def test_drafts_are_scheduled_and_the_rejected_ones_taken_back():
+    sched = make_speculating_scheduler()
+    request = decoding_request(sched, max_tokens=10)
+    out = sched.schedule()
+    assert out.scheduled_spec_decode_tokens == {"r": [8, 5, 6]}
+    assert out.num_scheduled_tokens == {"r": 4} and out.total_num_scheduled_tokens == 4
+    assert request.num_computed_tokens == 10  # through the drafts, until the worker says
+    assert sched.kv_cache_manager.get_block_ids("r") == [0, 1, 2]
+    [result] = sched.update_from_output(out, ModelRunnerOutput(["r"], [9], num_accepted_drafts=[1]))
+    assert result.new_token_ids == [8, 9]
+    assert request.all_token_ids == [5, 6, 7, 8, 5, 6, 7, 8, 9]
+    assert request.num_computed_tokens == 8  # the rejected drafts' KV is recomputed
+    sched.check_integrity()
+    # Only the block of known tokens is cached; block 2 (positions 8-11) holds a rejected draft's KV.
+    assert sched.kv_cache_manager.num_cached_blocks["r"] == 1
+    out = sched.schedule()
+    assert out.scheduled_spec_decode_tokens == {}  # "8 9" never occurred before
+    assert out.num_scheduled_tokens == {"r": 1}
+    sched.update_from_output(out, fake_output(out, sched))
+    sched.check_integrity()
+
+
+def test_a_stop_token_inside_accepted_drafts_ends_the_request_there():
+    sched = make_speculating_scheduler()
+    decoding_request(sched, max_tokens=10, stop_token_ids=[5])
+    out = sched.schedule()
+    [result] = sched.update_from_output(out, ModelRunnerOutput(["r"], [4], num_accepted_drafts=[3]))
+    assert result.new_token_ids == [8, 5]  # the accepted 6 and the sampled 4 come after the stop
+    assert result.finish_reason == "stop" and result.stop_reason == 5
+    assert not sched.requests and sched.kv_cache_manager.num_free_blocks == 64
+    sched.check_integrity()
+
+
+def test_drafts_stop_short_of_max_tokens():
+    sched = make_speculating_scheduler()
+    decoding_request(sched, max_tokens=3)
+    out = sched.schedule()
+    assert out.scheduled_spec_decode_tokens == {"r": [8]}  # one output so far, one draft, one sampled
+    [result] = sched.update_from_output(out, ModelRunnerOutput(["r"], [4], num_accepted_drafts=[1]))
+    assert result.new_token_ids == [8, 4] and result.finish_reason == "length"
+    sched.check_integrity()

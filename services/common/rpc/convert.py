@@ -142,6 +142,9 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.SchedulerOutpu
         grammar_req_ids=out.grammar_bitmask.req_ids if out.grammar_bitmask else (),
         grammar_bitmask=out.grammar_bitmask.bitmask if out.grammar_bitmask else b"",
         removed_lora_ids=out.removed_lora_ids,
+        spec_req_ids=out.scheduled_spec_decode_tokens.keys(),
+        num_spec_tokens=[len(t) for t in out.scheduled_spec_decode_tokens.values()],
+        spec_token_ids=[t for tokens in out.scheduled_spec_decode_tokens.values() for t in tokens],
     )
 
 
@@ -155,6 +158,9 @@ def scheduler_output_from_proto(m: worker_pb2.SchedulerOutput) -> SchedulerOutpu
         raise ValueError("scheduled_cached_reqs: num_new_blocks does not add up to new_block_ids")
     if len(m.scheduled_req_ids) != len(m.num_scheduled_tokens):
         raise ValueError("scheduled_req_ids and num_scheduled_tokens differ in length")
+    spec_ends = list(itertools.accumulate(m.num_spec_tokens))
+    if len(spec_ends) != len(m.spec_req_ids) or (spec_ends[-1] if spec_ends else 0) != len(m.spec_token_ids):
+        raise ValueError("spec_req_ids, num_spec_tokens and spec_token_ids do not add up")
     return SchedulerOutput(
         scheduled_new_reqs=[
             NewRequestData(req_id=r.req_id, prompt_token_ids=list(r.prompt_token_ids),
@@ -178,6 +184,8 @@ def scheduler_output_from_proto(m: worker_pb2.SchedulerOutput) -> SchedulerOutpu
         num_preempted=m.num_preempted,
         grammar_bitmask=GrammarBitmask(list(m.grammar_req_ids), m.grammar_bitmask) if m.grammar_req_ids else None,
         removed_lora_ids=list(m.removed_lora_ids),
+        scheduled_spec_decode_tokens={req_id: list(m.spec_token_ids[end - n:end])
+                                      for req_id, n, end in zip(m.spec_req_ids, m.num_spec_tokens, spec_ends)},
     )
 
 
@@ -201,6 +209,7 @@ def model_runner_output_to_proto(out: ModelRunnerOutput) -> worker_pb2.ModelRunn
             for req_id, lps in out.prompt_logprobs.items()
         },
         failed=out.failed,
+        num_accepted_drafts=out.num_accepted_drafts,
     )
 
 
@@ -212,6 +221,7 @@ def model_runner_output_from_proto(m: worker_pb2.ModelRunnerOutput) -> ModelRunn
         logprobs=_logprobs_list_from_proto(m.logprobs) or None,
         prompt_logprobs={req_id: _logprobs_list_from_proto(lps.items) for req_id, lps in m.prompt_logprobs.items()},
         failed=dict(m.failed),
+        num_accepted_drafts=list(m.num_accepted_drafts),
     )
 
 

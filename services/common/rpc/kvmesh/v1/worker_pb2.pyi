@@ -122,7 +122,7 @@ class CachedRequests(_message.Message):
     def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerOutput(_message.Message):
-    __slots__ = ("scheduled_new_reqs", "scheduled_cached_reqs", "scheduled_req_ids", "num_scheduled_tokens", "total_num_scheduled_tokens", "finished_req_ids", "num_preempted", "grammar_req_ids", "grammar_bitmask", "removed_lora_ids")
+    __slots__ = ("scheduled_new_reqs", "scheduled_cached_reqs", "scheduled_req_ids", "num_scheduled_tokens", "total_num_scheduled_tokens", "finished_req_ids", "num_preempted", "grammar_req_ids", "grammar_bitmask", "removed_lora_ids", "spec_req_ids", "num_spec_tokens", "spec_token_ids")
     SCHEDULED_NEW_REQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_CACHED_REQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,9 @@ class SchedulerOutput(_message.Message):
     GRAMMAR_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_BITMASK_FIELD_NUMBER: _ClassVar[int]
     REMOVED_LORA_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     scheduled_new_reqs: _containers.RepeatedCompositeFieldContainer[NewRequestData]
     scheduled_cached_reqs: CachedRequests
     scheduled_req_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -143,10 +146,13 @@ class SchedulerOutput(_message.Message):
     grammar_req_ids: _containers.RepeatedScalarFieldContainer[str]
     grammar_bitmask: bytes
     removed_lora_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., total_num_scheduled_tokens: _Optional[int] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., num_preempted: _Optional[int] = ..., grammar_req_ids: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[bytes] = ..., removed_lora_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    spec_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_spec_tokens: _containers.RepeatedScalarFieldContainer[int]
+    spec_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., total_num_scheduled_tokens: _Optional[int] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., num_preempted: _Optional[int] = ..., grammar_req_ids: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[bytes] = ..., removed_lora_ids: _Optional[_Iterable[int]] = ..., spec_req_ids: _Optional[_Iterable[str]] = ..., num_spec_tokens: _Optional[_Iterable[int]] = ..., spec_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelRunnerOutput(_message.Message):
-    __slots__ = ("req_ids", "sampled_token_ids", "logprobs", "prompt_logprobs", "failed")
+    __slots__ = ("req_ids", "sampled_token_ids", "logprobs", "prompt_logprobs", "failed", "num_accepted_drafts")
     class PromptLogprobsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -166,9 +172,11 @@ class ModelRunnerOutput(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     req_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     prompt_logprobs: _containers.MessageMap[str, _common_pb2.TokenLogprobsList]
     failed: _containers.ScalarMap[str, str]
-    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Mapping[str, _common_pb2.TokenLogprobsList]] = ..., failed: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    num_accepted_drafts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Mapping[str, _common_pb2.TokenLogprobsList]] = ..., failed: _Optional[_Mapping[str, str]] = ..., num_accepted_drafts: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import json
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 from google.protobuf.message import Message
@@ -380,32 +380,21 @@ def _json_value(text: str, what: str, kind: type) -> object:
 
 
 def _check_json(value: object, what: str) -> None:
-    if json_depth(value) > MAX_STRUCT_DEPTH:
-        raise ValueError(f"{what} is nested more than {MAX_STRUCT_DEPTH} levels deep")
-    if any(isinstance(v, int) and not -_DOUBLE_MAX <= v <= _DOUBLE_MAX for v in _json_leaves(value)):
-        raise ValueError(f"{what} holds a number beyond the range of a double")
+    """ValueError naming `what` when `value` nests deeper than MAX_STRUCT_DEPTH or holds an integer
+    beyond the range of a double; one walk, level by level, without recursion."""
+    depth, level = 0, [value]
+    while level:
+        if any(isinstance(v, int) and not -_DOUBLE_MAX <= v <= _DOUBLE_MAX for v in level):
+            raise ValueError(f"{what} holds a number beyond the range of a double")
+        containers = [v for v in level if isinstance(v, (Mapping, list, tuple))]
+        if containers:
+            depth += 1
+            if depth > MAX_STRUCT_DEPTH:
+                raise ValueError(f"{what} is nested more than {MAX_STRUCT_DEPTH} levels deep")
+        level = [child for v in containers for child in (v.values() if isinstance(v, Mapping) else v)]
 
 
 _DOUBLE_MAX = sys.float_info.max
-
-
-def _json_leaves(value: object) -> Iterator[object]:
-    level = [value]
-    while level:
-        yield from (v for v in level if not isinstance(v, (Mapping, list, tuple)))
-        level = [child for v in level if isinstance(v, (Mapping, list, tuple))
-                 for child in (v.values() if isinstance(v, Mapping) else v)]
-
-
-def json_depth(value: object) -> int:
-    """How deeply `value` nests objects and arrays (a scalar 0, `{}` 1), without recursion."""
-    depth, level = 0, [value]
-    while True:
-        containers = [v for v in level if isinstance(v, (Mapping, list, tuple))]
-        if not containers:
-            return depth
-        depth += 1
-        level = [child for v in containers for child in (v.values() if isinstance(v, Mapping) else v)]
 
 
 def _messages(m: processor_pb2.ChatMessages) -> list[dict]:

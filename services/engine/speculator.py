@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from services.common.config import SpeculativeConfig
 from services.engine.ngram_proposer import NgramProposer
 from services.engine.request import Request
@@ -61,8 +59,7 @@ class Speculator:
             return []
         if request.spec_acceptance < self.threshold(num_running):
             max_tokens = 1  # a probe after backing off
-        tokens = np.asarray(request.all_token_ids, dtype=np.int64)
-        drafts = self.proposer.propose(tokens, max_tokens).tolist()
+        drafts = self.proposer.propose(request.token_array(), max_tokens).tolist()
         if drafts and request.grammar is not None:
             drafts = request.grammar.valid_drafts(drafts)
         return drafts

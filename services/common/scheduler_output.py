@@ -36,7 +36,8 @@ class CachedRequestData:
 class GrammarBitmask:
     """The packed token masks of the requests that sample under a grammar this step (vLLM's
     grammar_bitmask): row i, for req_ids[i], is `words_per_row` little-endian int32 words; bit b of word
-    w set means token 32 w + b may be sampled. Only constrained requests have a row."""
+    w set means token 32 w + b may be sampled. Only constrained requests have rows: one, or 1 + d in a
+    row for a request verifying d drafts (row j masks the draw after its first j drafts)."""
 
     req_ids: list[str]
     bitmask: bytes  # len(req_ids) * words_per_row * 4 bytes

@@ -259,14 +259,17 @@ class EngineCore:
 
     def _grammar_bitmask(self, output: SchedulerOutput) -> GrammarBitmask | None:
         """The masks of the constrained requests that sample this step: those whose scheduled tokens
-        reach their last known token (num_computed_tokens advanced at schedule time)."""
+        reach their last known token and drafts (num_computed_tokens advanced at schedule time). A
+        request with d drafts has d + 1 rows in a row, one per sampled position."""
         requests = self.scheduler.requests
+        spec = output.scheduled_spec_decode_tokens
         sampling = [requests[r] for r in output.num_scheduled_tokens if requests[r].grammar is not None]
-        sampling = [r for r in sampling if r.num_computed_tokens == r.num_tokens]
+        sampling = [r for r in sampling if r.num_computed_tokens == r.num_tokens + len(spec.get(r.request_id, ()))]
         if not sampling:
             return None
-        return GrammarBitmask([r.request_id for r in sampling],
-                              self.structured_output.bitmask([r.grammar for r in sampling]))
+        drafts = [spec.get(r.request_id, ()) for r in sampling]
+        return GrammarBitmask([r.request_id for r, d in zip(sampling, drafts) for _ in range(len(d) + 1)],
+                              self.structured_output.bitmask([r.grammar for r in sampling], drafts))
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:

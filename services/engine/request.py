@@ -11,6 +11,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from services.common.hashing import BlockHash, hash_token_blocks
 from services.common.lora import LoRARequest
 from services.common.sampling_params import SamplingParams
@@ -92,6 +94,10 @@ class Request:
         self.spec_acceptance = 0.5
         self.spec_backoff = 0
         self.spec_skip_steps = 0
+        # all_token_ids as int64, for the n-gram proposer: grown by doubling and filled with the tokens
+        # appended since the last read, so a step copies its new tokens, not the whole context.
+        self._token_array: np.ndarray | None = None
+        self._num_in_token_array = 0
 
         self._block_size = block_size
         self._model_id = model_id
@@ -125,6 +131,19 @@ class Request:
                 self.all_token_ids, self._block_size, self._model_id, self._cache_salt,
                 parent=parent, start_block=len(self.block_hashes), lora_name=self._lora_name,
             ))
+
+    def token_array(self) -> np.ndarray:
+        """all_token_ids as an int64 array [num_tokens]: a view, valid until the next append."""
+        num_tokens, num_in = len(self.all_token_ids), self._num_in_token_array
+        if self._token_array is None or num_tokens > len(self._token_array):
+            grown = np.empty(max(num_tokens, 2 * num_in, 64), dtype=np.int64)
+            if self._token_array is not None:
+                grown[:num_in] = self._token_array[:num_in]
+            self._token_array = grown
+        if num_tokens > num_in:
+            self._token_array[num_in:num_tokens] = self.all_token_ids[num_in:]
+            self._num_in_token_array = num_tokens
+        return self._token_array[:num_tokens]
 
     @property
     def is_finished(self) -> bool:

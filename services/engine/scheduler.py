@@ -277,7 +277,7 @@ class Scheduler:
                 self._check_stop(request, token_id)
                 if request.is_finished:
                     break  # a stop inside the accepted drafts: the tokens after it are not the output's
-            error = None if request.grammar is None else self._advance_grammar(request, new_token_ids[0])
+            error = None if request.grammar is None else self._advance_grammar(request, new_token_ids[:num_new])
             output = EngineCoreOutput(request_id, new_token_ids[:num_new], num_cached_tokens=request.num_cached_tokens,
                                       error=error)
             if runner_output.logprobs is not None:
@@ -304,13 +304,14 @@ class Scheduler:
         return outputs
 
     @staticmethod
-    def _advance_grammar(request: Request, token_id: int) -> str | None:
-        """Structured outputs: the token moves the request's matcher on (a complete grammar ends the
-        request before the next step: EngineCore._finish_complete_grammars). Returns why the request
-        fails when the grammar refuses the token."""
-        if not request.grammar.accept(token_id):
+    def _advance_grammar(request: Request, token_ids: list[int]) -> str | None:
+        """Structured outputs: the step's kept tokens move the request's matcher on (a complete grammar
+        ends the request before the next step: EngineCore._finish_complete_grammars; no draft completes
+        it, Speculator.draft cut such drafts). Returns why the request fails when the grammar refuses
+        a token."""
+        if not request.grammar.accept(token_ids):
             request.status = RequestStatus.FINISHED_ERROR
-            return f"request {request.request_id}: token {token_id} does not fit its structured output's grammar"
+            return f"request {request.request_id}: tokens {token_ids} do not fit its structured output's grammar"
         return None
 
     def _check_stop(self, request: Request, token_id: int) -> None:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from services.common.config import SpeculativeConfig
 from services.engine.ngram_proposer import NgramProposer
 from services.engine.request import Request
@@ -51,17 +49,20 @@ class Speculator:
 
     def draft(self, request: Request, max_tokens: int, num_running: int) -> list[int]:
         """Tokens to verify after `request`'s next one (at most `max_tokens`), with `num_running`
-        requests in the batch; [] when it should not speculate: it samples under a grammar (the mask
-        covers one position), or it is backing off."""
-        if max_tokens <= 0 or request.grammar is not None:
+        requests in the batch; [] when it should not speculate (it is backing off). Under a grammar the
+        drafts stop before the first one it refuses or one that completes it
+        (RequestGrammar.valid_drafts): no draw is verified past a forbidden token or the grammar's end."""
+        if max_tokens <= 0:
             return []
         if request.spec_skip_steps > 0:
             request.spec_skip_steps -= 1
             return []
         if request.spec_acceptance < self.threshold(num_running):
             max_tokens = 1  # a probe after backing off
-        tokens = np.asarray(request.all_token_ids, dtype=np.int64)
-        return self.proposer.propose(tokens, max_tokens).tolist()
+        drafts = self.proposer.propose(request.token_array(), max_tokens).tolist()
+        if drafts and request.grammar is not None:
+            drafts = request.grammar.valid_drafts(drafts)
+        return drafts
 
     @staticmethod
     def threshold(num_running: int) -> float:

@@ -4,15 +4,18 @@ step's packed token bitmask for the requests that sample under a grammar.
 
     add_request ──► submit(): the constraint's compiled grammar from the LRU cache, or a compile on
                     one of the pool's threads. The request waits (EngineCore holds it back) until ready().
-    schedule()  ──► bitmask(requests sampling now): one mask row per constrained request ──► worker
-    update_from_output ──► RequestGrammar.accept(token): the matcher moves on
+    schedule()  ──► Speculator.draft ──► RequestGrammar.valid_drafts(drafts): the drafts cut to
+                    the grammar's longest accepted prefix (speculative decoding)
+                ──► bitmask(requests sampling now): one mask row per sampled position ──► worker
+    update_from_output ──► RequestGrammar.accept(tokens kept): the matcher moves on
     next schedule()    ──► a complete grammar ends its request (EngineCore._finish_complete_grammars)
 
-A matcher accepts only the tokens a request keeps: a step's token that arrives for a request
-preempted meanwhile is dropped before it reaches the matcher, and a request resumed after
-preemption keeps its outputs, so its matcher is exactly where its outputs left it (no rollback is
-needed: a constrained request drafts no speculative tokens). Nothing outlives the request but the
-cached compiled grammar.
+A request with d drafts x_1..x_d samples at d + 1 positions; row j of its mask is the grammar's state
+after its outputs and x_1..x_j, built by consuming the drafts and rolling them back. A matcher
+accepts only the tokens a request keeps (its accepted drafts and the token drawn after them): a
+step's token that arrives for a request preempted meanwhile is dropped before it reaches the
+matcher, and a request resumed after preemption keeps its outputs, so its matcher is exactly where
+its outputs left it. Nothing outlives the request but the cached compiled grammar.
 
 What a compile may cost is bounded twice: the constraint's bounds (GrammarLimits, checked in linear
 time before anything is built) and llguidance's own fuel limits, which end a lexer or grammar too
@@ -37,7 +40,8 @@ from typing import NamedTuple
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
+from llguidance.numpy import (fill_next_token_bitmask, fill_next_token_bitmask_par,
+                              fill_next_token_bitmask_par_with_draft_tokens)
 
 from services.common.config import GrammarLimits
 from services.common.grammar import MAX_ERROR_CHARS, checked_grammar, parser_limits
@@ -62,10 +66,23 @@ class RequestGrammar:
     def __init__(self, compiled: llguidance.LLMatcher) -> None:
         self.matcher = compiled.deep_copy()
 
-    def accept(self, token_id: int) -> bool:
-        """Move on by a sampled token; False when the grammar refuses it (the mask let it through:
-        only an all-masked row, whose sampler picks any token, can do that)."""
-        return self.matcher.consume_token(token_id) and not self.matcher.is_error()
+    def accept(self, token_ids: Sequence[int]) -> bool:
+        """Move on by the tokens a step kept; False when the grammar refuses one (the mask let it
+        through: only an all-masked row, whose sampler picks any token, can do that)."""
+        # One at a time: consume_tokens refuses the end of sequence once the grammar is complete.
+        return all(self.matcher.consume_token(t) for t in token_ids) and not self.matcher.is_error()
+
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the grammar accepts, short of a draft that completes it: the
+        draw after such a draft would have nothing left to sample (without speculation the request
+        ends on that token). The matcher is left where it was."""
+        num_valid = self.matcher.try_consume_tokens(drafts)
+        keep = num_valid
+        while keep and self.matcher.is_stopped():
+            self.matcher.rollback(1)
+            keep -= 1
+        self.matcher.rollback(keep)
+        return drafts[:keep]
 
     @property
     def is_complete(self) -> bool:
@@ -170,17 +187,30 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ per step
 
-    def bitmask(self, grammars: Sequence[RequestGrammar]) -> bytes:
-        """The packed masks of `grammars`' next tokens, one row each, in order. Several rows are filled
-        by llguidance's own thread pool, in parallel and without the GIL."""
-        bitmask = np.empty((len(grammars), self.words_per_row), dtype=np.int32)
-        if len(grammars) == 1:
+    def bitmask(self, grammars: Sequence[RequestGrammar], drafts: Sequence[Sequence[int]] = ()) -> bytes:
+        """The packed masks of `grammars`' next tokens, in order: grammar i has 1 + len(drafts[i])
+        rows, row j masking the token after its first j drafts (already cut by valid_drafts). Several
+        rows are filled by llguidance's own thread pool, in parallel and without the GIL."""
+        drafts = drafts or [()] * len(grammars)
+        num_rows = np.fromiter((len(d) + 1 for d in drafts), dtype=np.int64, count=len(grammars))
+        firsts = (np.cumsum(num_rows) - num_rows).tolist()
+        drafting = [(g.matcher, first, list(d)) for g, first, d in zip(grammars, firsts, drafts) if d]
+        # Zeros under drafts: a row llguidance did not write (it stops at a draft it refuses) forbids every token.
+        bitmask = (np.zeros if drafting else np.empty)((int(num_rows.sum()), self.words_per_row), dtype=np.int32)
+        if len(grammars) == 1 and not drafting:
             grammars[0].fill(bitmask, 0)
-        else:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            fill_next_token_bitmask_par(self._executor, [(g.matcher, row) for row, g in enumerate(grammars)], bitmask)
+            return bitmask.tobytes()
+        if len(drafting) < len(grammars):
+            fill_next_token_bitmask_par(self._mask_executor(), [(g.matcher, first) for g, first, d
+                                                                in zip(grammars, firsts, drafts) if not d], bitmask)
+        if drafting:
+            fill_next_token_bitmask_par_with_draft_tokens(self._mask_executor(), drafting, bitmask)
         return bitmask.tobytes()
+
+    def _mask_executor(self) -> llguidance.LLExecutor:
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        return self._executor
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -29,14 +29,25 @@ def unpack_bitmask(bitmask: GrammarBitmask, vocab_size: int) -> np.ndarray:
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, req_ids: Sequence[str], bitmask: GrammarBitmask) -> None:
-    """In place: row i of `logits` [len(req_ids), V] is req_ids[i]'s; each of them with a mask row gets
-    -inf on every token its grammar forbids. Mask rows of requests not among `req_ids` (not sampled
-    here) are ignored."""
-    row_of = {req_id: i for i, req_id in enumerate(req_ids)}
-    masked = [(row_of[r], k) for k, r in enumerate(bitmask.req_ids) if r in row_of]
-    if not masked:
+    """In place: row i of `logits` [len(req_ids), V] is req_ids[i]'s; each of them with mask rows gets
+    -inf on every token its grammar forbids. A request sampled at several positions (verifying drafts)
+    has its logits rows side by side, and as many mask rows in the same order. Mask rows of requests
+    not among `req_ids` (not sampled here) are ignored."""
+    first_row: dict[str, int] = {}
+    for i, req_id in enumerate(req_ids):
+        first_row.setdefault(req_id, i)
+    rows: list[int] = []
+    mask_rows: list[int] = []
+    first_mask_row: dict[str, int] = {}
+    for k, req_id in enumerate(bitmask.req_ids):
+        first = first_row.get(req_id)
+        if first is not None:
+            rows.append(first + k - first_mask_row.setdefault(req_id, k))
+            mask_rows.append(k)
+    if not rows:
         return
-    rows, mask_rows = [i for i, _ in masked], [k for _, k in masked]
+    assert all(i < len(req_ids) and req_ids[i] == bitmask.req_ids[k] for i, k in zip(rows, mask_rows)), (
+        "mask rows do not match the draws")
     bits = unpack_bitmask(bitmask, logits.shape[-1])
     if mask_rows != list(range(len(bitmask.req_ids))):
         bits = bits[mask_rows]

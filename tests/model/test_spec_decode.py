@@ -5,6 +5,7 @@ with a rejected draft's KV."""
 from __future__ import annotations
 
 import gc
+import json
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -174,19 +175,88 @@ def test_prefix_cache_hits_on_blocks_computed_with_drafts(plain: LLM, spec: LLM)
     assert_nothing_left(spec)
 
 
-def test_structured_outputs_do_not_speculate_and_keep_their_grammar(plain: LLM, spec: LLM):
-    """A grammar's mask covers one position a step, so a constrained request drafts nothing (its
-    unconstrained batch-mates still do) and its output is the one without speculation."""
-    constrained = SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputs(
-        "regex", "(The lighthouse keeper climbed the (spiral|long) stairs)"))
-    free = SamplingParams(temperature=0, max_tokens=30)
-    prompts = PROMPTS[:1] * 2
+RECORD = {"name": "Ada Lovelace", "born": 1815, "field": "mathematics", "city": "London"}
+RECORD_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"},
+                                                  "field": {"type": "string"}, "city": {"type": "string"}},
+                 "required": ["name", "born", "field", "city"], "additionalProperties": False}
+STAIRS = "The lighthouse keeper climbed the spiral stairs"
+COPY = f"Copy the text exactly.\nText: {PASSAGE}\nCopy: "
+CONSTRAINED = [  # copy-heavy prompts, each under a grammar the copy fits
+    (COPY, StructuredOutputs("regex", "The lighthouse keeper[a-z ,]*\\.")),
+    (f"Copy the JSON exactly.\nJSON: {json.dumps(RECORD, separators=(',', ':'))}\nCopy: ",
+     StructuredOutputs("json", json.dumps(RECORD_SCHEMA))),
+    (PROMPTS[0], StructuredOutputs("choice", json.dumps([STAIRS, "A lamp"]))),
+]
+
+
+def recording_drafts(llm: LLM) -> dict[StructuredOutputs | None, list[int]]:
+    """Every token drafted from now on, by the drafting request's constraint (None: unconstrained)."""
+    drafts: dict[StructuredOutputs | None, list[int]] = {}
+    scheduler = llm.engine.scheduler
+    original = type(scheduler).schedule
+
+    def schedule():
+        output = original(scheduler)
+        for request_id, tokens in output.scheduled_spec_decode_tokens.items():
+            constraint = scheduler.requests[request_id].sampling_params.structured_outputs
+            drafts.setdefault(constraint, []).extend(tokens)
+        return output
+
+    scheduler.schedule = schedule
+    return drafts
+
+
+def test_structured_outputs_speculate_and_keep_their_tokens(plain: LLM, spec: LLM):
+    """Each verified position samples under the grammar's state after the drafts before it: greedy
+    outputs are those without speculation, and the copies are drafted and accepted."""
+    prompts = [p for p, _ in CONSTRAINED]
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=c) for _, c in CONSTRAINED]
     before = stats(spec)
-    expected = [o.outputs[0] for o in plain.generate(prompts, [constrained, free])]
-    got = [o.outputs[0] for o in spec.generate(prompts, [constrained, free])]
+    expected, got = run(plain, prompts, params), run(spec, prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
-    assert got[0].text == "The lighthouse keeper climbed the spiral stairs"
-    assert stats(spec).num_accepted_tokens > before.num_accepted_tokens  # the free one speculated
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in expected] == ["stop"] * 3
+    assert json.loads(got[1].text) == RECORD
+    assert got[2].text == STAIRS
+    assert stats(spec).num_accepted_tokens - before.num_accepted_tokens >= 20
+    assert_nothing_left(plain)
+    assert_nothing_left(spec)
+
+
+def test_seeded_sampling_under_a_grammar_draws_the_same_tokens(plain: LLM, spec: LLM):
+    prompts = [p for p, _ in CONSTRAINED]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=11 + i, max_tokens=60, structured_outputs=c)
+              for i, (_, c) in enumerate(CONSTRAINED)]
+    before = stats(spec)
+    expected, got = run(plain, prompts, params), run(spec, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert stats(spec).num_accepted_tokens > before.num_accepted_tokens
+    assert_nothing_left(spec)
+
+
+def test_drafts_stop_before_a_token_the_grammar_forbids_or_that_completes_it(plain: LLM, spec: LLM):
+    """The prompt's copy drafts " spiral stairs every ...": under "... the long stairs" the grammar
+    forbids " spiral"; under "... the spiral stairs" the draft " stairs" completes the grammar, and
+    the draw after it would be past the grammar's end. Neither is verified: the constrained requests
+    draft other tokens, their unconstrained batch-mate drafts these, and every output and finish is
+    the one without speculation."""
+    tokenizer = spec.get_tokenizer()
+    [spiral], [stairs] = tokenizer.encode(" spiral"), tokenizer.encode(" stairs")
+    forbids = StructuredOutputs("regex", "The lighthouse keeper climbed the long stairs")
+    completes = StructuredOutputs("regex", STAIRS)
+    params = [SamplingParams(temperature=0, max_tokens=30, structured_outputs=c) for c in (forbids, completes, None)]
+    prompts = [COPY] * 3
+    drafts = recording_drafts(spec)
+    try:
+        expected = run(plain, prompts, params)
+        got = run(spec, prompts, params)
+    finally:
+        del spec.engine.scheduler.schedule
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in expected] == ["stop", "stop", "length"]
+    assert [o.text for o in got[:2]] == ["The lighthouse keeper climbed the long stairs", STAIRS]
+    assert drafts[forbids] and drafts[completes], "the constrained requests drafted"
+    assert spiral in drafts[None] and stairs in drafts[None]
+    assert spiral not in drafts[forbids] and stairs not in drafts[completes]
     assert_nothing_left(spec)
 
 

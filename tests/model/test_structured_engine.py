@@ -151,7 +151,7 @@ def test_a_constraint_changes_the_output_only_where_it_forbids_the_models_choice
             near_tie = abs(float(reference.logprobs[i, theirs] - reference.logprobs[i, ours])) < 1e-3
             assert not allowed or near_tie, f"position {i}: the grammar allows {theirs}, yet {ours} was chosen"
             changed += not allowed
-        assert grammar.accept(ours), f"position {i}: the grammar refuses the token it let through"
+        assert grammar.accept([ours]), f"position {i}: the grammar refuses the token it let through"
     assert changed > 0, "the schema changed nothing: this test would not notice a mask that did nothing"
 
     plain = SamplingParams(temperature=0, max_tokens=24)  # EOS ends both (a grammar's EOS always ends it)

@@ -1,7 +1,7 @@
 """Acceptance of disaggregated prefill/decode on real processes, KV blocks over gloo.
 
-One `kvmesh serve --prefill-engines 1 --decode-engines 1` for the module (engine-prefill-0 and
-engine-decode-0, each with its worker). The tests that only talk to it come first and leave both
+One `kvmesh serve --prefill-engines 1 --decode-engines 1 --speculative-config ...` for the module
+(engine-prefill-0 and engine-decode-0, each with its worker; the decode engine drafts n-gram tokens). The tests that only talk to it come first and leave both
 engines idle with no block used; the one that kills the prefill engine's worker runs last.
 
 The colocated truth is the in-process LLM (one engine, no transfer) on the same prompts, greedy.
@@ -13,6 +13,7 @@ through the gateway.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -38,6 +39,7 @@ THRESHOLD = 128  # prompts longer than this (uncached) are prefilled on the pref
 LEASE = 3.0  # seconds the prefill engine holds blocks nobody released
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 KV_CACHE = "192MiB"  # ~4,300 tokens per engine: a few 1,500-token prompts at once
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
 def prompts(n: int, low: int, high: int, seed: int) -> list[list[int]]:
@@ -77,14 +79,15 @@ class PD:
     def stats(self, name: str) -> EngineStats:
         return self._call(name, "stats")
 
-    def generate(self, batch: list[list[int]], remote: bool = True) -> list[list[int]]:
-        """Greedy token ids from the decode engine, all prompts at once; with `remote`, each names the
+    def generate(self, batch: list[list[int]], remote: bool = True,
+                 params: SamplingParams = GREEDY) -> list[list[int]]:
+        """Token ids from the decode engine, all prompts at once; with `remote`, each names the
         prefill engine (as the processor's decider does for a long prompt)."""
         async def run() -> list[list[int]]:
             client = GrpcEngineClient(self.address(self.decode), timeout=10, security=self.serve.security)
 
             async def one(i: int, prompt: list[int]) -> list[int]:
-                request = EngineCoreRequest(f"pd-{time.monotonic_ns()}-{i}", prompt, GREEDY,
+                request = EngineCoreRequest(f"pd-{time.monotonic_ns()}-{i}", prompt, params,
                                             prefill_engine_address=self.address(self.prefill) if remote else None)
                 tokens: list[int] = []
                 async with aclosing(client.generate(request)) as stream:
@@ -108,7 +111,7 @@ class PD:
 def pd(model_path: Path) -> Iterator[PD]:
     args = ["--prefill-engines", "1", "--decode-engines", "1", "--prefill-threshold", str(THRESHOLD),
             "--kv-lease", str(LEASE), "--kv-transfer-timeout", "3", "--kv-cache-memory", KV_CACHE,
-            "--max-model-len", "2048"]
+            "--max-model-len", "2048", "--speculative-config", json.dumps(SPEC)]
     with running_serve(model_path, extra_args=args) as serve:
         yield PD(serve)
 
@@ -161,6 +164,28 @@ def check_remote_prefill_matches_colocated(pd: PD, colocated: LLM, batch: list[l
 
 def test_long_prompts_prefilled_remotely_decode_the_colocated_tokens(pd: PD, colocated: LLM):
     check_remote_prefill_matches_colocated(pd, colocated, prompts(4, 200, 600, seed=1), wave=4)
+
+
+def test_a_decode_engine_drafts_on_a_prompt_whose_kv_came_from_the_prefill_engine(pd: PD, colocated: LLM):
+    """The decode engine speculates from the first token P sampled: its drafts are verified against
+    the transferred KV, and the tokens are those of the colocated engine without speculation."""
+    text = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and "
+            "wrote the weather in a leather book that had belonged to his grandfather. In winter the storms "
+            "came from the north, the waves broke white over the rocks below the tower, and the ships kept "
+            "well away from the reef that the lamp warned them of. In summer the keeper painted the rails, "
+            "mended the nets of the fishermen in the village, and read the old letters by the window. When "
+            "the supply boat came each month, he carried the oil, the flour and the newspapers up the path.")
+    prompt = colocated.get_tokenizer().encode(f"Copy the text exactly.\nText: {text}\nCopy: {text[:40]}")
+    assert len(prompt) > THRESHOLD
+    params = SamplingParams(temperature=0, max_tokens=32)
+    accepted = lambda: metric(pd.page(pd.decode), "vllm:spec_decode_num_accepted_tokens_total")  # noqa: E731
+    before, accepted_before = counters(pd), accepted()
+    [expected] = colocated.generate([prompt], params)
+    assert pd.generate([prompt], params=params) == [expected.outputs[0].token_ids]
+    after = counters(pd)
+    assert after["received"] - before["received"] == 1 and after["recomputes"] == before["recomputes"]
+    assert accepted() - accepted_before >= 10  # the copy is drafted and accepted
+    pd.wait_idle()
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from services import LLM, SamplingParams
+from services.common.structured_outputs import StructuredOutputs
 from tests.services.procs import PYTHON, REPO_ROOT, Serve, client_for, free_port, serving
 from tests.unit.test_metrics import samples
 
@@ -68,6 +69,26 @@ def test_a_stop_string_inside_accepted_drafts_cuts_the_stream(stack: Serve, offl
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.outputs[0].text.split(stop)[0]
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    stack.wait_until_engine_idle()
+
+
+def test_a_json_schema_answer_is_drafted_and_the_one_without_speculation(stack: Serve, offline: LLM):
+    """Structured outputs speculate across the split: the engine sends a mask row per verified
+    position over gRPC, and the worker masks each draw with its own."""
+    record = {"name": "Ada Lovelace", "born": 1815, "field": "mathematics", "city": "London"}
+    schema = {"type": "object", "properties": {k: {"type": "integer" if k == "born" else "string"} for k in record},
+              "required": list(record), "additionalProperties": False}
+    prompt = f"Copy the JSON exactly.\nJSON: {json.dumps(record, separators=(',', ':'))}\nCopy: "
+    client, model = client_for(stack)
+    before = spec_counters(stack).get("vllm:spec_decode_num_accepted_tokens_total", 0)
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=60, temperature=0,
+                                      extra_body={"structured_outputs": {"json": schema}})
+    [expected] = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=60, structured_outputs=(
+        StructuredOutputs("json", json.dumps(schema)))))
+    assert reply.choices[0].text == expected.outputs[0].text
+    assert json.loads(reply.choices[0].text) == record
+    assert reply.choices[0].finish_reason == expected.outputs[0].finish_reason == "stop"
+    assert spec_counters(stack)["vllm:spec_decode_num_accepted_tokens_total"] - before >= 10
     stack.wait_until_engine_idle()
 
 

@@ -58,6 +58,19 @@ def test_apply_masks_only_the_named_rows_whatever_their_order():
     assert torch.equal(logits[[0, 2]], before[[0, 2]])  # unconstrained rows untouched
 
 
+def test_a_request_verifying_drafts_gets_its_mask_rows_in_position_order():
+    """A request with d drafts has d + 1 logits rows side by side and as many mask rows, row j of each
+    for the draw after its first j drafts; its batch-mates keep theirs."""
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(2))
+    before = logits.clone()
+    allowed = [{1}, {2}, {3}, {4, 5}]
+    # Draws: w, then x at positions 0..2, then z; the mask: z's row, then x's three.
+    apply_grammar_bitmask(logits, ["w", "x", "x", "x", "z"], GrammarBitmask(["z", "x", "x", "x"], pack(allowed)))
+    for row, allowed_here in ((4, allowed[0]), (1, allowed[1]), (2, allowed[2]), (3, allowed[3])):
+        assert set(torch.isfinite(logits[row]).nonzero().flatten().tolist()) == allowed_here
+    assert torch.equal(logits[0], before[0])
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_sampled_tokens_and_logprobs_keep_to_the_mask(temperature):
     rows = 64

@@ -80,3 +80,18 @@ def test_low_acceptance_backs_off_and_probes_with_one_token():
     assert speculator.draft(request, 8, num_running=8) == [2, 1]
     assert (speculator.stats.num_drafts, speculator.stats.num_draft_tokens) == (11, 12)
     assert speculator.stats.num_accepted_tokens_per_pos == [4, 1]
+
+
+def test_the_token_array_follows_every_append_and_drafts_from_the_new_tokens():
+    """The proposer's context is copied incrementally: after appends of any size (across the array's
+    growth), it holds exactly the request's tokens, and a draft sees the tokens just appended."""
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2))
+    prompt = list(range(100, 190))
+    request = Request("r", prompt, SamplingParams(max_tokens=500), 500, block_size=16)
+    assert np.array_equal(request.token_array(), prompt)
+    for size in (1, 3, 70, 1, 200):
+        request.append_output_token_ids(list(range(size)))
+        tokens = request.token_array()
+        assert tokens.dtype == np.int64 and tokens.tolist() == request.all_token_ids
+    request.append_output_token_ids([150, 151])  # a copy of the prompt starts
+    assert speculator.draft(request, 8, num_running=1) == [152, 153, 154]

@@ -104,13 +104,13 @@ def test_a_matcher_walks_its_grammar_to_the_end(model_path, tokenizer):
     assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
     [yes] = tokenizer.encode("yes")
     assert yes in first
-    assert grammar.accept(yes) and grammar.is_complete
+    assert grammar.accept([yes]) and grammar.is_complete
     assert allowed(m, grammar) == {EOS[0]}  # complete: only the end of the sequence may follow
-    assert grammar.accept(EOS[0])
+    assert grammar.accept(EOS[:1])
     m.submit("t", YES_NO, EOS)  # a copy of the cached grammar: it starts from the beginning
     refused = wait_ready(m, "t")
     assert allowed(m, refused) == first
-    assert not refused.accept(tokenizer.encode("maybe")[0])
+    assert not refused.accept(tokenizer.encode("maybe")[:1])
     m.shutdown()
 
 
@@ -124,11 +124,39 @@ def test_a_schema_with_properties_takes_no_other_key(model_path, tokenizer):
     def accepts(schema: dict, text: str) -> bool:
         m.submit(text, StructuredOutputs("json", json.dumps(schema)), EOS)
         grammar = wait_ready(m, text)
-        return all(grammar.accept(t) for t in tokenizer.encode(text)) and grammar.accept(EOS[0])
+        return grammar.accept(tokenizer.encode(text)) and grammar.accept(EOS[:1])
 
     assert accepts(weather, '{"city":"Paris","unit":"c"}')
     assert not accepts(weather, '{"city":"Paris","unit":"c","unit_type":"c"}')
     assert not accepts(weather, '{"city":"Paris","city":"Rome","unit":"c"}')
     assert accepts({**weather, "additionalProperties": True}, '{"city":"Paris","unit":"c","unit_type":"c"}')
     assert accepts({"type": "object"}, '{"anything":[1,2]}')
+    m.shutdown()
+
+
+def test_drafts_are_cut_to_the_grammar_and_get_one_mask_row_each(model_path, tokenizer):
+    """A draft sequence keeps its longest prefix the grammar accepts, short of the draft that
+    completes it; mask row j of a drafting request is the grammar's state after its first j drafts,
+    the same row a request that sampled those drafts would get; the matchers stay where they were."""
+    m = manager(model_path)
+    phrase = StructuredOutputs("regex", "The lighthouse keeper climbed")
+    m.submit("drafting", phrase, EOS)
+    m.submit("plain", YES_NO, EOS)
+    drafting, plain = wait_ready(m, "drafting"), wait_ready(m, "plain")
+    words = tokenizer.encode("The lighthouse keeper climbed the stairs")
+    assert drafting.valid_drafts(words[:2] + [words[0]]) == words[:2]  # refused: " The" after " lighthouse"
+    assert drafting.valid_drafts(words) == words[:3]  # " climbed" completes the grammar
+    drafts = drafting.valid_drafts(words)
+    rows = np.frombuffer(m.bitmask([plain, drafting], [[], drafts]), dtype="<u4").reshape(1 + len(drafts) + 1, -1)
+    assert rows.tobytes()[: rows.shape[1] * 4] == m.bitmask([plain])
+    stepped = []
+    for token in [*drafts, None]:
+        stepped.append(m.bitmask([drafting]))
+        if token is not None:
+            assert drafting.accept([token])
+    assert [rows[1 + j].tobytes() for j in range(len(drafts) + 1)] == stepped
+    assert drafting.accept(words[3:4]) and drafting.is_complete
+    m.submit("again", phrase, EOS)
+    fresh = wait_ready(m, "again")
+    assert fresh.valid_drafts(words) == drafts  # the bitmask left the compiled grammar as it was
     m.shutdown()

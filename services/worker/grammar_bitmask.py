@@ -46,8 +46,9 @@ def apply_grammar_bitmask(logits: torch.Tensor, req_ids: Sequence[str], bitmask:
             mask_rows.append(k)
     if not rows:
         return
-    assert all(i < len(req_ids) and req_ids[i] == bitmask.req_ids[k] for i, k in zip(rows, mask_rows)), (
-        "mask rows do not match the draws")
+    # The engine's message is checked as any caller's: a request with more mask rows than draws fails the step.
+    if not all(i < len(req_ids) and req_ids[i] == bitmask.req_ids[k] for i, k in zip(rows, mask_rows)):
+        raise ValueError("grammar bitmask: a request has more mask rows than sampled positions")
     bits = unpack_bitmask(bitmask, logits.shape[-1])
     if mask_rows != list(range(len(bitmask.req_ids))):
         bits = bits[mask_rows]

@@ -113,7 +113,7 @@ def test_an_adapter_loaded_at_run_time_serves_then_unloads_everywhere(stack: Ser
     expected = tokens(stack, "a", prompt)
     assert expected != tokens(stack, BASE, prompt)  # else a request run without its adapter could pass
     loaded = post(stack, "/v1/load_lora_adapter", {"lora_name": "a2", "lora_path": str(adapter.path)})
-    assert (loaded.status_code, loaded.text) == (200, "Success: LoRA adapter 'a2' added successfully.")
+    assert (loaded.status_code, loaded.text) == (200, "Success: LoRA adapter 'a2' added successfully."), stack.log()
     assert [(m.id, m.model_extra["parent"]) for m in client(stack).models.list().data] == [
         (BASE, None), ("a", BASE), ("a2", BASE)]
     assert all(s.lora.adapters == ("a", "a2") for s in engine_stats(stack).values())

@@ -71,6 +71,14 @@ def test_a_request_verifying_drafts_gets_its_mask_rows_in_position_order():
     assert torch.equal(logits[0], before[0])
 
 
+
+def test_more_mask_rows_than_draws_fails_the_step_and_leaves_the_logits():
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(3))
+    before = logits.clone()
+    with pytest.raises(ValueError, match="more mask rows than sampled positions"):
+        apply_grammar_bitmask(logits, ["x", "w"], GrammarBitmask(["x", "x"], pack([{1}, {2}])))
+    assert torch.equal(logits, before)
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_sampled_tokens_and_logprobs_keep_to_the_mask(temperature):
     rows = 64

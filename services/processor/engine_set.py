@@ -21,7 +21,9 @@ every engine of the fleet in turn.
 LoRA: a request for an adapter goes to an engine holding it (services/processor/lora_affinity.py),
 from the engines' reported adapters (their stats, re-read in the background) and this processor's
 own requests in flight. An adapter loaded or unloaded at run time is loaded on, or unloaded from,
-every ready engine: all of them or none.
+every ready engine: all of them or none. An engine that joins later, or comes back from a restart,
+starts with its own --lora-modules only: when its stats show a run-time adapter missing, it is
+loaded there again in the background (at most every RELOAD_RETRY_S seconds per engine and adapter).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from services.processor.migration import MIGRATABLE_ERRORS, EngineDeaths, Migrat
 from services.processor.router import Route, Router
 
 logger = logging.getLogger(__name__)
+RELOAD_RETRY_S = 30.0  # seconds before a failed re-load of a run-time adapter on an engine is tried again
 
 
 @dataclass(slots=True)
@@ -64,6 +67,9 @@ class EngineMember:
     lora_in_flight: Counter[str] = field(default_factory=Counter)
     lora_routed: set[str] = field(default_factory=set)  # sent it since its last stats read began
     stats_refresh: asyncio.Task[None] | None = None
+    # Run-time adapters being loaded on it again, and when a re-load last started (time.monotonic).
+    lora_reloading: set[str] = field(default_factory=set)
+    lora_reload_started: dict[str, float] = field(default_factory=dict)
 
     @property
     def address(self) -> str:
@@ -95,6 +101,8 @@ class EngineSet:
         index = prefix_index if prefix_index is not None else EnginesPrefixIndex(self._index_clients, index_timeout_s)
         self.router = Router(routing, index, index_timeout_s, metrics)
         self.metrics = metrics
+        self.runtime_loras: dict[str, str] = {}  # adapters loaded at run time: name -> folder
+        self._reloads: set[asyncio.Task[None]] = set()  # strong references until they finish
 
     def update(self, endpoints: frozenset[Endpoint]) -> None:
         """The Service's ready set changed: new endpoints get a client, gone ones drain."""
@@ -128,7 +136,8 @@ class EngineSet:
         candidates = [m for m in ready if m.healthy] or ready
         if self.router.config.routing == "kv-aware" and len(candidates) > 1:
             await self._fetch_infos(candidates)
-        if request.lora_name is not None and len(candidates) > 1:
+        # One engine needs no affinity, but its stats still show a run-time adapter it lost in a restart.
+        if request.lora_name is not None and (len(candidates) > 1 or request.lora_name in self.runtime_loras):
             await self._refresh_stats(candidates)
         return await self.router.route(candidates, request)
 
@@ -146,13 +155,42 @@ class EngineSet:
 
     async def _read_stats(self, member: EngineMember) -> None:
         routed = set(member.lora_routed)  # the engine's answer accounts for these
+        loaded = dict(self.runtime_loras)  # and for these: a load that ends during the read is not missing
         try:
             member.stats = await asyncio.wait_for(member.client.stats(), self.index_timeout_s)
         except (ConnectionError, TimeoutError, EngineDeadError, InternalError) as e:
             logger.debug("engine %s: no stats: %s", member.address, e)
         else:
             member.lora_routed -= routed
+            self._reload_missing_loras(member, loaded)
         member.stats_read_at = time.monotonic()
+
+    def _reload_missing_loras(self, member: EngineMember, loaded: dict[str, str]) -> None:
+        """Load again, in the background, the run-time adapters `loaded` (those before the stats
+        read) that `member`'s stats do not list: it joined or restarted since their load."""
+        served = member.stats.lora.adapters if member.stats.lora is not None else ()
+        now = time.monotonic()
+        for name, path in loaded.items():
+            if (name in served or self.runtime_loras.get(name) != path or name in member.lora_reloading
+                    or now - member.lora_reload_started.get(name, float("-inf")) < RELOAD_RETRY_S):
+                continue
+            member.lora_reloading.add(name)
+            member.lora_reload_started[name] = now
+            task = asyncio.create_task(self._reload_lora(member, name, path))
+            self._reloads.add(task)
+            task.add_done_callback(self._reloads.discard)
+
+    async def _reload_lora(self, member: EngineMember, name: str, path: str) -> None:
+        try:
+            await member.client.load_lora_adapter(name, path)
+            logger.info("engine %s: LoRA adapter %s loaded again", member.address, name)
+            if self.runtime_loras.get(name) != path:  # unloaded (or replaced) meanwhile: undo it there
+                await member.client.unload_lora_adapter(name)
+        except (ConnectionError, TimeoutError, EngineDeadError, InternalError, ValueError, ModelNotFoundError) as e:
+            logger.warning("engine %s: LoRA adapter %s not loaded again: %s", member.address, name, e)
+        finally:
+            member.lora_reloading.discard(name)
+            member.stats_read_at = float("-inf")  # its adapters changed: read them at the next request
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         """One stream for `request`, moved to another engine when its engine dies mid-stream."""
@@ -284,6 +322,7 @@ class EngineSet:
         failed = [r for r in results if isinstance(r, BaseException)]
         self._forget_stats(ready)
         if not failed:
+            self.runtime_loras[lora_name] = lora_path
             return
         loaded = [m for m, r in zip(ready, results) if not isinstance(r, BaseException)]
         undone = await asyncio.gather(*(m.client.unload_lora_adapter(lora_name) for m in loaded),
@@ -298,6 +337,7 @@ class EngineSet:
         """From every ready engine; ModelNotFoundError when none served it (an engine that restarted
         since the load does not: that is no failure)."""
         ready = self._ready_or_fail()
+        self.runtime_loras.pop(lora_name, None)  # no engine gets it again, whatever they answer
         results = await asyncio.gather(*(m.client.unload_lora_adapter(lora_name) for m in ready),
                                        return_exceptions=True)
         self._forget_stats(ready)
@@ -330,7 +370,7 @@ class EngineSet:
         return any(m.healthy for m in ready)
 
     async def close(self) -> None:
-        refreshes = [m.stats_refresh for m in self.members.values() if m.stats_refresh is not None]
+        refreshes = [*(m.stats_refresh for m in self.members.values() if m.stats_refresh is not None), *self._reloads]
         for task in refreshes:
             task.cancel()
         await asyncio.gather(*refreshes, return_exceptions=True)

@@ -12,7 +12,10 @@ with a PEFT adapter made at test time (tests/model/lora_adapters.py), as vLLM us
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -26,7 +29,7 @@ from services.common.clients import EngineStats
 from services.engine.client import GrpcEngineClient
 from tests.model.families import Family, random_prompts
 from tests.model.lora_adapters import Adapter, save_adapter
-from tests.services.procs import Serve, serving
+from tests.services.procs import Serve, gone, serving
 from tests.unit.test_metrics import samples
 
 BASE = "tiny"
@@ -172,3 +175,29 @@ def test_lora_requests_info_names_the_running_adapter(stack: Serve) -> None:
     assert len(infos) == 2, found  # one series per engine: its present state
     assert sorted(i["running_lora_adapters"] for i in infos) == ["", "a"]
     assert {(i["max_lora"], i["waiting_lora_adapters"]) for i in infos} == {("1", "")}
+
+
+def test_an_engine_back_from_a_restart_gets_the_run_time_adapters_again(stack: Serve, adapter: Adapter) -> None:
+    """Last: it kills an engine. kvmesh serve restarts it with its --lora-modules only; the processor
+    sees the run-time adapter missing from its stats and loads it there again."""
+    loaded = post(stack, "/v1/load_lora_adapter", {"lora_name": "a3", "lora_path": str(adapter.path)})
+    assert loaded.status_code == 200, loaded.text
+    pid = stack.services["engine-1"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:  # the engine's stats once its pair is back; requests for a3 make the processor read them
+        try:
+            stats = engine_stats(stack)
+        except (ConnectionError, TimeoutError):
+            stats = {}
+        if stats and all(s.lora.adapters == ("a", "a3") for s in stats.values()):
+            break
+        assert time.monotonic() < deadline, (stats, stack.log())
+        with contextlib.suppress(openai.APIError):
+            tokens(stack, "a3", PROMPTS[3], max_tokens=1)
+        time.sleep(0.2)
+    assert gone(pid)
+    unloaded = post(stack, "/v1/unload_lora_adapter", {"lora_name": "a3"})
+    assert unloaded.status_code == 200, unloaded.text
+    for stats in wait_until_idle(stack).values():
+        assert stats.lora.adapters == ("a",), stats

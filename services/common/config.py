@@ -125,7 +125,8 @@ class ModelConfig:
     max_model_len: int | None = option(None, "context length (default: the model's own)", minimum=2)
     seed: int = option(0, "seed of the worker's random state")
     cache_dir: Path | None = option(
-        None, "where converted GGUF models are kept (default: $KVMESH_CACHE_DIR, else ~/.cache/kvmesh)")
+        None, "where converted GGUF models and resolved model configs are kept "
+              "(default: $KVMESH_CACHE_DIR, else ~/.cache/kvmesh)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))  # LLM(dtype="half") hands vLLM's name

@@ -34,13 +34,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import urllib3
-from kubernetes import config as kube_config
-from kubernetes.client import ApiClient, Configuration, DiscoveryV1Api, V1EndpointSlice
-from kubernetes.client.exceptions import ApiException
-from kubernetes.watch import Watch
+
+# The client is imported where it is used: importing it costs a process 0.3 s, and most processes
+# off Kubernetes never watch anything.
+if TYPE_CHECKING:
+    from kubernetes.client import Configuration, DiscoveryV1Api, V1EndpointSlice
+    from kubernetes.watch import Watch
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +52,9 @@ WATCH_SECONDS = 300  # the API server ends each watch after this long; we then r
 REQUEST_TIMEOUT = (10.0, 30.0)  # (connect, read) seconds of a list
 STEADY_WATCH = 1.0  # seconds: a list+watch round shorter than this counts as a failure (back off)
 CLOSE_TIMEOUT = 5.0  # seconds close() waits for the thread
-# What a list or watch raises when the API server or the network fails; the thread logs and retries.
-TRANSIENT_ERRORS = (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError)
+# What a list or watch raises when the API server or the network fails, besides the client's
+# ApiException; the thread logs and retries.
+TRANSIENT_ERRORS = (urllib3.exceptions.HTTPError, OSError, ValueError)
 
 T = TypeVar("T")
 
@@ -92,6 +95,9 @@ def kube_configuration() -> Configuration:
     """How to reach the API server: the pod's service account inside Kubernetes, else the kubeconfig
     ($KUBECONFIG or ~/.kube/config), which is how a service outside the cluster (or a test) points
     discovery at an API server."""
+    from kubernetes import config as kube_config
+    from kubernetes.client import Configuration
+
     configuration = Configuration()
     try:
         if os.environ.get("KUBERNETES_SERVICE_HOST"):
@@ -205,6 +211,9 @@ class EndpointWatcher:
     # ------------------------------------------------------------------------- on the thread
 
     def _run(self) -> None:
+        from kubernetes.client import ApiClient, DiscoveryV1Api
+        from kubernetes.client.exceptions import ApiException
+
         api = DiscoveryV1Api(ApiClient(self._configuration))
         failures = 0
         try:
@@ -242,6 +251,8 @@ class EndpointWatcher:
     def _watch_from(self, api: DiscoveryV1Api) -> None:
         """Applies events until the stream ends, keeping the last resourceVersion seen (bookmarks
         included) to resume from. A broken stream raises; 410 Gone raises ApiException(410)."""
+        from kubernetes.watch import Watch
+
         watch = Watch()
         self._watch = watch
         if self._stopping.is_set():  # close() may have run before self._watch was set

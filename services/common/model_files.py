@@ -26,13 +26,13 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any
-
-from transformers import PreTrainedTokenizerFast
-from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+from typing import TYPE_CHECKING, Any
 
 from services.common.config import default_cache_dir
 from services.common.gguf_file import GGUFFile
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +154,11 @@ def convert_gguf_tokenizer_folder(gguf_path: Path, out_dir: Path) -> None:
 
 def _tokenizer_from(metadata: dict[str, Any]) -> PreTrainedTokenizerFast:
     # transformers' get_gguf_tokenizer, on metadata read by gguf; the builders are transformers' own.
+    # Imported here: a worker finds its model through this module, and importing transformers costs
+    # a process 1-2 s.
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
     renames = GGUF_TOKENIZER_MAPPING["tokenizer"]
     tokenizer_dict = {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
                       if f"tokenizer.{key}" in metadata}

@@ -15,9 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+from services.common.hf_config import HFConfig, load_hf_config
 from services.common.model_files import cached_conversion, locate_model
 from services.worker.gguf_weights import GGUFWeights
 from services.worker.layers.linear import WeightSource
@@ -36,11 +35,12 @@ def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
 
 
 def load_model(model_path: Path, dtype: torch.dtype, device: torch.device, tp: TensorParallelGroup | None = None,
-               gguf_weights: GGUFWeights | None = None) -> tuple[nn.Module, transformers.PretrainedConfig]:
+               gguf_weights: GGUFWeights | None = None, cache_dir: Path | None = None) -> tuple[nn.Module, HFConfig]:
     """Build our model for `model_path`'s config.json in `dtype` on `device` and stream its weights
     in; in a tensor-parallel group `tp`, only this rank's slices of them. With `gguf_weights` (the
-    file `model_path` was converted from), the layers get its blocks where the kernel reads them."""
-    config = AutoConfig.from_pretrained(model_path)
+    file `model_path` was converted from), the layers get its blocks where the kernel reads them.
+    `cache_dir` keeps the resolved config (services.common.hf_config)."""
+    config = load_hf_config(model_path, cache_dir)
     model_class = get_model_class(config)
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
@@ -67,6 +67,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     # `dequantize=True` is explicit on purpose: left to itself, transformers keeps the weights packed
     # in GGUF blocks whenever a Hugging Face `kernels` package is importable, and such a model
     # refuses save_pretrained.
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig  # once per file: see hf_config
+
     model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32,
         quantization_config=GgufConfig(dequantize=True),

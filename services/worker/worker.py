@@ -67,7 +67,8 @@ class Worker:
         self.tp = TensorParallelGroup.create(parallel_config, self.device, secret)  # waits for the other ranks
         gguf_weights = gguf_weights_for(model_config.quantization, model_config.model, self.device, self.dtype,
                                         cache_dir)
-        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device, self.tp, gguf_weights)
+        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device, self.tp, gguf_weights,
+                                                 cache_dir)
         gemm_dtype = block_gemm_dtype(model_config.dtype, self.device)
         if gguf_weights is not None and gemm_dtype != torch.float32:
             use_gemm_dtype(gemm_dtype_layers(self.model), gemm_dtype)

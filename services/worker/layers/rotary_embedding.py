@@ -14,14 +14,14 @@ import math
 
 import torch
 from torch import nn
-import transformers
 
 from kvmesh_kernels import cpu_fused_ops
+from services.common.hf_config import HFConfig
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def rope_parameters_of(config: transformers.PretrainedConfig, layer_type: str | None = None) -> dict[str, Any]:
+def rope_parameters_of(config: HFConfig, layer_type: str | None = None) -> dict[str, Any]:
     """The RoPE settings as one flat dict with `rope_type` and `rope_theta`.
 
     transformers 5 keeps them in `config.rope_parameters` (theta included); older versions in

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-import transformers
 
+from services.common.hf_config import HFConfig
 from services.worker.attention import Attention
 from services.worker.layers.activation import GeluTanhAndMul
 from services.worker.layers.rmsnorm import GemmaRMSNorm
@@ -39,7 +39,7 @@ from services.worker.parallel_group import TensorParallelGroup
 GELU_TANH = ("gelu_pytorch_tanh",)  # transformers' name of torch's GELU with the tanh approximation
 
 
-def layer_types_of(config: transformers.PretrainedConfig) -> list[str]:
+def layer_types_of(config: HFConfig) -> list[str]:
     """Each layer's kind, `sliding_attention` or `full_attention` (transformers fills it in from
     the older `sliding_window_pattern` when a config lacks it)."""
     layer_types = list(config.layer_types)
@@ -51,7 +51,7 @@ def layer_types_of(config: transformers.PretrainedConfig) -> list[str]:
 
 
 class Gemma3MLP(GatedMLP):
-    def __init__(self, config: transformers.PretrainedConfig, dtype: torch.dtype, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: HFConfig, dtype: torch.dtype, tp: TensorParallelGroup) -> None:
         activation = getattr(config, "hidden_activation", None)
         if activation not in GELU_TANH:
             raise ValueError(f"unsupported hidden_activation {activation!r}; supported: {', '.join(GELU_TANH)}")
@@ -59,7 +59,7 @@ class Gemma3MLP(GatedMLP):
 
 
 class Gemma3Attention(LlamaAttention):
-    def __init__(self, config: transformers.PretrainedConfig, layer_idx: int, dtype: torch.dtype,
+    def __init__(self, config: HFConfig, layer_idx: int, dtype: torch.dtype,
                  tp: TensorParallelGroup) -> None:
         bias = bool(getattr(config, "attention_bias", False))
         super().__init__(config, layer_idx, bias, bias, dtype, tp)
@@ -84,7 +84,7 @@ class Gemma3Attention(LlamaAttention):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: transformers.PretrainedConfig, layer_idx: int, dtype: torch.dtype,
+    def __init__(self, config: HFConfig, layer_idx: int, dtype: torch.dtype,
                  tp: TensorParallelGroup) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
@@ -104,7 +104,7 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, config: transformers.PretrainedConfig, dtype: torch.dtype, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: HFConfig, dtype: torch.dtype, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         # sqrt(hidden_size) rounded to the model dtype, as transformers multiplies the embeddings by it.
@@ -138,7 +138,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Weights load as the Llama family's do (`LlamaForCausalLM.load_weights`: fused projections,
     tensor-parallel slices, GGUF blocks); the norms add their 1 as they load."""
 
-    def __init__(self, config: transformers.PretrainedConfig, dtype: torch.dtype,
+    def __init__(self, config: HFConfig, dtype: torch.dtype,
                  tp: TensorParallelGroup | None = None) -> None:
         nn.Module.__init__(self)
         if getattr(config, "use_bidirectional_attention", False):

@@ -25,8 +25,8 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-import transformers
 
+from services.common.hf_config import HFConfig
 from services.worker.attention import Attention
 from services.worker.layers.activation import SiluAndMul
 from services.worker.layers.linear import MergedLinear, RowParallelLinear, ShardRows, WeightSource, copy_checked
@@ -45,11 +45,11 @@ _STACKED_PARAMS = (
 )
 
 
-def head_size_of(config: transformers.PretrainedConfig) -> int:
+def head_size_of(config: HFConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def sliding_window_of(config: transformers.PretrainedConfig, layer_idx: int) -> int | None:
+def sliding_window_of(config: HFConfig, layer_idx: int) -> int | None:
     """The layer's attention window in tokens, or None for full attention."""
     window = getattr(config, "sliding_window", None)
     if window is None or getattr(config, "use_sliding_window", True) is False:
@@ -93,7 +93,7 @@ class HeadPartition(NamedTuple):
         return cls(kv_start * group + q_offset, q_count, kv_start, 1)
 
 
-def head_partition_of(config: transformers.PretrainedConfig, tp: TensorParallelGroup) -> HeadPartition:
+def head_partition_of(config: HFConfig, tp: TensorParallelGroup) -> HeadPartition:
     num_heads = config.num_attention_heads
     return HeadPartition.of(num_heads, getattr(config, "num_key_value_heads", None) or num_heads, tp.rank, tp.size)
 
@@ -101,7 +101,7 @@ def head_partition_of(config: transformers.PretrainedConfig, tp: TensorParallelG
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), gate and up in one matmul, sharded by rows of the intermediate size."""
 
-    def __init__(self, config: transformers.PretrainedConfig, dtype: torch.dtype, tp: TensorParallelGroup,
+    def __init__(self, config: HFConfig, dtype: torch.dtype, tp: TensorParallelGroup,
                  act_fn: nn.Module, bias: bool = False) -> None:
         super().__init__()
         total = config.intermediate_size
@@ -116,14 +116,14 @@ class GatedMLP(nn.Module):
 
 
 class LlamaMLP(GatedMLP):
-    def __init__(self, config: transformers.PretrainedConfig, dtype: torch.dtype, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: HFConfig, dtype: torch.dtype, tp: TensorParallelGroup) -> None:
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; supported: silu")
         super().__init__(config, dtype, tp, SiluAndMul(), getattr(config, "mlp_bias", False))
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: transformers.PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
+    def __init__(self, config: HFConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
                  dtype: torch.dtype, tp: TensorParallelGroup) -> None:
         super().__init__()
         heads = head_partition_of(config, tp)
@@ -154,7 +154,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: transformers.PretrainedConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
+    def __init__(self, config: HFConfig, layer_idx: int, qkv_bias: bool, o_bias: bool,
                  dtype: torch.dtype, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -178,7 +178,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: transformers.PretrainedConfig, qkv_bias: bool, o_bias: bool,
+    def __init__(self, config: HFConfig, qkv_bias: bool, o_bias: bool,
                  dtype: torch.dtype, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
@@ -208,7 +208,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: transformers.PretrainedConfig, dtype: torch.dtype,
+    def __init__(self, config: HFConfig, dtype: torch.dtype,
                  tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         tp = tp or TensorParallelGroup()
@@ -223,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
 
     @staticmethod
-    def attention_biases(config: transformers.PretrainedConfig) -> tuple[bool, bool]:
+    def attention_biases(config: HFConfig) -> tuple[bool, bool]:
         """(bias on q, k, v; bias on o)."""
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
@@ -293,5 +293,5 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     @staticmethod
-    def attention_biases(config: transformers.PretrainedConfig) -> tuple[bool, bool]:
+    def attention_biases(config: HFConfig) -> tuple[bool, bool]:
         return True, False

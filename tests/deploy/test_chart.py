@@ -42,9 +42,11 @@ KUBE_VERSIONS = ["1.30", kubernetes_validate.utils.latest_version()]
 CUSTOM_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1", "PodMonitor": "monitoring.coreos.com/v1",
                 "ScaledObject": "keda.sh/v1alpha1"}
 COMPONENTS = ("gateway", "processor", "engine", "worker")
+# test-fast checks the chart's defaults; `make test` every example values file as well.
+EXAMPLE_PARAMS = [name if name == "default" else pytest.param(name, marks=pytest.mark.slow) for name in EXAMPLES]
 
 
-@pytest.fixture(scope="module", params=list(EXAMPLES))
+@pytest.fixture(scope="module", params=EXAMPLE_PARAMS)
 def example(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:
     return request.param, render(example_values(request.param))
 
@@ -65,7 +67,7 @@ def test_render_matches_golden(example: tuple[str, dict[str, str]]) -> None:
                     f"\n{diff[:6000]}")
 
 
-@pytest.mark.parametrize("example_name", list(EXAMPLES))
+@pytest.mark.parametrize("example_name", EXAMPLE_PARAMS)
 def test_lint_is_clean(example_name: str) -> None:
     report = helm.lint(CHART_DIR, example_values(example_name), strict=True, namespace=NAMESPACE)
     # Severity 1 is informational (e.g. "icon is recommended"); warnings and errors fail.

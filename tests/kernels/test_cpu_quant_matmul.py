@@ -354,6 +354,7 @@ def test_i8_weights_are_made_of_q4_1_or_q8_0_rows_in_groups_of_8(lib):
         qm.to_i8_blocks(quantized(8, 64, QuantType.F16, seed=0)[0], QuantType.F16, 64, lib)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_kvmesh_cpu_isa_serves_an_older_cpus_paths():
     # KVMESH_CPU_ISA=avx2 on any x86 CPU with AVX2: the served builds take their AVX2 paths and the
     # features an AVX2-only CPU lacks are denied to whoever chooses by them (--dtype auto among them).

@@ -85,6 +85,7 @@ def test_split_kv_decode(num_splits: int, num_heads: int, num_kv_heads: int, dty
     run_and_check(case, AttentionParams(scale=0.125, sliding_window=window), num_splits=num_splits)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_split_kv_on_a_mixed_batch(device, gen) -> None:
     # Chosen for decodes only, but right for any batch: rows of a prefill chunk whose positions come
     # before a split's share get an empty share there.

@@ -69,6 +69,7 @@ def test_auto_is_not_triton_on_the_cpu() -> None:
         get_attention_backend("flash", torch.device("cpu"))
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_torch_backend_needs_no_triton_and_triton_needs_the_interpreter_on_the_cpu() -> None:
     # A fresh process without TRITON_INTERPRET: choosing torch imports no Triton at all; choosing
     # Triton on the CPU fails at once with a message that says what to do.

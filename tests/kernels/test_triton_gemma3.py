@@ -39,6 +39,7 @@ def generate(folder: Path, backend: str, prompts: list[list[int]]):
         gc.collect()
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_triton_backend_runs_gemma3_windows_as_transformers(tiny: tuple[Path, HFReference]) -> None:
     folder, reference = tiny
     gen = torch.Generator().manual_seed(4)

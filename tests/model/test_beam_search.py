@@ -15,6 +15,10 @@ from transformers import GenerationConfig
 
 from services import BeamSearchParams
 
+# Each check runs the default model's beams against transformers' for a second or more: `make test`,
+# not test-fast (the unit tier checks the beam search core).
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["def fibonacci(n):", "1, 2, 3, 4,"]  # no EOS among the candidates of their first 6 tokens
 CHAT = [{"role": "user", "content": "Say yes or no."}]  # ends within a few tokens
 

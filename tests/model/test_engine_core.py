@@ -69,6 +69,7 @@ def test_stop_strings_cut_the_text_and_abort_the_engine_request(llm: LLM):
     assert_nothing_left(llm)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_max_tokens_eos_and_stop_token_ids(llm: LLM):
     chat = [{"role": "user", "content": "Say hello."}]
     natural = llm.chat(chat, SamplingParams(temperature=0, max_tokens=200))[0].outputs[0]
@@ -101,6 +102,7 @@ def test_logprobs_and_prompt_logprobs(llm: LLM):
     assert out.num_cached_tokens == 0  # prompt logprobs need every position computed
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_n_choices_with_a_seed_differ_and_reproduce(llm: LLM):
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12)
     first = llm.generate(["My favourite animal is"], params)[0]
@@ -111,6 +113,7 @@ def test_n_choices_with_a_seed_differ_and_reproduce(llm: LLM):
     assert_nothing_left(llm)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_request_resumed_from_its_outputs_goes_on_as_uninterrupted(llm: LLM, temperature: float):
     """What a migrated request is (services/processor/migration.py): prompt + the first k outputs,

@@ -26,7 +26,12 @@ def config_of(family: Family) -> dict:
     return json.loads((family.path / "config.json").read_text())
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+# One family in test-fast; all of them, 2-3 s each, in `make test`.
+FAST_FAMILY = "llama-tied"
+
+
+@pytest.mark.parametrize("name", [name if name == FAST_FAMILY else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in FAMILIES])
 def test_family_matches_transformers_through_chunks_preemption_and_prefix_hits(
         model_families: dict[str, Family], name: str) -> None:
     family = model_families[name]

@@ -74,6 +74,7 @@ def gemma3_llm(gemma3_path: Path) -> Iterator[LLM]:
     gc.collect()
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_gemma3_270m_greedy_matches_transformers(gemma3_llm: LLM, gemma3_reference: HFReference) -> None:
     tokenizer = gemma3_llm.get_tokenizer()
     prompts = [tokenizer.encode(p) for p in RAW_PROMPTS[1:5]]
@@ -130,7 +131,7 @@ def tiny_prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
     return [torch.randint(100, 40_000, (n,), generator=gen).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", [pytest.param("torch", marks=pytest.mark.slow), "cpu"])
 def test_tiny_gemma3_windows_chunks_and_prefix_hits_match_transformers(tiny: tuple[Path, HFReference],
                                                                        backend: str) -> None:
     folder, reference = tiny
@@ -151,6 +152,7 @@ def test_tiny_gemma3_windows_chunks_and_prefix_hits_match_transformers(tiny: tup
     assert_no_leaks(llm)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_tiny_gemma3_preemption_matches_transformers(tiny: tuple[Path, HFReference]) -> None:
     folder, reference = tiny
     prompts = tiny_prompts((40, 52, 61, 33), seed=3)
@@ -193,6 +195,7 @@ def check_native_equals_modules(llm: LLM, prompts: list[list[int]], params: Samp
     return calls
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_gemma3_270m_native_decoder_equals_its_modules(gemma3_llm: LLM) -> None:
     tokenizer = gemma3_llm.get_tokenizer()
     prompts = [tokenizer.encode(p) for p in RAW_PROMPTS[1:3]]
@@ -202,6 +205,7 @@ def test_gemma3_270m_native_decoder_equals_its_modules(gemma3_llm: LLM) -> None:
     assert sum(map(len, prompts)) in calls and 2 in calls  # the chunk, then decodes
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_tiny_gemma3_native_decoder_equals_its_modules(tiny: tuple[Path, HFReference]) -> None:
     # Every linear layer in Q8_0 blocks: the native decoder takes Gemma 3's layer (four norms,
     # QK-norm, GELU, two RoPE tables, windows on three layers of four) with the same bits.

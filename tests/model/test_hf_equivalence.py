@@ -121,6 +121,7 @@ def test_chunked_prefill_and_preemption_match_hf(model_path, hf_reference, promp
     check_all(llm, hf_reference, prompt_token_ids, outputs, "chunked prefill (64-token budget) and preemption")
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_shared_prefix_hits_cache_and_matches_hf(llm, hf_reference):
     tokenizer = llm.get_tokenizer()
     prefix = tokenizer.encode(long_text(9))[:300]
@@ -136,6 +137,7 @@ def test_shared_prefix_hits_cache_and_matches_hf(llm, hf_reference):
     assert again.outputs[0].token_ids == out_second.outputs[0].token_ids
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_seeded_sampling_is_reproducible_in_any_batch(llm):
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24)
     prompt = "Write a sentence about the sea:"

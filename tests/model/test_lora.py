@@ -81,6 +81,7 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_each_adapter_alone_gives_peft_tokens_and_logprobs(llm: LLM, adapters: dict[str, Adapter]) -> None:
     prompts = random_prompts((5, BLOCK_SIZE + 1, 40), seed=3)
     base = tokens(llm.generate(prompts, GREEDY))
@@ -91,6 +92,7 @@ def test_each_adapter_alone_gives_peft_tokens_and_logprobs(llm: LLM, adapters: d
     llm.engine.check_integrity()
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 @pytest.mark.parametrize("name", ["llama-tied", "gemma3"])
 def test_an_adapter_of_a_tied_llama_and_of_gemma3_gives_peft_tokens(
         model_families: dict[str, Family], name: str, tmp_path: Path) -> None:
@@ -106,6 +108,7 @@ def test_an_adapter_of_a_tied_llama_and_of_gemma3_gives_peft_tokens(
     assert check_greedy(Scenario(prompts, outputs), adapter.reference) <= 1
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_an_adapter_in_float16_agrees_with_peft_in_float16(llama: Family, adapters: dict[str, Adapter]) -> None:
     adapter = adapters["a"]
     prompts = random_prompts((5, BLOCK_SIZE + 1, 40), seed=3)
@@ -132,6 +135,7 @@ def test_two_adapters_and_the_base_in_one_batch_give_each_request_its_tokens_alo
     assert len({tuple(t) for t in alone[:3]}) == 3
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 @pytest.mark.parametrize(("dtype", "slots"), [("float32", torch.float32), ("auto", torch.bfloat16)])
 def test_lora_runs_in_the_native_decoder_bit_for_bit_as_its_layers(llama: Family, adapters: dict[str, Adapter],
                                                                     dtype: str, slots: torch.dtype) -> None:
@@ -184,6 +188,7 @@ def test_the_prefix_cache_never_crosses_adapters(llm: LLM, adapters: dict[str, A
     llm.engine.check_integrity()
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_one_slot_serves_three_adapters_without_starving_any(llama: Family, adapters: dict[str, Adapter]) -> None:
     llm = make_llm(llama, max_loras=1)
     try:

@@ -124,6 +124,7 @@ def test_smollm2_matches_transformers_prefill_and_decode(smollm2, model_path: Pa
     check_prefill_then_decode(model, hf_model, config, [short, long], [[5], [2, 9, 3]], SMOLLM2_ATOL)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_smollm2_in_gguf_blocks_holds_the_folders_weights_and_matches_transformers(smollm2, model_path: Path) -> None:
     # The worker's CPU default for a GGUF model: its weights in the file's blocks.
     model, hf_model, config = smollm2

@@ -53,6 +53,7 @@ def test_the_default_model_on_the_cpu_takes_the_native_decoder(llm: LLM):
     assert isinstance(model_of(llm).native_decoder, NativeDecoder)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_native_and_module_paths_give_the_same_tokens_and_logprobs(llm: LLM):
     served = model_of(llm).native_decoder
     assert served is not None
@@ -77,6 +78,7 @@ def test_native_and_module_paths_give_the_same_tokens_and_logprobs(llm: LLM):
         assert a.prompt_logprobs == b.prompt_logprobs
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_int8_copies_take_the_same_bits_natively_and_through_the_modules(llm: LLM):
     # `--dtype auto` on an AVX2-only CPU (quantized_weight.use_gemm_dtype(..., torch.int8)), given to
     # this model's layers on any CPU for the length of the test.

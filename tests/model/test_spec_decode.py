@@ -80,6 +80,7 @@ def run(llm: LLM, prompts, params: SamplingParams):
     return [o.outputs[0] for o in llm.generate(prompts, params)]
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_greedy_tokens_are_identical_and_drafts_are_accepted(plain: LLM, spec: LLM):
     params = SamplingParams(temperature=0, max_tokens=40)
     before = stats(spec)
@@ -118,6 +119,7 @@ def test_one_request_alone_takes_fewer_steps(spec: LLM):
     assert_nothing_left(spec)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_seeded_sampling_draws_the_same_tokens(plain: LLM, spec: LLM):
     """A seeded draw depends on its seed and position only: verifying drafts draws at the same positions
     from the same distributions, so the tokens are those drawn one step at a time."""
@@ -127,6 +129,7 @@ def test_seeded_sampling_draws_the_same_tokens(plain: LLM, spec: LLM):
     assert_nothing_left(spec)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_penalties_and_logprobs_see_the_accepted_drafts(plain: LLM, spec: LLM):
     """Each drafted position is sampled as if the drafts before it were outputs already: penalties
     count them, and every new token (accepted drafts too) has its logprobs."""
@@ -142,6 +145,7 @@ def test_penalties_and_logprobs_see_the_accepted_drafts(plain: LLM, spec: LLM):
     assert_nothing_left(spec)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 @pytest.mark.parametrize("stop", ["max_tokens", "stop_token"])
 def test_a_stop_inside_the_accepted_drafts_ends_there(plain: LLM, spec: LLM, stop: str):
     greedy = SamplingParams(temperature=0, max_tokens=40)
@@ -159,6 +163,7 @@ def test_a_stop_inside_the_accepted_drafts_ends_there(plain: LLM, spec: LLM, sto
     assert_nothing_left(spec)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_prefix_cache_hits_on_blocks_computed_with_drafts(plain: LLM, spec: LLM):
     """A request's blocks are cached only once their tokens are known: a later prompt that continues
     an earlier output hits blocks whose KV was computed by draft verification, and still gets the
@@ -206,6 +211,7 @@ def recording_drafts(llm: LLM) -> dict[StructuredOutputs | None, list[int]]:
     return drafts
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_structured_outputs_speculate_and_keep_their_tokens(plain: LLM, spec: LLM):
     """Each verified position samples under the grammar's state after the drafts before it: greedy
     outputs are those without speculation, and the copies are drafted and accepted."""
@@ -222,6 +228,7 @@ def test_structured_outputs_speculate_and_keep_their_tokens(plain: LLM, spec: LL
     assert_nothing_left(spec)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_seeded_sampling_under_a_grammar_draws_the_same_tokens(plain: LLM, spec: LLM):
     prompts = [p for p, _ in CONSTRAINED]
     params = [SamplingParams(temperature=0.8, top_p=0.95, seed=11 + i, max_tokens=60, structured_outputs=c)
@@ -233,6 +240,7 @@ def test_seeded_sampling_under_a_grammar_draws_the_same_tokens(plain: LLM, spec:
     assert_nothing_left(spec)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_drafts_stop_before_a_token_the_grammar_forbids_or_that_completes_it(plain: LLM, spec: LLM):
     """The prompt's copy drafts " spiral stairs every ...": under "... the long stairs" the grammar
     forbids " spiral"; under "... the spiral stairs" the draft " stairs" completes the grammar, and

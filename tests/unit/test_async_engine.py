@@ -262,6 +262,7 @@ class CheckedWorker(ScriptedWorker):
         self.checks += 1
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_the_idle_loop_checks_its_worker_however_often_it_is_woken():
     """Aborts of unknown requests wake the idle loop every 25 ms, four times an interval: the checks
     still come about once an interval (a worker whose lease lapsed would serve another engine)."""

@@ -181,6 +181,7 @@ async def test_a_failed_worker_step_raises_and_over_grpc_names_nothing_of_it(kin
         assert "RuntimeError" not in str(failed.value)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 async def test_an_unreachable_worker_is_connection_error_and_a_late_one_timeout():
     worker = GrpcWorkerClient(unreachable(), timeout=0.5, liveness_timeout=0.5)
     with pytest.raises(ConnectionError):

@@ -101,6 +101,7 @@ def test_bad_values_are_usage_errors_naming_the_flag(argv, message, capsys):
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_a_bad_environment_value_is_a_usage_error():
     result = subprocess.run([sys.executable, "-m", "services.cli", "engine", "--help"], capture_output=True,
                             text=True, env={"KVMESH_ENGINE_ENABLE_PREFIX_CACHING": "maybe", "PATH": ""})

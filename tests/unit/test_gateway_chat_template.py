@@ -58,6 +58,7 @@ def test_the_gemma3_gguf_carries_no_chat_template() -> None:
     assert GGUFFile(locate_model(GEMMA3_MODEL)).field("tokenizer.chat_template") is None
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 async def test_chat_without_a_template_is_a_400_that_names_the_flag(base_model) -> None:
     client, engine = base_model
     error = assert_openai_error(await client.post("/v1/chat/completions", json=CHAT), 400)
@@ -68,6 +69,7 @@ async def test_chat_without_a_template_is_a_400_that_names_the_flag(base_model) 
     assert completion.status_code == 200 and completion.json()["choices"][0]["text"]
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 async def test_chat_template_flag_renders_chat(gemma3_tokenizer, tokenizer_folder: Path, tmp_path: Path) -> None:
     (tmp_path / "gemma.jinja").write_text(TEMPLATE)
     # What load_tokenizer does with --chat-template, on a copy: loading the 262k-token vocabulary again

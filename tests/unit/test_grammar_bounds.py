@@ -68,6 +68,7 @@ def test_a_choice_bomb_is_refused_in_linear_time():
     assert time.perf_counter() - start < 0.5
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_choice_validation_grows_linearly():
     """A rule of one alternative per choice took quadratic time to validate (30k: 1 s, 150k: 35 s)."""
     unbounded = GrammarLimits(max_constraint_bytes=2**30, max_constraint_choices=10**9)

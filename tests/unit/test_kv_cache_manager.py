@@ -521,7 +521,8 @@ class KVCacheMachine(RuleBasedStateMachine):
 KVCacheMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-test_kv_cache_manager_state_machine = KVCacheMachine.TestCase
+# Over a second: `make test`, not test-fast.
+test_kv_cache_manager_state_machine = pytest.mark.slow(KVCacheMachine.TestCase)
 
 
 def test_random_sequences_seeded():

@@ -64,6 +64,7 @@ def test_tokenizer_folder_holds_only_the_tokenizer(tokenizer_folder: Path) -> No
         == "SmolLM2-135M-Instruct.Q4_1-98362432"
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 @pytest.mark.parametrize("source", ["folder", "gguf"])
 def test_same_tokens_as_transformers(source: str, tokenizer_folder: Path, gguf_path: Path,
                                      references: list[PreTrainedTokenizerBase]) -> None:
@@ -84,6 +85,7 @@ def test_same_tokens_as_transformers(source: str, tokenizer_folder: Path, gguf_p
                     apply_chat_template(reference, chat, add_generation_prompt)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_same_tokenizer_info(tokenizer_folder: Path, references: list[PreTrainedTokenizerBase]) -> None:
     converted = resolve_model("smollm2", None)
     ours = TokenizerInfo.from_tokenizer(load_tokenizer(tokenizer_folder), tokenizer_folder)

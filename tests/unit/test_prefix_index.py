@@ -206,6 +206,7 @@ async def test_a_snapshot_replaces_exactly_that_engines_entries(make_index):
     check(index)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 async def test_updates_say_whether_the_index_knew_the_engine(make_index):
     """False tells the engine's publisher to republish its cache: the index (re)created the engine."""
     index = make_index(heartbeat_ttl_s=1.0)
@@ -293,6 +294,7 @@ async def test_engines_report_their_load(make_index):
         await index.apply("a", -1, [])
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 async def test_expired_heartbeat_hides_the_engine_and_sweep_removes_it(make_index):
     index = make_index(heartbeat_ttl_s=1.0)
     await index.apply("a", 1, [stored(*H[0:3])])
@@ -358,6 +360,7 @@ class Model:
         return out
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 async def test_random_events_agree_with_a_model(make_index):
     rng = random.Random(12)
     index = make_index()

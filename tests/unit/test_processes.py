@@ -36,6 +36,7 @@ def test_the_first_ready_line_of_a_log_is_found(tmp_path: Path) -> None:
     assert read_ready_line(log) == READY
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_children_started_together_fail_as_soon_as_any_of_them_exits(capsys: pytest.CaptureFixture[str]) -> None:
     """The first child never becomes ready; the second exits at once (a flag it does not know).
     Waiting for them together notices the exit, instead of waiting out the first one's timeout."""

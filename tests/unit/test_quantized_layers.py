@@ -173,6 +173,8 @@ def test_int8_copies_are_the_q4_1_and_q8_0_weights_against_int8_x_from_two_rows(
         layer = MergedLinear(HIDDEN, {"gate": ShardRows.whole(8), "up": ShardRows.whole(8)}, True, torch.float32)
         for i, shard in enumerate(layer.shards):
             layer.load_shard(layer.weight, shard, blocks(8, HIDDEN, qtype, seed=i)[0], f"{shard}.weight")
+            layer.load_shard(layer.bias, shard, torch.randn(8, generator=torch.Generator().manual_seed(i)),
+                             f"{shard}.bias")
         return layer
 
     layer, q8_layer, f16_layer, odd_rows = (gate_up(QuantType.Q4_1), gate_up(QuantType.Q8_0), gate_up(QuantType.F16),

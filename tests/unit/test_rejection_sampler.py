@@ -5,6 +5,7 @@ the distribution the sampler targets."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from services.common.sampling_params import SamplingParams
@@ -51,6 +52,7 @@ def verify_many() -> tuple[np.ndarray, np.ndarray]:
     return new_tokens, accepted
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_every_kept_token_has_the_target_distribution():
     new_tokens, accepted = verify_many()
     # Sampling noise: TV of 20,000 draws over 6 tokens is ~0.006; 0.02 is far beyond it, and far
@@ -66,6 +68,7 @@ def test_every_kept_token_has_the_target_distribution():
     assert total_variation(distribution(third), target(LOGITS[2])) < 0.05
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_each_draft_is_accepted_with_its_target_probability():
     _, accepted = verify_many()
     p1, p2 = target(LOGITS[0])[DRAFTS[0]], target(LOGITS[1])[DRAFTS[1]]

@@ -335,6 +335,7 @@ def test_prompt_logprobs() -> None:
 
 # ---- distribution -------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 @pytest.mark.parametrize(("kwargs", "expected"), [
     (dict(), torch.tensor([1.0, 0.5, -0.5, 0.0]).softmax(-1)),
     (dict(temperature=2.0), (torch.tensor([1.0, 0.5, -0.5, 0.0]) / 2.0).softmax(-1)),
@@ -349,6 +350,7 @@ def test_draws_follow_the_distribution(kwargs: dict, expected) -> None:
     torch.testing.assert_close(frequencies, torch.as_tensor(expected, dtype=torch.float32), rtol=0, atol=0.015)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_seeded_draws_follow_the_distribution() -> None:
     """Over the positions of one seeded request (its successive draws)."""
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])

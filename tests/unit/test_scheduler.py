@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -183,6 +184,7 @@ def test_prefix_hit_counts_and_never_the_whole_prompt():
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 64
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from(["fcfs", "priority"]), st.booleans())
 def test_random_traffic_keeps_invariants(seed: int, policy: str, caching: bool):

@@ -249,6 +249,7 @@ async def test_a_session_that_does_not_own_the_worker_gets_no_step_through():
             new.close()
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 async def test_an_interrupted_step_fails_at_once_and_the_worker_serves_a_new_channel():
     # The engine's watchdog interrupts the channel of a worker that stopped answering its liveness
     # checks (services/worker/client.py); here the step is just slow.
@@ -265,6 +266,7 @@ async def test_an_interrupted_step_fails_at_once_and_the_worker_serves_a_new_cha
         assert (await asyncio.to_thread(client.execute_model, new_request("r"))).req_ids == ["r"]
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 async def test_a_stopping_worker_finishes_the_step_in_flight_then_closes_its_channels():
     core = ThreadNotingCore(step_delay=0.5)
     client = None

@@ -126,6 +126,7 @@ def test_bad_stops_rejected():
         StopStringMatcher("abc")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 @settings(max_examples=300, deadline=None)
 @given(
     text=st.text(alphabet="abc ", max_size=30),

@@ -35,19 +35,21 @@ serve: $(STAMP)
 # modules, and each pytest worker collects in 15 s instead of 30.
 TEST_ENV := OMP_WAIT_POLICY=PASSIVE PYTHONDONTWRITEBYTECODE=
 
-# Two pytest workers (pytest-xdist), each a whole module at a time: a service test spends much of its
-# time waiting for processes, which the other worker fills. Each worker has its own shared stack.
+# Two pytest workers (pytest-xdist). In `make test` each takes a whole module at a time: a service
+# test spends much of its time waiting for processes, which the other worker fills, and each worker
+# has its own shared stack.
 TEST_WORKERS ?= 2
-PYTEST := $(TEST_ENV) $(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadscope
+PYTEST := $(TEST_ENV) $(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS)
 
 # The whole suite (what .ci/run runs). The service tests share one `kvmesh serve` per worker.
 test: $(STAMP)
-	$(PYTEST) tests
+	$(PYTEST) --dist loadscope tests
 
 # The tiers that start no service process, the long runs (`slow`) left out; see
-# docs/development/testing.md.
+# docs/development/testing.md. No module here starts a stack, so a worker takes the next test
+# wherever it is, and both workers end together.
 test-fast: $(STAMP)
-	$(PYTEST) -m "not slow" tests/unit tests/model tests/kernels tests/deploy
+	$(PYTEST) --dist worksteal -m "not slow" tests/unit tests/model tests/kernels tests/deploy
 
 bench: $(STAMP)
 	$(PY) loadtests/offline_throughput.py

@@ -886,6 +886,7 @@ def test_every_container_runs_read_only_and_unprivileged(example: tuple[str, dic
             assert any(path == m or path.startswith(m + "/") for m in writable), (where, path, writable)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_a_token_seed_gives_the_same_role_tokens_on_every_render() -> None:
     """helm template and GitOps tools render without a cluster: from a seed, two renders give the
     same three Secrets (still one token per role), another seed others; a user's Secret leaves no
@@ -968,6 +969,7 @@ def test_egress_policies_allow_exactly_the_next_hops(values: dict[str, Any], exp
         assert redis["policyTypes"] == ["Ingress", "Egress"] and "egress" not in redis  # Redis dials no one
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_egress_policies_can_be_turned_off_and_extended() -> None:
     off = objects(render({"redis": {"enabled": True}, "networkPolicy": {"egress": {"enabled": False}}}))
     assert not [o for o in off if o["kind"] == "NetworkPolicy" and o["metadata"]["name"].endswith("-egress")]

@@ -84,6 +84,7 @@ async def test_chat_template_flag_renders_chat(gemma3_tokenizer, tokenizer_folde
     assert engine.requests[0].prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
 
 
+@pytest.mark.slow  # over a second: `make test`, not test-fast
 def test_flag_replaces_the_models_own_template(model_path: Path) -> None:
     assert load_tokenizer(model_path).chat_template != TEMPLATE  # SmolLM2 has a template of its own
     assert load_tokenizer(model_path, TEMPLATE).chat_template == TEMPLATE

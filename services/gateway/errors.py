@@ -15,6 +15,10 @@ from services.gateway.protocol import ErrorInfo, ErrorResponse
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER = 1  # seconds a client refused for overload is asked to wait (Retry-After)
+# Seconds a client is asked to wait when a service behind the gateway is down: a supervisor
+# restarts one in a few seconds (`kvmesh serve`, or Kubernetes), and clients that honour
+# Retry-After (the OpenAI SDKs) then retry after it rather than at once.
+UNAVAILABLE_RETRY_AFTER = 5
 
 
 class APIError(Exception):
@@ -75,11 +79,13 @@ def api_error_of(exc: BaseException) -> APIError:
     if isinstance(exc, ValueError):
         return APIError(400, str(exc), "invalid_request_error")
     if isinstance(exc, EngineDeadError):  # the engine's own words for why it stopped
-        return APIError(503, f"the model is not available: {exc}", "service_unavailable", code="service_unavailable")
+        return APIError(503, f"the model is not available: {exc}", "service_unavailable", code="service_unavailable",
+                        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER)})
     # Transport errors' details (a gRPC status's: internal addresses) go to the log, not the client.
     if isinstance(exc, ConnectionError):
         logger.warning("the model is not available: %s", exc)
-        return APIError(503, "the model is not available", "service_unavailable", code="service_unavailable")
+        return APIError(503, "the model is not available", "service_unavailable", code="service_unavailable",
+                        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER)})
     if isinstance(exc, TimeoutError):
         logger.warning("the model did not answer in time: %s", exc)
         return APIError(504, "the model did not answer in time", "timeout", code="timeout")
@@ -93,6 +99,6 @@ OPENAPI_ERRORS: dict[int | str, dict] = {
     400: {"model": ErrorResponse, "description": "Invalid request (validation, limits, unknown token ids)"},
     401: {"model": ErrorResponse, "description": "Missing or incorrect API key"},
     404: {"model": ErrorResponse, "description": "Unknown model or path"},
-    503: {"model": ErrorResponse, "description": "Overloaded (with Retry-After) or not serving"},
+    503: {"model": ErrorResponse, "description": "Overloaded or not serving, with Retry-After"},
     "default": {"model": ErrorResponse, "description": "Any other error, in OpenAI's shape"},
 }

@@ -18,7 +18,7 @@ from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.errors import EngineDeadError, EngineOverloadedError, InternalError
 from services.common.model_runner_output import TokenLogprobs
 from services.gateway.app import ApiOptions, create_app, end_requests
-from services.gateway.errors import api_error_of
+from services.gateway.errors import RETRY_AFTER, UNAVAILABLE_RETRY_AFTER, api_error_of
 from services.processor.async_processor import AsyncProcessor
 from services.processor.processor import Processor
 
@@ -233,16 +233,18 @@ async def test_engine_failure_mid_stream_is_an_error_event_then_done(client, eng
     assert error["message"] == "the model is not available" and error["type"] == "service_unavailable"
     r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
     assert_openai_error(r, 503)
+    assert r.headers["retry-after"] == str(UNAVAILABLE_RETRY_AFTER)  # a restarted service is back in seconds
 
 
-@pytest.mark.parametrize("error, status", [
-    (EngineDeadError("engine step failed"), 503), (EngineOverloadedError("full"), 503),
-    (TimeoutError("deadline"), 504), (InternalError("internal error"), 500),
+@pytest.mark.parametrize("error, status, retry_after", [
+    (EngineDeadError("engine step failed"), 503, UNAVAILABLE_RETRY_AFTER), (EngineOverloadedError("full"), 503, RETRY_AFTER),
+    (TimeoutError("deadline"), 504, None), (InternalError("internal error"), 500, None),
 ])
-async def test_each_engine_error_has_its_status(client, engine, error, status):
+async def test_each_engine_error_has_its_status(client, engine, error, status, retry_after):
     engine.fail_after, engine.fail_with = 0, error
     r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
     assert_openai_error(r, status)
+    assert r.headers.get("retry-after") == (None if retry_after is None else str(retry_after))
 
 
 def test_a_bug_of_ours_is_a_500_that_says_nothing_of_it():

@@ -32,7 +32,7 @@ serve: $(STAMP)
 # OpenMP threads sleep when idle instead of spinning: torch's and the native kernels' runtimes each
 # keep a pool, and on a shared 2-core machine spinning pools made model tests 2-40x slower.
 # Bytecode is written even where the environment says not to: pytest then keeps its rewritten test
-# modules, and each pytest worker collects in 15 s instead of 30.
+# modules, and each pytest worker collects in half the time.
 TEST_ENV := OMP_WAIT_POLICY=PASSIVE PYTHONDONTWRITEBYTECODE=
 
 # Two pytest workers (pytest-xdist). In `make test` each takes a whole module at a time: a service

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The rest is imported where a fixture needs it: pytest-xdist's controller loads this file too, and
-# runs no test, so importing transformers' models and the services here cost every run 13 s.
+# runs no test, so importing transformers' models and the services here delayed every run.
 if TYPE_CHECKING:
     from services import LLM
     from tests.model.families import Family

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import urllib3
 
-# The client is imported where it is used: importing it costs a process 0.3 s, and most processes
-# off Kubernetes never watch anything.
+# The client is imported where it is used: the import costs every process start-up time, and most
+# processes off Kubernetes never watch anything.
 if TYPE_CHECKING:
     from kubernetes.client import Configuration, DiscoveryV1Api, V1EndpointSlice
     from kubernetes.watch import Watch

@@ -2,7 +2,7 @@
 
 `AutoConfig` fills in what each architecture leaves out of config.json (a folder saved by
 transformers holds only the values that differ from its class's defaults). But importing
-transformers costs a process 1-2 s of CPU: it scans its model packages on the first import. A
+transformers costs a process seconds of CPU: it scans its model packages on the first import. A
 worker reads its model's config on every start, so transformers resolves a config.json once, and
 the full result is kept as JSON in the cache directory, keyed by the file's bytes and the
 transformers version. Later starts read that file and never import transformers.
@@ -33,7 +33,7 @@ class HFConfig:
     a missing one raises AttributeError, so `getattr(config, name, default)` works as it does there."""
 
     def __init__(self, values: dict[str, Any]) -> None:
-        self._values = copy.deepcopy(values)
+        self._values = values  # a dict parsed for this config alone: nothing else holds it
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # never `_values` itself: copy and pickle look for it before __init__

@@ -154,8 +154,7 @@ def convert_gguf_tokenizer_folder(gguf_path: Path, out_dir: Path) -> None:
 
 def _tokenizer_from(metadata: dict[str, Any]) -> PreTrainedTokenizerFast:
     # transformers' get_gguf_tokenizer, on metadata read by gguf; the builders are transformers' own.
-    # Imported here: a worker finds its model through this module, and importing transformers costs
-    # a process 1-2 s.
+    # Imported here: a worker finds its model through this module and never needs transformers.
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 

@@ -64,7 +64,7 @@ def test_kernels_import_nothing_from_services() -> None:
 
 def test_worker_and_engine_import_no_web_stack_and_the_engine_no_model_code() -> None:
     """A worker pod needs no HTTP server, nor transformers once its model's config is resolved (the
-    import costs a start 1-2 s); an engine pod none of them, nor torch."""
+    import is slow); an engine pod none of them, nor torch."""
     code = """
 import json, sys
 import services.cli, services.{service}.server

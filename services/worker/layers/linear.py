@@ -60,8 +60,8 @@ class ShardRows(NamedTuple):
 
 class LoadedLinear(nn.Linear):
     """An nn.Linear whose parameters are left uninitialized: every one is loaded from the checkpoint
-    (load_weights raises for any that is not), and drawing them at random first cost a 135M model's
-    start 2.5 s of CPU."""
+    (load_weights raises for any that is not), and drawing them at random first was most of the
+    time a worker spent building its model."""
 
     def reset_parameters(self) -> None:
         pass

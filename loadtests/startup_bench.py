@@ -1,0 +1,42 @@
+"""How long `kvmesh serve` takes to come up, and the CPU its processes spend on it.
+
+    .venv/bin/python -m loadtests.startup_bench [--model smollm2] [--runs 3]
+
+Each run starts `kvmesh serve` (float32, a 64 MiB KV cache, a 256-token context), waits for the
+ready line it prints once every service answers (read every half second), then stops it with
+SIGTERM. serve reaps its children as it stops, so the CPU of the whole process tree is what this
+process's children used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+
+from loadtests.serve_process import start_serve, stop_serve
+from services.common.processes import free_ports
+
+FLAGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "256")
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    for run in range(1, args.runs + 1):
+        cpu, start = children_cpu(), time.monotonic()
+        proc, _, _ = start_serve(["--model", args.model, "--port", str(free_ports(1)[0]), *FLAGS])
+        ready = time.monotonic() - start
+        stop_serve(proc)
+        print(f"run {run}: ready after {ready:.1f} s, {children_cpu() - cpu:.1f} s of CPU up and down")
+
+
+if __name__ == "__main__":
+    main()

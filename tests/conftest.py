@@ -109,7 +109,19 @@ def model_families(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture(scope="session")
-def serve(model_path: Path) -> Iterator[Serve]:
+def served_model(model_path: Path) -> str:
+    """The model the service tests serve and compare with: the default model by its name, so that
+    its weights stay in their GGUF blocks (Q4_1/Q8_0, computed by the native kernel) as `kvmesh
+    serve` keeps them on a CPU in float32. Its greedy tokens are transformers' as the float32
+    folder's are (tests/model/test_hf_equivalence.py), and it decodes several times faster. Depends
+    on `model_path` so that the model is converted once, before any service needs it."""
+    from services.common.model_files import DEFAULT_MODEL
+
+    return DEFAULT_MODEL
+
+
+@pytest.fixture(scope="session")
+def serve(served_model: str) -> Iterator[Serve]:
     """ONE `kvmesh serve` for the whole session, shared by every test that only talks to it, and
     by the modules that start only a gateway of their own in front of its processor
     (procs.gateway_over). Its flags suit them all: a 256-token context (so that "longer than the
@@ -119,7 +131,7 @@ def serve(model_path: Path) -> Iterator[Serve]:
     or kill a process, or need other engine or processor flags, start their own."""
     from tests.services.procs import SHARED_MAX_MODEL_LEN, SHARED_MODEL_NAME, running_serve
 
-    with running_serve(model_path, extra_args=["--max-model-len", str(SHARED_MAX_MODEL_LEN), "--max-num-seqs", "1",
+    with running_serve(served_model, extra_args=["--max-model-len", str(SHARED_MAX_MODEL_LEN), "--max-num-seqs", "1",
                                                "--scheduling-policy", "priority",
                                                "--served-model-name", SHARED_MODEL_NAME]) as serve:
         yield serve
@@ -127,13 +139,13 @@ def serve(model_path: Path) -> Iterator[Serve]:
 
 
 @pytest.fixture(scope="session")
-def offline(model_path: Path) -> Iterator[LLM]:
+def offline(served_model: str) -> Iterator[LLM]:
     """The in-process LLM configured as the shared `serve` (KV cache, context): the truth its
     answers are compared with."""
     from services import LLM
     from tests.services.procs import SERVE_KV_BYTES, SHARED_MAX_MODEL_LEN
 
-    llm = LLM(model=str(model_path), dtype="float32", kv_cache_memory=SERVE_KV_BYTES, max_model_len=SHARED_MAX_MODEL_LEN)
+    llm = LLM(model=served_model, dtype="float32", kv_cache_memory=SERVE_KV_BYTES, max_model_len=SHARED_MAX_MODEL_LEN)
     yield llm
     del llm
     gc.collect()

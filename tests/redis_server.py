@@ -11,12 +11,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.common.processes import free_ports
+from tests.ports import free_port
 
 
 class RedisServer:
     def __init__(self, port: int | None = None, config: Sequence[str] = ()) -> None:
-        self.port = port or free_ports(1)[0]
+        self.port = port or free_port()
         self.config = list(config)
         self._workdir = tempfile.TemporaryDirectory(prefix="kvmesh-redis-")
         self.dir = Path(self._workdir.name)

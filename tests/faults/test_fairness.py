@@ -19,7 +19,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
@@ -34,9 +33,9 @@ BIG_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def roomy(model_path: Path) -> Iterator[Serve]:
+def roomy(served_model: str) -> Iterator[Serve]:
     """Room for a few sequences at once: a stack of its own."""
-    yield from serving(model_path, ["--max-num-seqs", str(MAX_NUM_SEQS),
+    yield from serving(served_model, ["--max-num-seqs", str(MAX_NUM_SEQS),
                                     "--max-sequences-per-request", str(MAX_SEQUENCES)])
 
 

@@ -15,7 +15,6 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -32,8 +31,8 @@ MAX_CHOICES = 200_000  # this stack's --max-constraint-choices: the 150k bomb is
 
 
 @pytest.fixture(scope="module")
-def serve(model_path: Path) -> Iterator[Serve]:
-    yield from serving(model_path, extra_args=["--max-constraint-bytes", str(6 * 2**20),
+def serve(served_model: str) -> Iterator[Serve]:
+    yield from serving(served_model, extra_args=["--max-constraint-bytes", str(6 * 2**20),
                                                "--max-constraint-choices", str(MAX_CHOICES)])
 
 

@@ -13,7 +13,6 @@ import http.client
 import json
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -28,8 +27,8 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def serve(model_path: Path) -> Iterator[Serve]:
-    yield from serving(model_path)
+def serve(served_model: str) -> Iterator[Serve]:
+    yield from serving(served_model)
 
 
 def _post(serve: Serve, body: dict, timeout: float = 120) -> tuple[int, dict]:

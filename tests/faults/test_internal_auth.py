@@ -78,10 +78,10 @@ def token_dir() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def stack(model_path: Path, token_dir: Path) -> Iterator[Stack]:
+def stack(served_model: str, token_dir: Path) -> Iterator[Stack]:
     token = {"internal_token_file": token_dir / "token"}
-    with running_stack(worker=dict(model=model_path, dtype="float32", kv_cache_memory=KV_BYTES, **token),
-                       engine=token, processor=dict(model=model_path, **token)) as (worker, engine, processor, _):
+    with running_stack(worker=dict(model=served_model, dtype="float32", kv_cache_memory=KV_BYTES, **token),
+                       engine=token, processor=dict(model=served_model, **token)) as (worker, engine, processor, _):
         yield Stack(worker, engine, processor, RpcSecurity(TOKEN))
 
 
@@ -349,14 +349,14 @@ def certs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tls_worker(model_path: Path, token_dir: Path, certs: Path) -> Iterator[tuple[ServiceProcess, RpcSecurity]]:
+def tls_worker(served_model: str, token_dir: Path, certs: Path) -> Iterator[tuple[ServiceProcess, RpcSecurity]]:
     """A worker with mutual TLS and the token; its engine lease is OWNER_LEASE seconds."""
     config = SecurityConfig(internal_token_file=token_dir / "token", tls_cert_file=certs / "tls.crt",
                             tls_key_file=certs / "tls.key", tls_ca_file=certs / "ca.crt",
                             tls_server_name="kvmesh-internal")
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="kvmesh-tls-worker-", suffix=".log", delete=False)
-    proc = subprocess.Popen(worker_command(model=model_path, dtype="float32", port=port, kv_cache_memory=KV_BYTES,
+    proc = subprocess.Popen(worker_command(model=served_model, dtype="float32", port=port, kv_cache_memory=KV_BYTES,
                                            owner_lease=OWNER_LEASE, internal_token_file=config.internal_token_file,
                                            tls_cert_file=config.tls_cert_file, tls_key_file=config.tls_key_file,
                                            tls_ca_file=config.tls_ca_file),
@@ -437,10 +437,10 @@ def test_a_new_engine_takes_the_worker_over_once_the_old_one_is_silent(tls_worke
 # ----------------------------------------------------------------------------- kvmesh serve
 
 
-def test_kvmesh_serve_authenticates_its_children(model_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_kvmesh_serve_authenticates_its_children(served_model: str, monkeypatch: pytest.MonkeyPatch):
     port = free_port()
     monkeypatch.delenv("KVMESH_INTERNAL_TOKEN", raising=False)  # serve hands out tokens of its own
-    started = start_serve(["--model", str(model_path), "--dtype", "float32", "--port", str(port),
+    started = start_serve(["--model", served_model, "--dtype", "float32", "--port", str(port),
                            "--kv-cache-memory", "64MiB"], cwd=REPO_ROOT)
     proc, services = started.proc, started.ready.services
     try:

@@ -10,7 +10,6 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx2 as httpx
 import pytest
@@ -25,8 +24,8 @@ FLAGS = ["--max-model-len", "8192", "--kv-cache-memory", "256MiB", "--worker-liv
 
 
 @pytest.fixture(scope="module")
-def serve(model_path: Path) -> Iterator[Serve]:
-    serve = start_serve(model_path, extra_args=FLAGS)
+def serve(served_model: str) -> Iterator[Serve]:
+    serve = start_serve(served_model, extra_args=FLAGS)
     try:
         yield serve
     finally:

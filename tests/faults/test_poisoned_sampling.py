@@ -8,7 +8,6 @@ uses min-p."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 
 import pytest
@@ -42,9 +41,9 @@ async def run(stack: AsyncStack, request: EngineCoreRequest) -> tuple[list[int],
     return tokens, ranks
 
 
-def test_a_request_that_breaks_the_sampler_fails_alone(model_path: Path):
+def test_a_request_that_breaks_the_sampler_fails_alone(served_model: str):
     async def main():
-        stack = await AsyncStack.create(EngineArgs.from_kwargs(model=str(model_path), dtype="float32", kv_cache_memory=64 * 2**20))
+        stack = await AsyncStack.create(EngineArgs.from_kwargs(model=served_model, dtype="float32", kv_cache_memory=64 * 2**20))
         try:
             prompts = [[1, 504, 3575, 282, 4649, 314], [33, 28, 216, 34, 28, 216, 35]]
             good = [EngineCoreRequest(f"alone-{i}", p, GREEDY) for i, p in enumerate(prompts)]

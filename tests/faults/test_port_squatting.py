@@ -63,8 +63,8 @@ def runtime_dir() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def stack(model_path: Path, runtime_dir: Path) -> Iterator[Serve]:
-    with running_serve(model_path, extra_args=["--max-model-len", "256", "--restart-backoff", "1"],
+def stack(served_model: str, runtime_dir: Path) -> Iterator[Serve]:
+    with running_serve(served_model, extra_args=["--max-model-len", "256", "--restart-backoff", "1"],
                        env={"XDG_RUNTIME_DIR": str(runtime_dir)}) as serve:
         yield serve
 

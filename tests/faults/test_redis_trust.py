@@ -212,7 +212,7 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(model_path: Path) -> Iterator[Stack]:
+def stack(served_model: str) -> Iterator[Stack]:
     """A worker and an engine with the token, the engine publishing through the ACL user."""
     with ExitStack() as exits:
         workdir = Path(exits.enter_context(tempfile.TemporaryDirectory(prefix="kvmesh-redis-trust-stack-")))
@@ -221,7 +221,7 @@ def stack(model_path: Path) -> Iterator[Stack]:
         token = workdir / "token"
         token.write_text(TOKEN + "\n")
         worker, engine, _, _ = exits.enter_context(running_stack(
-            worker=dict(model=model_path, dtype="float32", metrics_port=0, kv_cache_memory=KV_BYTES,
+            worker=dict(model=served_model, dtype="float32", metrics_port=0, kv_cache_memory=KV_BYTES,
                         internal_token_file=token),
             engine=dict(metrics_port=0, heartbeat_ttl=HEARTBEAT_TTL, internal_token_file=token, **redis.fields())))
         yield Stack(redis, worker, engine, token, RpcSecurity(TOKEN))
@@ -335,7 +335,7 @@ async def fakes() -> AsyncIterator[tuple[FakeEngine, FakeEngine]]:
         await asyncio.gather(outside.server.stop(0), allowed.server.stop(0))
 
 
-async def test_the_processor_dials_only_vouched_engines(stack: Stack, model_path: Path,
+async def test_the_processor_dials_only_vouched_engines(stack: Stack, served_model: str,
                                                         fakes: tuple[FakeEngine, FakeEngine]):
     """Forged index entries: one outside --engine-allowed-address is never dialled; one inside it is
     asked to prove its identity without the token, fails, and gets no other call and never the
@@ -348,7 +348,7 @@ async def test_the_processor_dials_only_vouched_engines(stack: Stack, model_path
         for fake in fakes:
             await forger.heartbeat(fake.address, 1, EngineLoad(0, 0, 1000, 0.0))  # idle: a router's favourite
         processor = await asyncio.to_thread(start_service, processor_command(
-            model=model_path, port=port, metrics_port=0, engines_from_index=True,
+            model=served_model, port=port, metrics_port=0, engines_from_index=True,
             engine_allowed_address=[stack.engine.address, allowed.address], routing="least-load",
             internal_token_file=stack.token_file, **stack.redis.fields()), port)
         client = GrpcProcessorClient(processor.address, timeout=30, stream_timeout=120, security=stack.security)

@@ -61,7 +61,7 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(model_path: Path, tmp_path_factory) -> Iterator[Stack]:
+def stack(served_model: str, tmp_path_factory) -> Iterator[Stack]:
     """The three services, each holding only its own role's token and its callers' (as the chart
     mounts them): the worker the engine's, the engine the processor's and its own, the processor
     the gateway's and its own."""
@@ -73,10 +73,10 @@ def stack(model_path: Path, tmp_path_factory) -> Iterator[Stack]:
         return {f"{role}_token_file": tokens / f"{role}-token" for role in roles}
 
     metrics_port = free_port()
-    with running_stack(worker=dict(model=model_path, dtype="float32", kv_cache_memory=KV_BYTES, owner_lease=OWNER_LEASE,
+    with running_stack(worker=dict(model=served_model, dtype="float32", kv_cache_memory=KV_BYTES, owner_lease=OWNER_LEASE,
                                    metrics_port=metrics_port, **holds(ENGINE)),
                        engine=holds(PROCESSOR, ENGINE),
-                       processor=dict(model=model_path, **holds(GATEWAY, PROCESSOR))) as (worker, engine, processor, _):
+                       processor=dict(model=served_model, **holds(GATEWAY, PROCESSOR))) as (worker, engine, processor, _):
         credentials = {role: RpcSecurity((tokens / f"{role}-token").read_text().strip(), role=role) for role in ROLES}
         yield Stack(worker, engine, processor, f"http://127.0.0.1:{metrics_port}/metrics", credentials)
 

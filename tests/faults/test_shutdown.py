@@ -9,7 +9,6 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx2 as httpx
 import pytest
@@ -26,8 +25,8 @@ INTERNAL_GRACE = 1.0
 MARGIN = 6.0  # SIGKILL margins (1.5 s per stage) and a loaded machine
 
 
-def test_sigterm_lets_a_short_stream_finish_and_ends_a_long_one(model_path: Path):
-    serve = start_serve(model_path, extra_args=["--grace", str(GRACE), "--internal-grace", str(INTERNAL_GRACE)])
+def test_sigterm_lets_a_short_stream_finish_and_ends_a_long_one(served_model: str):
+    serve = start_serve(served_model, extra_args=["--grace", str(GRACE), "--internal-grace", str(INTERNAL_GRACE)])
     results: dict[str, list[str]] = {}
     started = {name: threading.Event() for name in ("short", "long")}
     bodies = {"short": {"prompt": "1, 2, 3,", "max_tokens": 8, "temperature": 0, "ignore_eos": True},

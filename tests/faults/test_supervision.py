@@ -17,7 +17,6 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 
 import httpx2 as httpx
 import pytest
@@ -81,8 +80,8 @@ def assert_serves_a_chat(client: httpx.Client) -> None:
 
 
 @pytest.fixture(scope="module")
-def serve(model_path: Path) -> Iterator[Serve]:
-    serve = start_serve(model_path, extra_args=[*LIVENESS, "--restart-backoff", "0.5"])
+def serve(served_model: str) -> Iterator[Serve]:
+    serve = start_serve(served_model, extra_args=[*LIVENESS, "--restart-backoff", "0.5"])
     try:
         yield serve
     finally:
@@ -168,8 +167,8 @@ def test_restart_back_off_doubles_is_capped_and_forgets_old_restarts():
     assert budget.next_delay(150) == 1.0  # the old ones are out of the window: back to the start
 
 
-def test_serve_gives_up_after_max_restarts(model_path: Path):
-    serve = start_serve(model_path, extra_args=[*LIVENESS, "--restart-backoff", "0.2", "--max-restarts", "1"])
+def test_serve_gives_up_after_max_restarts(served_model: str):
+    serve = start_serve(served_model, extra_args=[*LIVENESS, "--restart-backoff", "0.2", "--max-restarts", "1"])
     try:
         with httpx.Client(base_url=serve.api.removesuffix("/v1"), timeout=60) as client:
             os.kill(serve_child_pid(serve, "worker"), signal.SIGKILL)
@@ -188,10 +187,10 @@ def test_serve_gives_up_after_max_restarts(model_path: Path):
 
 
 @pytest.fixture()
-def engine_and_worker(model_path: Path) -> Iterator[tuple]:
+def engine_and_worker(served_model: str) -> Iterator[tuple]:
     """Function-scoped: the test kills the worker. Liveness checked every 0.2 s with a 1 s timeout,
     and no cut of prefill chunks, so that a 2,000-token step runs far longer than that."""
-    with running_stack(worker=dict(model=model_path, dtype="float32", kv_cache_memory=128 * 2**20),
+    with running_stack(worker=dict(model=served_model, dtype="float32", kv_cache_memory=128 * 2**20),
                        engine=dict(worker_liveness_interval=0.2, worker_liveness_timeout=1, exit_grace=0.5,
                                    target_step_seconds=0)) as (worker, engine, _, _):
         yield worker, engine
@@ -228,9 +227,9 @@ FLEET = ("engine-0", "engine-1", "engine-2")
 
 
 @pytest.fixture(scope="module")
-def fleet(model_path: Path) -> Iterator[Serve]:
+def fleet(served_model: str) -> Iterator[Serve]:
     """Three pairs, each allowed one restart; least-load routing (an idle engine takes a migrated stream)."""
-    yield from serving(model_path, ["--num-engines", str(len(FLEET)), "--max-model-len", "256", *LIVENESS,
+    yield from serving(served_model, ["--num-engines", str(len(FLEET)), "--max-model-len", "256", *LIVENESS,
                                     "--restart-backoff", "0.5", "--max-restarts", "1", "--routing", "least-load"])
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from services import LLM, SamplingParams
 from services.common.config import SchedulerConfig
+from services.common.model_files import DEFAULT_MODEL
 from services.engine.engine_core import EngineCore
 from services.processor.tokenizer import load_tokenizer
 from services.worker.client import GrpcWorkerClient
@@ -277,7 +278,7 @@ def test_tensor_parallel_ranks_verify_the_same_drafts(model_path: Path):
     prompts = [tokenizer.encode(p) for p in PROMPTS[:2]]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
     with ExitStack() as exits:
-        ranks = start_group(model_path, 2, KV_BYTES // 4, timeout=30.0)
+        ranks = start_group(DEFAULT_MODEL, 2, KV_BYTES // 4, timeout=30.0)
         for rank in ranks:
             exits.callback(rank.kill)
         executor = FanOutExecutor([GrpcWorkerClient(r.address) for r in ranks])

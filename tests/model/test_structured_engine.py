@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import json
 import time
-from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -54,8 +53,8 @@ def assert_nothing_left(llm: LLM) -> None:
 
 
 @pytest.fixture(scope="module")
-def llm(model_path: Path):
-    engine = LLM(model=str(model_path), dtype="float32", kv_cache_memory=64 * 2**20, max_model_len=512)
+def llm():
+    engine = LLM(model="smollm2", dtype="float32", quantization="gguf", kv_cache_memory=64 * 2**20, max_model_len=512)
     yield engine
     del engine
     gc.collect()
@@ -82,9 +81,10 @@ def test_mixed_batch_gives_unconstrained_requests_their_solo_tokens(llm: LLM):
     assert_nothing_left(llm)
 
 
-def test_constrained_requests_survive_preemption(model_path: Path):
+def test_constrained_requests_survive_preemption():
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # layers, block size, kv heads, head size, fp32
-    llm = LLM(model=str(model_path), dtype="float32", kv_cache_memory=14 * block_bytes, max_model_len=512)
+    llm = LLM(model="smollm2", dtype="float32", quantization="gguf", kv_cache_memory=14 * block_bytes,
+              max_model_len=512)
     try:
         prompts = [f"Answer as {n}, request {i}:" for i in range(3) for n, _ in CONSTRAINED] + PLAIN
         params = [c for _ in range(3) for _, c in CONSTRAINED] + [PLAIN_PARAMS] * len(PLAIN)

@@ -3,7 +3,8 @@
 to both at once (a small fan-out executor, as the engine's does) and reads rank 0's tokens.
 
   - the engine's equivalence prompts (batched, chunked prefill, prefix hits, preemption) give the
-    same greedy tokens at TP=2 as at TP=1 and as Hugging Face, logprobs within 1e-3;
+    same greedy tokens at TP=2 as at TP=1 and as Hugging Face, logprobs within 1e-3, with the
+    default model's weights in their GGUF blocks as a CPU serves them;
   - each rank holds its shards only (their shapes), and about half of the weights' memory;
   - a killed rank makes the other's next step fail within the group timeout, and that rank exits.
 """
@@ -27,6 +28,7 @@ from safetensors import safe_open
 from services.common.config import (CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, WorkerConfig,
                                     default_cache_dir)
 from services.common.engine_output import EngineCoreRequest
+from services.common.model_files import DEFAULT_MODEL
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import SchedulerOutput
@@ -92,7 +94,7 @@ class FanOutExecutor:
             c.close()
 
 
-def start_group(model_path: Path, size: int, kv_bytes: int, timeout: float,
+def start_group(model: str | Path, size: int, kv_bytes: int, timeout: float,
                 attention_backend: str = "auto") -> list[ServiceProcess]:
     """`size` worker processes of one group, started together (rank 0 waits for the others)."""
     address = free_loopback_address()
@@ -101,7 +103,7 @@ def start_group(model_path: Path, size: int, kv_bytes: int, timeout: float,
 
     def start(rank: int) -> ServiceProcess:
         port = free_port()
-        return start_service(worker_command(model=model_path, dtype="float32", port=port, kv_cache_memory=kv_bytes,
+        return start_service(worker_command(model=model, dtype="float32", port=port, kv_cache_memory=kv_bytes,
                                             tensor_parallel_size=size, rank=rank, distributed_address=address,
                                             distributed_timeout=timeout, attention_backend=attention_backend),
                              port, env=env)
@@ -150,10 +152,11 @@ def preempting_num_blocks(prompts: list[list[int]]) -> int:
 
 
 @pytest.fixture(scope="module")
-def tp1_outputs(model_path: Path, prompts: list[list[int]]) -> list[Generated]:
+def tp1_outputs(prompts: list[list[int]]) -> list[Generated]:
     # The same number of blocks as at TP=2 (a whole block holds 3 KV heads, rank 0's 2): the same schedule.
     kv_bytes = preempting_num_blocks(prompts) * RANK0_BLOCK_BYTES * 3 // 2
-    worker = Worker(ModelConfig(model=str(model_path), dtype="float32"), CacheConfig(kv_cache_memory=kv_bytes), WorkerConfig())
+    worker = Worker(ModelConfig(model=DEFAULT_MODEL, dtype="float32"), CacheConfig(kv_cache_memory=kv_bytes),
+                    WorkerConfig())
     client = InProcessWorkerClient(worker)
     engine = EngineCore.create(client, SCHEDULER, executor=client)
     return generate(engine, prompts)
@@ -184,10 +187,10 @@ def compare_to_reference(ours: Generated, ref_tokens: list[int], ref_logprobs: l
     return partings
 
 
-def test_tp2_matches_tp1_and_hugging_face(model_path: Path, prompts: list[list[int]], tp1_outputs: list[Generated],
+def test_tp2_matches_tp1_and_hugging_face(prompts: list[list[int]], tp1_outputs: list[Generated],
                                           hf_reference: HFReference):
     with ExitStack() as exits:
-        ranks = start_group(model_path, 2, preempting_num_blocks(prompts) * RANK0_BLOCK_BYTES, timeout=30.0)
+        ranks = start_group(DEFAULT_MODEL, 2, preempting_num_blocks(prompts) * RANK0_BLOCK_BYTES, timeout=30.0)
         for rank in ranks:
             exits.callback(rank.kill)
         executor = FanOutExecutor([GrpcWorkerClient(r.address) for r in ranks])

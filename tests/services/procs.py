@@ -25,7 +25,6 @@ import contextlib
 import functools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from services.engine.client import GrpcEngineClient
 from services.gateway import server as gateway_server
 from services.processor import server as processor_server
 from services.worker import server as worker_server
+from tests.ports import free_port  # noqa: F401  (the tests take it from here)
 
 if TYPE_CHECKING:  # the client takes ~2 s to import, and the suite's tiers without services never use it
     import openai
@@ -58,13 +58,6 @@ SERVE_KV_CACHE = "128MiB"
 SERVE_KV_BYTES = 128 * 2**20
 SHARED_MAX_MODEL_LEN = 256  # the context of the session's shared `kvmesh serve` (tests/conftest.py)
 SHARED_MODEL_NAME = "smollm2"  # the name it serves its model under
-
-
-def free_port() -> int:
-    """A port the kernel just handed out on 127.0.0.1 (free now; a race only in theory)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -277,28 +270,29 @@ class Serve:
         self.proc.wait()
 
 
-def start_serve(model_path: Path, timeout: float = 600.0, extra_args: Sequence[str] = (),
+def start_serve(model: str | Path, timeout: float = 600.0, extra_args: Sequence[str] = (),
                 env: Mapping[str, str] | None = None) -> Serve:
-    """`extra_args` go to `kvmesh serve`; `env` is added to the environment of every service."""
+    """`kvmesh serve --model <model>` in float32 (the `served_model` fixture's, for most tests);
+    `extra_args` go to `kvmesh serve`; `env` is added to the environment of every service."""
     port = free_port()
-    started = processes.start_serve(["--model", str(model_path), "--dtype", "float32", "--port", str(port),
+    started = processes.start_serve(["--model", str(model), "--dtype", "float32", "--port", str(port),
                                      "--kv-cache-memory", SERVE_KV_CACHE, *extra_args], timeout, env, REPO_ROOT)
     assert started.ready.api == f"http://127.0.0.1:{port}/v1"
     return Serve(started.proc, started.ready.api, started.ready.services, started.stderr)
 
 
 @contextlib.contextmanager
-def running_serve(model_path: Path, **kwargs) -> Iterator[Serve]:
-    serve = start_serve(model_path, **kwargs)
+def running_serve(model: str | Path, **kwargs) -> Iterator[Serve]:
+    serve = start_serve(model, **kwargs)
     try:
         yield serve
     finally:
         serve.kill()
 
 
-def serving(model_path: Path, extra_args: Sequence[str] = ()) -> Iterator[Serve]:
+def serving(model: str | Path, extra_args: Sequence[str] = ()) -> Iterator[Serve]:
     """`kvmesh serve` for a module-scoped fixture (`yield from serving(...)`), killed at its end."""
-    with running_serve(model_path, extra_args=extra_args) as serve:
+    with running_serve(model, extra_args=extra_args) as serve:
         yield serve
 
 

@@ -22,7 +22,6 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import aclosing
-from pathlib import Path
 
 import pytest
 import torch
@@ -108,17 +107,17 @@ class PD:
 
 
 @pytest.fixture(scope="module")
-def pd(model_path: Path) -> Iterator[PD]:
+def pd(served_model: str) -> Iterator[PD]:
     args = ["--prefill-engines", "1", "--decode-engines", "1", "--prefill-threshold", str(THRESHOLD),
             "--kv-lease", str(LEASE), "--kv-transfer-timeout", "3", "--kv-cache-memory", KV_CACHE,
             "--max-model-len", "2048", "--speculative-config", json.dumps(SPEC)]
-    with running_serve(model_path, extra_args=args) as serve:
+    with running_serve(served_model, extra_args=args) as serve:
         yield PD(serve)
 
 
 @pytest.fixture(scope="module")
-def colocated(model_path: Path) -> Iterator[LLM]:
-    llm = LLM(model=str(model_path), dtype="float32", kv_cache_memory=192 * 2**20, max_model_len=2048)
+def colocated(served_model: str) -> Iterator[LLM]:
+    llm = LLM(model=served_model, dtype="float32", kv_cache_memory=192 * 2**20, max_model_len=2048)
     yield llm
     del llm
 
@@ -189,7 +188,7 @@ def test_a_decode_engine_drafts_on_a_prompt_whose_kv_came_from_the_prefill_engin
 
 
 @pytest.mark.slow
-def test_tensor_parallel_pairs_send_each_rank_its_own_shard(model_path: Path, colocated: LLM):
+def test_tensor_parallel_pairs_send_each_rank_its_own_shard(served_model: str, colocated: LLM):
     """--tensor-parallel-size 2 on both sides: rank r of P sends its KV heads to rank r of D (a pair
     group per rank pair); the blocks of both ranks add up to the whole cache's bytes."""
     args = ["--prefill-engines", "1", "--decode-engines", "1", "--prefill-threshold", str(THRESHOLD),
@@ -197,7 +196,7 @@ def test_tensor_parallel_pairs_send_each_rank_its_own_shard(model_path: Path, co
             # Eight processes on CI's two busy cores: a transfer must not time out into a recompute.
             "--kv-transfer-timeout", "30", "--remote-prefill-timeout", "120"]
     batch = prompts(2, 150, 400, seed=11)
-    with running_serve(model_path, extra_args=args) as serve:
+    with running_serve(served_model, extra_args=args) as serve:
         tp = PD(serve)
         assert "worker-prefill-0-r1" in serve.services and "worker-decode-0-r1" in serve.services
         before = counters(tp)

@@ -315,14 +315,14 @@ def engine_slice(ready: bool, port: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def stack(model_path: Path, tmp_path_factory) -> Iterator[Stack]:
+def stack(served_model: str, tmp_path_factory) -> Iterator[Stack]:
     """Worker, engine and processor as processes; the engine finds its worker and the processor its
     engine through the fake API server (a kubeconfig names it; KUBERNETES_SERVICE_HOST is cleared so
     that the in-cluster path is not taken even inside a pod)."""
     with FakeKubeApi() as api, ExitStack() as exits:
         env = {"KUBECONFIG": str(write_kubeconfig(tmp_path_factory.mktemp("kube"), api.url)),
                "KUBERNETES_SERVICE_HOST": ""}
-        worker = exits.enter_context(running_kvmesh("worker", model=model_path, dtype="float32", metrics_port=0,
+        worker = exits.enter_context(running_kvmesh("worker", model=served_model, dtype="float32", metrics_port=0,
                                                     kv_cache_memory=64 * 2**20))
         # The engine must pick its pair by hostname: worker-1 is on a port where nothing listens.
         api.apply(endpoint_slice("workers-y", "workers", [endpoint("127.0.0.1", True, "kvmesh-worker-1")],
@@ -332,7 +332,7 @@ def stack(model_path: Path, tmp_path_factory) -> Iterator[Stack]:
         engine = exits.enter_context(running_kvmesh("engine", env, worker_service="workers", namespace="test",
                                                     worker_hostname="kvmesh-worker-0", metrics_port=0))
         api.apply(engine_slice(True, engine.port))
-        processor = exits.enter_context(running_kvmesh("processor", env, model=model_path, engine_service="engines",
+        processor = exits.enter_context(running_kvmesh("processor", env, model=served_model, engine_service="engines",
                                                        namespace="test", metrics_port=0, engine_timeout=2))
         yield Stack(api, engine, processor)
 

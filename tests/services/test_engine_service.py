@@ -9,7 +9,6 @@ import gc
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -30,20 +29,20 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12)
 ENDLESS = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
 
 
-def start_stack(model_path: Path, exits: ExitStack, **engine: Any) -> Stack:
-    return exits.enter_context(running_stack(worker=dict(model=model_path, dtype="float32", kv_cache_memory=KV_BYTES),
+def start_stack(served_model: str, exits: ExitStack, **engine: Any) -> Stack:
+    return exits.enter_context(running_stack(worker=dict(model=served_model, dtype="float32", kv_cache_memory=KV_BYTES),
                                              engine=dict(max_num_batched_tokens=64, **engine)))
 
 
 @pytest.fixture(scope="module")
-def stack(model_path: Path) -> Iterator[Stack]:
+def stack(served_model: str) -> Iterator[Stack]:
     with ExitStack() as exits:
-        yield start_stack(model_path, exits)
+        yield start_stack(served_model, exits)
 
 
 @pytest.fixture(scope="module")
-def offline(model_path: Path) -> Iterator[LLM]:
-    llm = LLM(model=str(model_path), dtype="float32", kv_cache_memory=KV_BYTES, max_num_batched_tokens=64)
+def offline(served_model: str) -> Iterator[LLM]:
+    llm = LLM(model=served_model, dtype="float32", kv_cache_memory=KV_BYTES, max_num_batched_tokens=64)
     yield llm
     del llm
     gc.collect()
@@ -156,11 +155,11 @@ def test_sigterm_stops_engine_then_worker_within_seconds(stack: Stack):
     assert stack.worker.terminate(timeout=10) == 0, stack.worker.log()
 
 
-def test_killed_worker_fails_streams_health_and_new_requests_fast(model_path: Path, offline: LLM):
+def test_killed_worker_fails_streams_health_and_new_requests_fast(served_model: str, offline: LLM):
     """Then, after its --exit-grace (long here, to look at the dead engine), the engine exits 1."""
     requests = engine_requests(offline, ENDLESS, "doomed-")[:2]
     with ExitStack() as exits:
-        stack = start_stack(model_path, exits, exit_grace=5)
+        stack = start_stack(served_model, exits, exit_grace=5)
 
         async def main():
             client = GrpcEngineClient(stack.engine.address, timeout=5)

@@ -15,7 +15,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -105,11 +104,11 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="module")
-def fleet(model_path: Path, redis_server: RedisServer) -> Iterator[Fleet]:
+def fleet(served_model: str, redis_server: RedisServer) -> Iterator[Fleet]:
     args = ["--num-engines", "2", "--prefix-index", redis_server.url, "--routing", "kv-aware",
             "--heartbeat-ttl", str(HEARTBEAT_TTL), "--kv-cache-memory", KV_CACHE, "--max-model-len", "512",
             "--restart-backoff", "4"]
-    with running_serve(model_path, extra_args=args) as serve:
+    with running_serve(served_model, extra_args=args) as serve:
         yield Fleet(serve, redis_server)
 
 
@@ -229,11 +228,11 @@ def test_killed_engine_leaves_the_index_and_its_restart_inherits_nothing(fleet: 
 
 
 @pytest.fixture(scope="module")
-def session_fleet(model_path: Path) -> Iterator[Fleet]:
+def session_fleet(served_model: str) -> Iterator[Fleet]:
     """Routed by session (all of one session's streams on one engine), no Redis: the processor asks
     the engines what they hold."""
     args = ["--num-engines", "2", "--routing", "session", "--max-model-len", "512", "--restart-backoff", "30"]
-    with running_serve(model_path, extra_args=args) as serve:
+    with running_serve(served_model, extra_args=args) as serve:
         yield Fleet(serve, None)
 
 

@@ -17,7 +17,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing
-from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -301,11 +300,11 @@ def test_the_engine_is_named_by_its_advertised_or_bound_address():
     assert engine_identity(None, "::1", 1).engine_id == "[::1]:1"
 
 
-def test_the_engine_service_publishes_names_itself_and_clears_itself_at_sigterm(model_path: Path,
+def test_the_engine_service_publishes_names_itself_and_clears_itself_at_sigterm(served_model: str,
                                                                                  redis_server: RedisServer):
     namespace = f"t{uuid.uuid4().hex[:8]}"
     tokens = prompt(7, 80)  # 5 blocks of 16
-    with running_stack(worker=dict(model=model_path, dtype="float32", kv_cache_memory=32 * 2**20),
+    with running_stack(worker=dict(model=served_model, dtype="float32", kv_cache_memory=32 * 2**20),
                        engine=dict(prefix_index=redis_server.url, prefix_index_namespace=namespace,
                                    heartbeat_ttl=3)) as (_, engine, _, _):
 

@@ -40,13 +40,13 @@ PROMPTS = ["The history of the Roman empire", "How to bake bread at home", "A po
 class Pair:
     """One engine and its worker, started as a user would (services.cli)."""
 
-    model_path: Path
+    model: str
     worker: ServiceProcess | None = None
     engine: ServiceProcess | None = None
 
     def start(self) -> None:
         worker_port, engine_port = free_port(), free_port()
-        self.worker = start_service(worker_command(model=self.model_path, dtype="float32", port=worker_port,
+        self.worker = start_service(worker_command(model=self.model, dtype="float32", port=worker_port,
                                                    kv_cache_memory=KV_BYTES, max_model_len=MAX_MODEL_LEN), worker_port)
         self.engine = start_service(engine_command(worker_address=self.worker.address, port=engine_port), engine_port)
 
@@ -79,8 +79,8 @@ class Pairs:
 
 
 @pytest.fixture(scope="module")
-def pairs(model_path: Path) -> Iterator[Pairs]:
-    started = Pairs([Pair(model_path), Pair(model_path)])
+def pairs(served_model: str) -> Iterator[Pairs]:
+    started = Pairs([Pair(served_model), Pair(served_model)])
     try:
         started.running()
         yield started

@@ -9,7 +9,6 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx2 as httpx
 import pytest
@@ -30,10 +29,10 @@ SLOW = {"prompt": "Tell me a long story about the sea.", "max_tokens": MAX_TOKEN
 
 
 @pytest.fixture(scope="module")
-def stack(model_path: Path) -> Iterator[ServiceStack]:
-    with running_stack(worker=dict(model=model_path, dtype="float32", kv_cache_memory=KV_BYTES, max_num_seqs=1),
+def stack(served_model: str) -> Iterator[ServiceStack]:
+    with running_stack(worker=dict(model=served_model, dtype="float32", kv_cache_memory=KV_BYTES, max_num_seqs=1),
                        engine=dict(max_num_seqs=1, max_num_waiting=1),
-                       processor=dict(model=model_path, served_model_name="smollm2"),
+                       processor=dict(model=served_model, served_model_name="smollm2"),
                        gateway=dict(served_model_name="smollm2")) as services:
         yield services
 

@@ -6,7 +6,6 @@ engine that cached it, and each engine reports exactly the cached tokens the rou
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
@@ -34,8 +33,8 @@ SYSTEM = "You are a careful assistant who answers in one short sentence. " * 8  
 
 
 @pytest.fixture(scope="module")
-async def fleet(model_path: Path) -> AsyncIterator[dict[str, ClosableEngine]]:
-    args = EngineArgs.from_kwargs(model=str(model_path), dtype="float32", kv_cache_memory=16 * 2**20, max_model_len=MAX_MODEL_LEN)
+async def fleet(served_model: str) -> AsyncIterator[dict[str, ClosableEngine]]:
+    args = EngineArgs.from_kwargs(model=served_model, dtype="float32", kv_cache_memory=16 * 2**20, max_model_len=MAX_MODEL_LEN)
     engines: dict[str, ClosableEngine] = {}
     try:
         for address in (A, B):

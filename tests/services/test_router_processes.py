@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import urllib.request
 from contextlib import ExitStack
-from pathlib import Path
 
 import anyio
 
@@ -31,13 +30,13 @@ def metric(page: str, name: str, **labels: str) -> float:
     return total
 
 
-def test_a_processor_over_two_engines_follows_the_prefix(model_path: Path):
+def test_a_processor_over_two_engines_follows_the_prefix(served_model: str):
     with ExitStack() as exits:
-        engines = [exits.enter_context(running_stack(worker=dict(model=model_path, dtype="float32",
+        engines = [exits.enter_context(running_stack(worker=dict(model=served_model, dtype="float32",
                                                                  kv_cache_memory=KV_BYTES), engine={})).engine
                    for _ in range(2)]
         metrics_port = free_port()
-        processor = exits.enter_context(running_kvmesh("processor", model=model_path, metrics_port=metrics_port,
+        processor = exits.enter_context(running_kvmesh("processor", model=served_model, metrics_port=metrics_port,
                                                        engine_address=[e.address for e in engines]))
 
         async def ask(request_id: str, question: str) -> int:

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import openai
 import pytest
@@ -91,8 +90,8 @@ def test_client_that_times_out_frees_its_blocks(serve: Serve):
     serve.wait_until_engine_idle()
 
 
-def test_sigterm_during_traffic_stops_everything_within_15s(model_path: Path):
-    with running_serve(model_path) as serve:
+def test_sigterm_during_traffic_stops_everything_within_15s(served_model: str):
+    with running_serve(served_model) as serve:
         sigterm_during_traffic(serve)
 
 
@@ -143,10 +142,10 @@ def sigterm_during_traffic(serve: Serve) -> None:
         assert result in ("length", "stop") or "shutting down" in str(result), (results, elapsed)
 
 
-def test_children_stop_when_serve_itself_is_killed(model_path: Path):
+def test_children_stop_when_serve_itself_is_killed(served_model: str):
     """SIGKILL leaves `kvmesh serve` no chance to stop anything: each child asked the kernel for a
     SIGTERM when its parent dies (the parent-death signal it sets on itself at start)."""
-    with running_serve(model_path) as serve:
+    with running_serve(served_model) as serve:
         serve.proc.send_signal(signal.SIGKILL)
         serve.proc.wait(5)
         deadline = time.monotonic() + 20

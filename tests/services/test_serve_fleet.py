@@ -29,8 +29,8 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 @pytest.fixture(scope="module")
-def fleet(model_path: Path) -> Iterator[Serve]:
-    yield from serving(model_path, ["--num-engines", "2", "--max-model-len", "256", *LIVENESS])
+def fleet(served_model: str) -> Iterator[Serve]:
+    yield from serving(served_model, ["--num-engines", "2", "--max-model-len", "256", *LIVENESS])
 
 
 def argv_of(pid: int) -> list[str]:

@@ -30,10 +30,10 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def stack(model_path: Path, model_families: dict[str, Family]) -> Iterator[Serve]:
+def stack(served_model: str, model_families: dict[str, Family]) -> Iterator[Serve]:
     families = [arg for name in FAMILIES for arg in ("--model", str(model_families[name].path))]
     names = [arg for name in (SMOLLM2, *FAMILIES) for arg in ("--served-model-name", name)]
-    yield from serving(model_path, [*families, *names, "--max-model-len", str(SHARED_MAX_MODEL_LEN)])
+    yield from serving(served_model, [*families, *names, "--max-model-len", str(SHARED_MAX_MODEL_LEN)])
 
 
 def greedy(llm: LLM) -> list[int]:

@@ -24,8 +24,8 @@ PROMPT = f"Copy the text exactly.\nText: {PASSAGE}\nCopy: {PASSAGE[:40]}"
 
 
 @pytest.fixture(scope="module")
-def stack(model_path: Path) -> Iterator[Serve]:
-    yield from serving(model_path, ["--speculative-config", json.dumps(SPEC)])
+def stack(served_model: str) -> Iterator[Serve]:
+    yield from serving(served_model, ["--speculative-config", json.dumps(SPEC)])
 
 
 def spec_counters(serve: Serve) -> dict[str, float]:

@@ -39,16 +39,16 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-def running_worker(model_path: Path, kv_cache_memory: int) -> AbstractContextManager[ServiceProcess]:
+def running_worker(served_model: str, kv_cache_memory: int) -> AbstractContextManager[ServiceProcess]:
     # --owner-lease 0: a new engine session may take a worker over as soon as the last one let go.
-    return running_kvmesh("worker", model=model_path, dtype="float32", max_model_len=SHARED_MAX_MODEL_LEN,
+    return running_kvmesh("worker", model=served_model, dtype="float32", max_model_len=SHARED_MAX_MODEL_LEN,
                           kv_cache_memory=kv_cache_memory, owner_lease=0)
 
 
 @pytest.fixture(scope="module")
-def two_workers(model_path: Path) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+def two_workers(served_model: str) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     """Two workers of size 1 with KV caches of different sizes."""
-    with running_worker(model_path, 32 * 2**20) as a, running_worker(model_path, 16 * 2**20) as b:
+    with running_worker(served_model, 32 * 2**20) as a, running_worker(served_model, 16 * 2**20) as b:
         yield a, b
 
 
@@ -124,10 +124,10 @@ def test_an_llm_whose_workers_fail_to_start_raises_and_leaves_none_behind(tmp_pa
 
 
 @pytest.mark.slow
-def test_llm_with_two_worker_processes_matches_one(model_path: Path, offline: LLM):
+def test_llm_with_two_worker_processes_matches_one(served_model: str, offline: LLM):
     """`LLM(tensor_parallel_size=2)`: two worker processes give the greedy tokens of one."""
     truth = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY)]
-    with LLM(model=str(model_path), dtype="float32", tensor_parallel_size=2, kv_cache_memory=offline.args.cache.kv_cache_memory,
+    with LLM(model=served_model, dtype="float32", tensor_parallel_size=2, kv_cache_memory=offline.args.cache.kv_cache_memory,
              max_model_len=SHARED_MAX_MODEL_LEN) as llm:
         pids = llm._worker_processes.pids
         assert len(pids) == 2
@@ -139,8 +139,8 @@ GROUP = ("worker-r0", "worker-r1", "engine")
 
 
 @pytest.fixture(scope="module")
-def tp2(model_path: Path) -> Iterator[Serve]:
-    yield from serving(model_path, ["--tensor-parallel-size", "2", "--max-model-len", str(SHARED_MAX_MODEL_LEN),
+def tp2(served_model: str) -> Iterator[Serve]:
+    yield from serving(served_model, ["--tensor-parallel-size", "2", "--max-model-len", str(SHARED_MAX_MODEL_LEN),
                                     *LIVENESS])
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import grpc
 import httpx2 as httpx
@@ -27,10 +26,10 @@ def assert_5xx_openai_error(response: httpx.Response) -> None:
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
 
 
-def test_killed_worker_fails_requests_and_health_at_once(model_path: Path):
+def test_killed_worker_fails_requests_and_health_at_once(served_model: str):
     """Also: the processor registers health and reflection, and its health follows its engine's."""
-    with running_stack(worker=dict(model=model_path, dtype="float32", kv_cache_memory=KV_BYTES), engine={},
-                       processor=dict(model=model_path, served_model_name="smollm2"),
+    with running_stack(worker=dict(model=served_model, dtype="float32", kv_cache_memory=KV_BYTES), engine={},
+                       processor=dict(model=served_model, served_model_name="smollm2"),
                        gateway=dict(served_model_name="smollm2")) as (worker, engine, processor, gateway):
 
         assert grpc_health_status(processor.address, service=PROCESSOR) == health_pb2.HealthCheckResponse.SERVING

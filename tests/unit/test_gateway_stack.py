@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx2 as httpx
 import pytest
@@ -29,9 +28,10 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name three col
 
 
 @pytest.fixture(scope="module")
-async def stack(model_path: Path) -> AsyncIterator[AsyncStack]:
-    stack = await AsyncStack.create(EngineArgs.from_kwargs(model=str(model_path), dtype="float32", kv_cache_memory=KV_BYTES,
-                                                           max_num_batched_tokens=256, max_num_seqs=8))
+async def stack() -> AsyncIterator[AsyncStack]:
+    stack = await AsyncStack.create(EngineArgs.from_kwargs(model="smollm2", dtype="float32", quantization="gguf",
+                                                           kv_cache_memory=KV_BYTES, max_num_batched_tokens=256,
+                                                           max_num_seqs=8))
     yield stack
     await stack.shutdown()
 

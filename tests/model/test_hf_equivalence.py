@@ -33,12 +33,22 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=5)
 TEST_KV_BYTES = 256 * 2**20
 
 
+@pytest.fixture(scope="module")
+def blocks_llm():
+    """The default model from its GGUF file, the weights kept in their blocks."""
+    engine = LLM(model="smollm2", dtype="float32", quantization="gguf", kv_cache_memory=TEST_KV_BYTES)
+    yield engine
+    del engine
+    gc.collect()
+
+
 @pytest.fixture(scope="module", params=["gguf-blocks", pytest.param("float32-folder", marks=pytest.mark.slow)])
 def llm(request: pytest.FixtureRequest, model_path: Path):
+    """Both ways of holding the weights, for the tests whose truth is transformers'."""
     if request.param == "gguf-blocks":
-        engine = LLM(model="smollm2", dtype="float32", quantization="gguf", kv_cache_memory=TEST_KV_BYTES)
-    else:
-        engine = LLM(model=str(model_path), dtype="float32", kv_cache_memory=TEST_KV_BYTES)
+        yield request.getfixturevalue("blocks_llm")
+        return
+    engine = LLM(model=str(model_path), dtype="float32", kv_cache_memory=TEST_KV_BYTES)
     yield engine
     del engine
     gc.collect()
@@ -139,7 +149,9 @@ def test_shared_prefix_hits_cache_and_matches_hf(llm, hf_reference):
 
 
 @pytest.mark.slow  # over a second: `make test`, not test-fast
-def test_seeded_sampling_is_reproducible_in_any_batch(llm):
+def test_seeded_sampling_is_reproducible_in_any_batch(blocks_llm):
+    """The sampler's seeds, whatever holds the weights: one way is enough."""
+    llm = blocks_llm
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24)
     prompt = "Write a sentence about the sea:"
     alone = llm.generate([prompt], params)[0].outputs[0].token_ids

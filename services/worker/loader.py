@@ -23,7 +23,7 @@ from services.worker.layers.linear import WeightSource
 from services.worker.models.registry import get_model_class
 from services.worker.parallel_group import TensorParallelGroup
 
-FULL_MODEL_SUFFIX = ""  # the whole model converted from a GGUF: `<stem>-<size>-<mtime>`, as before
+FULL_MODEL_SUFFIX = ""  # the whole model converted from a GGUF: `<stem>-<size>-<digest>`
 
 
 def resolve_model(model: str, cache_dir: Path | None = None) -> Path:

@@ -247,7 +247,7 @@ def test_second_resolve_uses_the_cache(model_path: Path, monkeypatch: pytest.Mon
     assert resolve_model("smollm2", None) == model_path
     assert time.monotonic() - start < 1.0
     assert weights.stat().st_mtime_ns == mtime
-    # Named by the GGUF file and its size, not by the cache folder (which holds the file's mtime).
+    # Named by the GGUF file and its size, not by the cache folder.
     assert model_id_of(model_path) == "SmolLM2-135M-Instruct.Q4_1-98362432"
 
 

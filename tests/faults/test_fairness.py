@@ -81,6 +81,7 @@ PER_CLIENT = 8
 BODY_BUDGET = 2**20
 PROXY = "127.0.0.5"  # a trusted proxy's address (any 127/8 address reaches 127.0.0.1)
 BURST = 5
+BURST_TOKENS = 64  # each request runs long enough for the late one to arrive while the first runs
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +194,7 @@ def test_a_tenant_with_a_burst_waits_its_turn(guarded: Serve):
     def complete(key: str, name: str) -> None:
         # Each client is closed, so its kept-alive connection does not count against the cap.
         with openai.OpenAI(base_url=guarded.api, api_key=key, timeout=300, max_retries=0) as client:
-            client.completions.create(model=model, prompt=f"Story {name}:", max_tokens=16,
+            client.completions.create(model=model, prompt=f"Story {name}:", max_tokens=BURST_TOKENS,
                                       temperature=0, extra_body={"ignore_eos": True})
         finished.append(name)
 

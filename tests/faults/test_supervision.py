@@ -228,8 +228,9 @@ FLEET = ("engine-0", "engine-1", "engine-2")
 
 @pytest.fixture(scope="module")
 def fleet(served_model: str) -> Iterator[Serve]:
-    """Three pairs, each allowed one restart; least-load routing (an idle engine takes a migrated stream)."""
-    yield from serving(served_model, ["--num-engines", str(len(FLEET)), "--max-model-len", "256", *LIVENESS,
+    """Three pairs, each allowed one restart; least-load routing (an idle engine takes a migrated stream).
+    A context of 1,024 tokens: room for a stream that outlasts two kills."""
+    yield from serving(served_model, ["--num-engines", str(len(FLEET)), "--max-model-len", "1024", *LIVENESS,
                                     "--restart-backoff", "0.5", "--max-restarts", "1", "--routing", "least-load"])
 
 
@@ -251,6 +252,17 @@ def busy_engines(fleet: Serve, names: Sequence[str]) -> list[str]:
         return list(await asyncio.gather(*(running(n) for n in names)))
 
     return [name for name, count in zip(names, asyncio.run(ask())) if count]
+
+
+def the_busy_engine(fleet: Serve, names: Sequence[str], timeout: float = 30.0) -> str:
+    """The one of `names` that runs the stream. Events of a killed engine may still be on their way
+    while the processor moves the stream: the next engine runs it a moment later."""
+    deadline = time.monotonic() + timeout
+    while not (busy := busy_engines(fleet, names)):
+        assert time.monotonic() < deadline, f"none of {names} runs the stream after {timeout}s"
+        time.sleep(0.05)
+    [engine] = busy
+    return engine
 
 
 def prompt_tokens(fleet: Serve, name: str) -> float:
@@ -281,10 +293,12 @@ def test_a_request_two_engines_died_under_is_failed_not_sent_to_a_third(fleet: S
                     continue
                 events.append(line)
                 if len(killed) < 2 and len(events) >= 3 * (len(killed) + 1):
-                    [engine] = busy_engines(fleet, [n for n in FLEET if n not in killed])
+                    engine = the_busy_engine(fleet, [n for n in FLEET if n not in killed])
                     os.kill(serve_child_pid(fleet, engine.replace("engine", "worker")), signal.SIGKILL)
                     killed.append(engine)
-                assert len(events) < 3 * len(FLEET) + 20, "the stream went on after its second engine died"
+                    killed_at = len(events)
+                # Tokens sent before the kill may still arrive; a stream moved a third time would go on.
+                assert len(killed) < 2 or len(events) < killed_at + 100, "the stream went on after its second died"
     error = assert_error_event_then_done(events)
     assert "not sent to another" in error["message"], error
     [third] = [name for name in FLEET if name not in killed]

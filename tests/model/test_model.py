@@ -269,7 +269,8 @@ def test_changed_gguf_converts_again_and_failures_leave_no_cache(tmp_path: Path,
     gguf.write_bytes(b"version 2")
     second = resolve_model(str(gguf), cache)
     assert second != first and len(calls) == 2 and model_id_of(second) == "tiny-9"
-    assert sorted(p.name for p in cache.iterdir()) == sorted([first.name, second.name])  # no temp folders left
+    # No temp folders left: the two conversions, and the files' digests.
+    assert sorted(p.name for p in cache.iterdir()) == sorted([first.name, second.name, "digests"])
 
     def failing_conversion(path: Path, out_dir: Path) -> None:
         (out_dir / "config.json").write_text("{}")
@@ -279,7 +280,7 @@ def test_changed_gguf_converts_again_and_failures_leave_no_cache(tmp_path: Path,
     gguf.write_bytes(b"version three")
     with pytest.raises(RuntimeError, match="disk full"):
         resolve_model(str(gguf), cache)
-    assert sorted(p.name for p in cache.iterdir()) == sorted([first.name, second.name])
+    assert sorted(p.name for p in cache.iterdir()) == sorted([first.name, second.name, "digests"])
 
 
 def test_resolve_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

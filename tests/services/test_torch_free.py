@@ -54,8 +54,9 @@ def test_processor_core_imports_no_torch(tmp_path: Path) -> None:
     assert out["torch"] is False
     assert out["model_id"] == "SmolLM2-135M-Instruct.Q4_1-98362432"  # the engine's, so the check agrees
     assert out["text"].endswith("<|im_start|>user\nHi 👋<|im_end|>\n<|im_start|>assistant\n")
-    # Only the tokenizer was extracted into the empty cache: no weights were converted.
-    assert len(out["cache"]) == 1 and out["cache"][0].endswith(".tokenizer")
+    # Only the tokenizer was extracted into the empty cache (beside the GGUF file's digest): no weights
+    # were converted.
+    assert len(out["cache"]) == 2 and out["cache"][0].endswith(".tokenizer") and out["cache"][1] == "digests"
 
 
 def test_kernels_import_nothing_from_services() -> None:

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import asyncio
 
-
-import pytest
-
 from services.common.config import EngineArgs
 from services.common.engine_output import EngineCoreRequest
 from services.common.sampling_params import SamplingParams

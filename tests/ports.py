@@ -13,7 +13,6 @@ import itertools
 import os
 import random
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 LOWEST = 10_000  # above the ports well-known services listen on
@@ -35,24 +34,19 @@ def worker_slice() -> range:
     return range(LOWEST + index * size, LOWEST + (index + 1) * size)
 
 
-def _candidates() -> Iterator[int]:
-    ports = worker_slice()
-    # A random start, so that two suites running at once on one machine seldom meet.
-    start = random.randrange(len(ports))
-    return itertools.cycle([*ports[start:], *ports[:start]])
-
-
-_next = _candidates()
+SLICE = worker_slice()
+# From a random start, so that two suites running at once on one machine seldom meet.
+_start = random.randrange(len(SLICE))
+_next = itertools.cycle([*SLICE[_start:], *SLICE[:_start]])
 
 
 def free_port() -> int:
     """The next port of this worker's slice that is free on 127.0.0.1 now."""
-    for _ in range(len(worker_slice())):
-        port = next(_next)
+    for port in itertools.islice(_next, len(SLICE)):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue  # someone else's service, or one of ours in TIME_WAIT
             return port
-    raise RuntimeError(f"no free loopback port in {worker_slice()}")
+    raise RuntimeError(f"no free loopback port in {SLICE}")

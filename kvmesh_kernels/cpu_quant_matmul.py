@@ -152,15 +152,15 @@ def _threads(work: int) -> int:
 
 
 def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int,
-           lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """x: [M, k] float32 with unit-stride rows; blocks: [N, row_bytes] -> a new [M, N] float32."""
+           lib: ctypes.CDLL | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, k] float32 with unit-stride rows; blocks: [N, row_bytes] -> [M, N] float32, new or `out`."""
     _check_weight(blocks, qtype, k)
     _check_x(x, k)
     m, n = x.shape[0], blocks.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
+    y = _output(m, n, out)
     if m and n:
         (lib or native.library(_NAME)).quant_matmul(
-            y.data_ptr(), n, x.data_ptr(), x.stride(0), blocks.data_ptr(), blocks.shape[1], m, n, k, qtype,
+            y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), blocks.data_ptr(), blocks.shape[1], m, n, k, qtype,
             _threads(m * n * k))
     return y
 
@@ -210,6 +210,18 @@ def dequantize(blocks: torch.Tensor, qtype: QuantType, k: int, lib: ctypes.CDLL 
 def _check_x(x: torch.Tensor, k: int) -> None:
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"x must be [M, {k}] float32 with unit-stride rows, got {x.dtype} {tuple(x.shape)}")
+
+
+def _output(m: int, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    """`out`, checked to take an [m, n] float32 result (rows may lie apart), or a new tensor. A caller
+    passes one it keeps to spare a large result fresh pages every call: an LM head's logits at 32 rows
+    of a 262k vocabulary are 34 MB, which glibc maps anew each time (above its 32 MB mmap threshold),
+    and faulting those pages in cost more than a tenth of a decode step."""
+    if out is None:
+        return torch.empty(m, n, dtype=torch.float32)
+    if out.dtype != torch.float32 or out.shape != (m, n) or out.device.type != "cpu" or (n > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be [{m}, {n}] float32 with unit-stride rows, got {out.dtype} {tuple(out.shape)}")
+    return out
 
 
 # ------------------------------------------------------------------ packed Q4_1 (the layers' weights)
@@ -338,15 +350,16 @@ def _check_packed(packed: torch.Tensor, n: int, k: int, lib: ctypes.CDLL) -> Non
         raise ValueError(f"not a packed [{n}, {k}] weight: {packed.dtype} {tuple(packed.shape)}")
 
 
-def matmul_packed(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """x: [M, k] float32 with unit-stride rows; packed: `pack`'s [n, k] weight -> a new [M, n] float32."""
+def matmul_packed(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, lib: ctypes.CDLL | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, k] float32 with unit-stride rows; packed: `pack`'s [n, k] weight -> [M, n] float32, new or `out`."""
     lib = lib or native.library(_NAME)
     _check_packed(packed, n, k, lib)
     _check_x(x, k)
     m = x.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
+    y = _output(m, n, out)
     if m and n:
-        lib.quant_matmul_packed(y.data_ptr(), n, x.data_ptr(), x.stride(0), packed.data_ptr(), m, n, k,
+        lib.quant_matmul_packed(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), packed.data_ptr(), m, n, k,
                                 _threads(m * n * k))
     return y
 
@@ -362,11 +375,11 @@ def dequantize_packed(packed: torch.Tensor, n: int, k: int, lib: ctypes.CDLL | N
 
 
 def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int, bias: torch.Tensor | None = None,
-           lib: ctypes.CDLL | None = None, n: int | None = None) -> torch.Tensor:
+           lib: ctypes.CDLL | None = None, n: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, W, bias) for W in blocks: x [..., k] float32 -> [..., N] float32. With `n`, `blocks`
     is `pack`'s [n, k] weight. From `gemm_rows` rows up the dequantized weight goes to torch's GEMM
     (BF16: the weight as it is, with x rounded to bfloat16), except an I8 one, whose tiles are
-    faster at every row count."""
+    faster at every row count. `out` ([rows of x, N], x 2-D): where the result goes (see `_output`)."""
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -381,8 +394,10 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int, bias
         else:
             weight = dequantize_packed(blocks, n, k, lib) if packed else dequantize(blocks, qtype, k, lib)
             y = F.linear(rows, weight, bias)
+        if out is not None:  # the GEMM's own result is no larger than the weight it dequantized
+            y = _output(rows.shape[0], n, out).copy_(y)
     else:
-        y = matmul_packed(rows, blocks, n, k, lib) if packed else matmul(rows, blocks, qtype, k, lib)
+        y = matmul_packed(rows, blocks, n, k, lib, out) if packed else matmul(rows, blocks, qtype, k, lib, out)
         if bias is not None:
             y += bias
     return y.reshape(*x.shape[:-1], n)

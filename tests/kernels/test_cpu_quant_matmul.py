@@ -105,6 +105,25 @@ def test_matmul_reads_x_rows_at_their_stride(lib):
     torch.testing.assert_close(qm.matmul(x, blocks, QuantType.Q4_1, 64, lib), x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", [QuantType.Q8_0, QuantType.Q8_0_I8])
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_a_result_goes_into_the_callers_buffer_rows_at_their_stride(lib, qtype, rows):
+    """`out` (an LM head's logits kept across steps) takes exactly what a new result would hold, on
+    each of linear's paths, and is the tensor returned."""
+    blocks, _ = quantized(24, 128, QuantType.Q8_0, seed=rows)
+    if qtype == QuantType.Q8_0_I8:
+        blocks = qm.to_i8_blocks(blocks, QuantType.Q8_0, 128, lib)
+    x = torch.randn(rows, 128)
+    wide = torch.full((rows, 40), float("nan"))
+    out = wide[:, 8:32]  # rows 40 floats apart; the columns around them stay untouched
+    got = qm.linear(x, blocks, qtype, 128, lib=lib, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(out, qm.linear(x, blocks, qtype, 128, lib=lib))
+    assert wide[:, :8].isnan().all() and wide[:, 32:].isnan().all()
+    with pytest.raises(ValueError, match="out must be"):
+        qm.matmul(x, blocks, qtype, 128, lib, out=torch.empty(rows, 25))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 300])
 def test_linear_either_path_equals_f_linear_with_bias(lib, rows):
     blocks, weight = quantized(24, 128, QuantType.Q8_0, seed=rows)

@@ -96,11 +96,13 @@ class BlockWeight(NamedTuple):
             return LOW_PRECISION_GEMM_ROWS[self.gemm_weight.qtype]
         return cpu_quant_matmul.gemm_rows()
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear(x, W, bias): x [..., cols] float32 -> [..., rows] float32."""
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, W, bias): x [..., cols] float32 -> [..., rows] float32 (into `out`, for a 2-D x,
+        as cpu_quant_matmul.linear)."""
         if self.gemm_weight is not None and x.numel() >= self.gemm_rows * self.cols:
-            return self.gemm_weight.linear(x, bias)
-        return cpu_quant_matmul.linear(x, self.blocks, self.qtype, self.cols, bias, n=self.rows if self.packed else None)
+            return self.gemm_weight.linear(x, bias, out)
+        return cpu_quant_matmul.linear(x, self.blocks, self.qtype, self.cols, bias, n=self.rows if self.packed else None,
+                                       out=out)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """F.embedding(ids, W): the rows of `ids`, dequantized -> [len(ids), cols] float32."""
@@ -158,12 +160,18 @@ class BlockWeightHolder:
         for start, blocks in parts:
             self.weight.data[start : start + blocks.shape[0]].copy_(blocks.dequantize())
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: where a 2-D x's result goes, kept by a caller that would otherwise get large fresh pages
+        every call (cpu_quant_matmul's `_output`)."""
         if self.block_weight is not None:
-            return self.block_weight.linear(x, bias)
+            return self.block_weight.linear(x, bias, out)
         if self.weight.dtype == torch.float16 and x.device.type == "cpu" and cpu_quant_matmul.is_built():
-            return cpu_quant_matmul.linear_f16(x, self.weight, bias)  # torch's float16 GEMM is slow on a CPU
-        return F.linear(x, self.weight, bias)
+            y = cpu_quant_matmul.linear_f16(x, self.weight, bias)  # torch's float16 GEMM is slow on a CPU
+        elif out is not None and bias is None and out.dtype == self.weight.dtype:
+            return torch.mm(x, self.weight.t(), out=out)  # F.linear's own GEMM, written in place
+        else:
+            y = F.linear(x, self.weight, bias)
+        return y if out is None else out.copy_(y)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         if self.block_weight is not None:

@@ -44,12 +44,13 @@ class VocabParallelEmbedding(nn.Module, BlockWeightHolder):
         out.masked_fill_(~mine.unsqueeze(1), 0)
         return self.tp.all_reduce(out)
 
-    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    def logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """[n, hidden] -> [n, vocab] float32 on rank 0, None on the others. The matmul runs in the
-        model dtype, as in transformers."""
-        local = self.linear(hidden_states)  # [n, per_rank]
+        model dtype, as in transformers. `out`, [n, vocab] float32: where they go, without tensor
+        parallelism (a caller's buffer, kept across steps)."""
         if self.tp.size == 1:
-            return local.float()
+            return self.linear(hidden_states, out=out).float()
+        local = self.linear(hidden_states)  # [n, per_rank]
         gathered = self.tp.gather_to_driver(local)  # [n, size * per_rank] on rank 0
         return None if gathered is None else gathered[:, : self.vocab_size].float()
 

@@ -154,9 +154,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = self.lm_head.logits(hidden_states)
+    def compute_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        logits = self.lm_head.logits(hidden_states, out)
         if logits is None or self.final_logit_softcapping is None:
             return logits
         cap = self.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap
+        return logits.div_(cap).tanh_().mul_(cap)  # tanh(logits / cap) * cap, in the same order

@@ -231,10 +231,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """[n, hidden_size] -> [n, vocab_size] float32 on rank 0 (the whole vocabulary gathered
-        there); None on the other ranks of a tensor-parallel group, which must call it all the same."""
-        return self.lm_head.logits(hidden_states)
+        there); None on the other ranks of a tensor-parallel group, which must call it all the same.
+        `out`: a buffer the caller keeps for them (VocabParallelEmbedding.logits)."""
+        return self.lm_head.logits(hidden_states, out)
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into our parameters, one at a time, and

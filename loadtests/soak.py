@@ -47,7 +47,6 @@ import httpx2 as httpx
 
 from loadtests.serve_process import start_serve, stop_serve
 from services.common.config import SecurityConfig
-from services.common.rpc.kvmesh.v1 import engine_pb2
 from services.common.rpc.security import GATEWAY, PROCESSOR, RpcSecurity
 
 SERVICES = ("gateway", "processor", "engine", "worker")
@@ -101,7 +100,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int]] = [
     ("detokenize over the context", "/detokenize", {"model": MODEL, "tokens": [42] * 200_000}, 400),
 ]
 WEIGHTS = {"chat": 5, "completion": 3, "disconnect": 2, "tokenize": 1, "bad": 3, "crowd": 1, "intruder": 1,
-           "abort_reason": 1, "stall": 1}
+           "stall": 1}
 # (name, service, method path, streamed, whose token, the status it must end with): the gateway's
 # token opens the processor only; a token nobody issued opens nothing.
 INTRUSIONS: list[tuple[str, str, str, bool, str, grpc.StatusCode]] = [
@@ -268,26 +267,6 @@ async def intruder(internal: Internal, client: httpx.AsyncClient, rng: random.Ra
     tally.counts[f"intruder: {name}"] += 1
 
 
-async def abort_reason(internal: Internal, client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
-    """An engine Abort, with the processor's own token, naming a reason the engine does not know:
-    INVALID_ARGUMENT naming `reason`, and the engine goes on serving."""
-    security = internal.credentials["processor"]
-    async with grpc.aio.insecure_channel(internal.addresses["engine"]) as channel:
-        abort = channel.unary_unary("/kvmesh.v1.Engine/Abort",
-                                    request_serializer=engine_pb2.AbortRequest.SerializeToString,
-                                    response_deserializer=engine_pb2.AbortResponse.FromString)
-        request = engine_pb2.AbortRequest(request_ids=[f"soak-{rng.getrandbits(32)}"],
-                                          reason=rng.choice(["bogus", "error"]))
-        try:
-            await abort(request, metadata=security.call_metadata, timeout=30)
-            code, details = grpc.StatusCode.OK, ""
-        except grpc.aio.AioRpcError as error:
-            code, details = error.code(), error.details() or ""
-    if code != grpc.StatusCode.INVALID_ARGUMENT or not details.startswith("reason:"):
-        return tally.bad("abort_reason", f"{code.name}: {details[:200]} (expected INVALID_ARGUMENT naming reason)")
-    tally.counts["abort_reason"] += 1
-
-
 SCENARIOS = {"chat": chat, "completion": completion, "disconnect": disconnect, "tokenize": tokenize, "bad": bad,
              "crowd": crowd, "stall": stall}
 
@@ -338,8 +317,7 @@ async def soak(api: str, pids: dict[str, int], internal: Internal, args: argpars
     tally, samples = Tally(), []
     start = time.monotonic()
     sampler = asyncio.create_task(sample_memory(pids, 15.0, samples, start))
-    scenarios = {**SCENARIOS, "intruder": functools.partial(intruder, internal),
-                 "abort_reason": functools.partial(abort_reason, internal)}
+    scenarios = {**SCENARIOS, "intruder": functools.partial(intruder, internal)}
     await asyncio.gather(*(client_loop(api, args.seed + i, start + args.duration, tally, scenarios)
                            for i in range(args.clients)))
     sampler.cancel()

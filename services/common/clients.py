@@ -120,9 +120,8 @@ class EngineClient(Protocol):
     def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         """Outputs of one engine request until it finishes. Closing the iterator early (the
         caller was cancelled) aborts the request in the engine."""
-    async def abort(self, request_ids: Sequence[str], reason: str = "abort") -> None:
-        """Idempotent. `reason` is what the engine's metrics count them as: "stop" when a stop
-        string ended them (only the processor sees those), else "abort"."""
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Idempotent; unknown or finished ids are ignored."""
     async def stats(self) -> EngineStats: ...
     async def is_healthy(self) -> bool: ...
     async def match_prefix(self, block_hashes: Sequence[bytes]) -> PrefixMatch:

@@ -48,7 +48,7 @@ from services.common.engine_output import EngineCoreOutput, EngineCoreRequest
 from services.common.errors import EngineDeadError
 from services.engine.engine_core import EngineCore
 from services.engine.kv_event_queue import KVEventQueue
-from services.engine.metrics import ABORT_REASONS, EngineMetrics
+from services.engine.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -93,7 +93,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[Item]] = {}  # event loop only
         self._inbox_lock = threading.Lock()
         self._new_requests: list[EngineCoreRequest] = []
-        self._aborts: dict[str, str] = {}  # request id -> reason
+        self._aborts: set[str] = set()
         self._wake = threading.Event()
         self._snapshot_wanted = threading.Event()  # see request_cache_snapshot
         # Functions to run on the engine-loop thread between steps (call_in_loop), with their futures.
@@ -210,14 +210,9 @@ class AsyncEngine:
             self._calls.append((fn, None))
         self._wake.set()
 
-    async def abort(self, request_ids: Sequence[str], reason: str = "abort") -> None:
-        """Idempotent; each open stream of these ids ends with finish_reason "abort". `reason` is
-        what the metrics count them as ("stop": the processor saw a stop string)."""
-        # Checked here, on the caller's side: an unknown reason reaching the engine-loop thread
-        # would fail there, in the metrics, and end the engine.
-        if reason not in ABORT_REASONS:
-            raise ValueError(f"reason: must be one of {', '.join(ABORT_REASONS)}, got {reason[:64]!r}")
-        self._abort_soon(request_ids, reason)
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Idempotent; each open stream of these ids ends with finish_reason "abort"."""
+        self._abort_soon(request_ids)
 
     async def stats(self) -> EngineStats:
         return self.core.stats()
@@ -248,13 +243,10 @@ class AsyncEngine:
     async def wait_until_unhealthy(self) -> None:
         await self._dead.wait()
 
-    def _abort_soon(self, request_ids: Iterable[str], reason: str = "abort") -> None:
+    def _abort_soon(self, request_ids: Iterable[str]) -> None:
         if self._error is None:
             with self._inbox_lock:
-                for request_id in request_ids:
-                    # A closed stream's plain abort does not hide why the caller ended it.
-                    if self._aborts.get(request_id, "abort") == "abort":
-                        self._aborts[request_id] = reason
+                self._aborts.update(request_ids)
             self._wake.set()
 
     # ------------------------------------------------------------------ the engine-loop thread
@@ -323,7 +315,7 @@ class AsyncEngine:
         and free the KV leases that have expired."""
         with self._inbox_lock:
             new_requests, self._new_requests = self._new_requests, []
-            aborts, self._aborts = self._aborts, {}
+            aborts, self._aborts = self._aborts, set()
             calls, self._calls = self._calls, []
         self._run_calls(calls)
         if self.core.kv_cache_manager.leases:
@@ -344,7 +336,7 @@ class AsyncEngine:
         if aborts:
             self.core.abort_requests(aborts)
             if self.metrics is not None:
-                self.metrics.record_aborted(aborts)  # by reason
+                self.metrics.record_aborted(aborts)
             items += [(request_id, EngineCoreOutput(request_id, [], finish_reason="abort")) for request_id in aborts]
         return items
 

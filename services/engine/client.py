@@ -45,10 +45,9 @@ class GrpcEngineClient(AsyncGrpcClient):
         finally:
             call.cancel()  # a no-op once the stream has ended
 
-    async def abort(self, request_ids: Sequence[str], reason: str = "abort") -> None:
+    async def abort(self, request_ids: Sequence[str]) -> None:
         with raising_errors():
-            await self._stub.Abort(engine_pb2.AbortRequest(request_ids=request_ids, reason=reason),
-                                   timeout=self.timeout)
+            await self._stub.Abort(engine_pb2.AbortRequest(request_ids=request_ids), timeout=self.timeout)
 
     async def stats(self) -> EngineStats:
         with raising_errors():

@@ -10,6 +10,9 @@ Fed on the engine-loop thread, one call per event:
 Gauges and the scheduler's cumulative counters (running, waiting, KV-cache usage, prefix-cache
 queries and hits, preemptions) are read from the core when scraped, never copied.
 
+vllm:request_success is not here: the processor counts it (services/processor/metrics.py), by the
+finish reason the client sees, which the engine does not know (it never sees stop strings).
+
 Times are the engine's (time.monotonic): a request arrives when the engine receives it, its first
 token is the step that produced it. vLLM's definitions otherwise: TTFT = first token - arrival;
 queue = first scheduled - arrival; prefill = first token - first scheduled; decode = last token -
@@ -19,7 +22,7 @@ first token; inference = last token - first scheduled; e2e = finish - arrival.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -34,9 +37,6 @@ from services.engine.engine_core import EngineCore
 from services.engine.speculator import SpecDecodingStats
 from services.engine.structured_output import StructuredOutputManager
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-# What a caller may name as its reason to end requests early: each is a request_success label.
-ABORT_REASONS = ("abort", "stop")
 # vLLM's bucket choices (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -111,9 +111,6 @@ class EngineMetrics:
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          [*names, "finished_reason"], registry=registry)
-        self.request_success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               TTFT_BUCKETS)
         self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
@@ -189,7 +186,7 @@ class EngineMetrics:
         now = time.monotonic()
         self._record_tokens(times, len(first.new_token_ids), now)
         if first.finish_reason is not None:
-            self._record_finished(request.request_id, first.finish_reason, now)
+            self._record_finished(request.request_id, now)
 
     def record_step(self, scheduler_output: SchedulerOutput, outputs: Iterable[EngineCoreOutput],
                     step_seconds: float, rpc_seconds: float) -> None:
@@ -214,17 +211,15 @@ class EngineMetrics:
                                                                  else 0)
                 self._record_tokens(times, len(output.new_token_ids), now)
             if output.finish_reason is not None:
-                self._record_finished(output.request_id, output.finish_reason, now)
+                self._record_finished(output.request_id, now)
         if any_output:
             self.iteration_tokens.observe(iteration_tokens)
 
-    def record_aborted(self, reasons: Mapping[str, str]) -> None:
-        """request id -> why it was ended early: "abort", or "stop" (a stop string, seen by the
-        processor), counted as vLLM's frontend counts it."""
+    def record_aborted(self, request_ids: Iterable[str]) -> None:
         now = time.monotonic()
-        for request_id, reason in reasons.items():
+        for request_id in request_ids:
             if request_id in self._requests:
-                self._record_finished(request_id, reason, now)
+                self._record_finished(request_id, now)
 
     def _record_tokens(self, times: _RequestTimes, num_tokens: int, now: float) -> None:
         if times.first_token is None:
@@ -237,11 +232,10 @@ class EngineMetrics:
         times.num_generation_tokens += num_tokens
         self.generation_tokens.inc(num_tokens)
 
-    def _record_finished(self, request_id: str, reason: str, now: float) -> None:
-        """Every finished request counts in request_success and the per-request size histograms and
-        e2e; the phase histograms only take requests that got as far as a first token."""
+    def _record_finished(self, request_id: str, now: float) -> None:
+        """Every finished request counts in the per-request size histograms and e2e; the phase
+        histograms only take requests that got as far as a first token."""
         times = self._requests.pop(request_id)
-        self.request_success[reason].inc()
         self.e2e.observe(now - times.arrival)
         self.request_prompt_tokens.observe(times.num_prompt_tokens)
         self.request_generation_tokens.observe(times.num_generation_tokens)

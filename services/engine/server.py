@@ -105,7 +105,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     @answers_with_status
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
-        await self.engine.abort(list(request.request_ids), request.reason or "abort")
+        await self.engine.abort(list(request.request_ids))
         return engine_pb2.AbortResponse()
 
     @answers_with_status

@@ -18,6 +18,12 @@ caller went away (its await cancelled) holds its thread for a bounded time only.
 
 Whatever ends the caller's iteration early (a stop string, the client going away, an engine error)
 cancels the pumps, which closes their engine streams, and aborts the choices still running.
+
+vllm:request_success is counted here, not in the engine, as vLLM's frontend counts it: once per
+engine request, by the finish reason the client sees. Only the processor sees stop strings, and
+the engine may finish a choice by length before the processor's abort reaches it. Choices still
+running when a request ends early count "abort" (the caller went away) or "error" (the engine
+failed). Beam search counts each step's one-token requests, as vLLM's beam search does.
 """
 
 from __future__ import annotations
@@ -118,12 +124,17 @@ class AsyncProcessor:
                     if self.metrics is not None:
                         self.metrics.detokenize_seconds.observe(time.perf_counter() - start)
                     deltas.append(delta)
+                    if choice.finished:  # as the client sees it: a stop string's "stop", whatever the engine said
+                        self._count_finished([delta.finish_reason])
                     if choice.stopped_by_string:  # the engine does not know: abort its request
-                        self._abort_soon([pumps[choice.index]], [choice.request.request_id], reason="stop")
+                        self._abort_soon([pumps[choice.index]], [choice.request.request_id])
                 if state.finished and self.metrics is not None:
                     self.metrics.observe_finished([c.state.num_output_tokens for c in state.choices])
                 if deltas:
                     yield state.delta(deltas, [out for _, out in batch if isinstance(out, EngineCoreOutput)])
+        except BaseException as e:
+            self._count_finished([_early_end(e)] * len(state.running_ids()))
+            raise
         finally:
             await self._release(pumps, state.running_ids())
 
@@ -137,9 +148,12 @@ class AsyncProcessor:
             steps = [asyncio.create_task(self._one_token(r), name=f"beam-{r.request_id}") for r in requests]
             try:
                 outputs = await asyncio.gather(*steps)
-            except BaseException:  # aborts are idempotent: every request of the step, finished or not
+            except BaseException as e:  # aborts are idempotent: every request of the step, finished or not
+                done = [s.result().finish_reason for s in steps if s.done() and not s.cancelled() and not s.exception()]
+                self._count_finished([*done, *[_early_end(e)] * (len(steps) - len(done))])
                 await self._release(steps, [r.request_id for r in requests])
                 raise
+            self._count_finished([out.finish_reason for out in outputs])
             search.advance(outputs)
         return await self._off_loop(search.result)
 
@@ -178,25 +192,29 @@ class AsyncProcessor:
                 p.cancel()
             await asyncio.shield(self._abort_soon(pending, running))
 
-    def _abort_soon(self, pumps: list[asyncio.Task[None]], running: list[str],
-                    reason: str = "abort") -> asyncio.Task[None]:
-        task = asyncio.create_task(self._abort(pumps, running, reason))
+    def _abort_soon(self, pumps: list[asyncio.Task[None]], running: list[str]) -> asyncio.Task[None]:
+        task = asyncio.create_task(self._abort(pumps, running))
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
         return task
 
-    async def _abort(self, pumps: list[asyncio.Task[None]], running: list[str], reason: str = "abort") -> None:
-        if reason != "abort":  # say why first: closing the stream aborts it too, as a plain abort
-            await self._abort_in_engine(running, reason)
+    async def _abort(self, pumps: list[asyncio.Task[None]], running: list[str]) -> None:
         for pump in pumps:
             pump.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)  # their streams are closed: the engine aborts
-        if reason == "abort":
-            await self._abort_in_engine(running, reason)  # and once more explicitly: aborts are idempotent
-
-    async def _abort_in_engine(self, running: list[str], reason: str) -> None:
         if running:
             try:
-                await self.engine.abort(running, reason)
+                await self.engine.abort(running)  # and once more explicitly: aborts are idempotent
             except Exception as e:  # the engine may be the reason we stopped; nothing left to free then
                 logger.warning("could not abort %s in the engine: %s", running, e)
+
+    def _count_finished(self, finish_reasons: list[str]) -> None:
+        if self.metrics is not None:
+            self.metrics.count_finished(finish_reasons)
+
+
+def _early_end(error: BaseException) -> str:
+    """What the engine requests still running count as when `error` ends a request early: "error"
+    when the engine failed (or could not be reached), "abort" when the caller went away (its await
+    cancelled, the stream closed)."""
+    return "error" if isinstance(error, Exception) else "abort"

@@ -284,14 +284,14 @@ class EngineSet:
 
         await asyncio.gather(*(fetch(m) for m in missing))
 
-    async def abort(self, request_ids: Sequence[str], reason: str = "abort") -> None:
+    async def abort(self, request_ids: Sequence[str]) -> None:
         """Aborts each request in flight on the engine streaming it. Ids not in flight are done
         already: finished, or closed early, which aborted them."""
         by_member: dict[int, tuple[EngineMember, list[str]]] = {}
         for request_id in request_ids:
             if (member := self._owners.get(request_id)) is not None:
                 by_member.setdefault(id(member), (member, []))[1].append(request_id)
-        await asyncio.gather(*(member.client.abort(ids, reason) for member, ids in by_member.values()))
+        await asyncio.gather(*(member.client.abort(ids) for member, ids in by_member.values()))
 
     async def info(self) -> EngineInfo:
         """The first ready engine's that answers, healthy ones first (they serve one model): one

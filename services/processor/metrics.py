@@ -1,8 +1,10 @@
-"""The processor's metrics: its tokenizer's and detokenizer's time (kvmesh_processor_*), and the two
-vLLM metrics about a whole request that only the processor sees, since it splits a request of
-n choices into n engine requests: vllm:request_params_n and vllm:request_max_num_generation_tokens
-(the most tokens any choice generated). Their labels are vLLM's less `engine`: a request's choices
-may run on different engines.
+"""The processor's metrics: its tokenizer's and detokenizer's time (kvmesh_processor_*), and the
+vLLM metrics that only the processor can count right. It splits a request of n choices into n
+engine requests: vllm:request_params_n and vllm:request_max_num_generation_tokens (the most tokens
+any choice generated) describe the whole request. It matches stop strings, which the engine never
+sees: vllm:request_success counts each choice once, by the finish reason the client sees, as vLLM's
+frontend counts it. Their labels are vLLM's less `engine`: a request's choices may run on different
+engines.
 
 The router's (kvmesh_router_*, RouterMetrics), by model: its decisions by policy and reason, its
 latency, and how right it was: the cached tokens the engine reported in a request's first output minus
@@ -11,13 +13,15 @@ the tokens the router predicted it would find cached.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from prometheus_client import Counter, Histogram
 
 from services.common.metrics import COMPONENT, ServiceMetrics, build_1_2_5_buckets
 
 PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's
+# vllm:request_success's finished_reason values (vLLM's FinishReason), each exported from the start.
+FINISH_REASONS = ("stop", "length", "abort", "error")
 # Tokenizing a prompt or detokenizing a step's tokens: 10 us to 1 s.
 TOKENIZER_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
                      0.05, 0.1, 0.25, 1.0)
@@ -91,6 +95,8 @@ class ProcessorMetrics:
         self.detokenize_seconds = families.detokenize_seconds
         self.params_n = families.params_n.labels(model_name)
         self.max_num_generation_tokens = families.max_num_generation_tokens.labels(model_name)
+        self.request_success = {reason: families.request_success.labels(model_name, reason)
+                                for reason in FINISH_REASONS}
 
     @classmethod
     def for_models(cls, service: ServiceMetrics, max_model_lens: Mapping[str, int]) -> dict[str, ProcessorMetrics]:
@@ -102,6 +108,11 @@ class ProcessorMetrics:
         """A request whose choices all finished, with the tokens each generated."""
         self.params_n.observe(len(num_generation_tokens))
         self.max_num_generation_tokens.observe(max(num_generation_tokens))
+
+    def count_finished(self, finish_reasons: Iterable[str]) -> None:
+        """Engine requests (choices, beam search steps) that ended, each by its reason."""
+        for reason in finish_reasons:
+            self.request_success[reason].inc()
 
 
 class ProcessorFamilies:
@@ -120,6 +131,8 @@ class ProcessorFamilies:
         self.max_num_generation_tokens = Histogram(
             "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
             ["model_name"], buckets=build_1_2_5_buckets(max_model_len), registry=registry)
+        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                       ["model_name", "finished_reason"], registry=registry)
 
 
 class DeciderMetrics:

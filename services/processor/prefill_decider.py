@@ -101,8 +101,8 @@ class PrefillDecider:
     async def info(self) -> EngineInfo:
         return await self.decode.info()
 
-    async def abort(self, request_ids: Sequence[str], reason: str = "abort") -> None:
-        await self.decode.abort(request_ids, reason)
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self.decode.abort(request_ids)
 
     async def stats(self) -> EngineStats:
         return await self.decode.stats()

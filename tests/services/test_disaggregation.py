@@ -127,7 +127,7 @@ def truth(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
 
 
 def counters(pd: PD) -> dict[str, float]:
-    decode, prefill = pd.page(pd.decode), pd.page(pd.prefill)
+    decode, prefill, processor = pd.page(pd.decode), pd.page(pd.prefill), pd.page("processor")
     return {
         "received": metric(decode, "kvmesh_kv_transfers_total", direction="received"),
         "sent": metric(prefill, "kvmesh_kv_transfers_total", direction="sent"),
@@ -135,7 +135,9 @@ def counters(pd: PD) -> dict[str, float]:
         "recomputes": metric(decode, "kvmesh_kv_transfer_recomputes_total"),
         "failures": metric(decode, "kvmesh_kv_transfer_failures_total"),
         "expired": metric(prefill, "kvmesh_kv_leases_expired_total"),
-        "finished": metric(decode, "vllm:request_success_total"),
+        # The processor counts requests that came through it, each once (the engines do not).
+        "finished": metric(processor, "vllm:request_success_total"),
+        "e2es": metric(decode, "vllm:e2e_request_latency_seconds_count"),
         "ttfts": metric(decode, "vllm:time_to_first_token_seconds_count"),
     }
 
@@ -151,8 +153,8 @@ def check_remote_prefill_matches_colocated(pd: PD, colocated: LLM, batch: list[l
     assert after["received"] - before["received"] == len(batch)
     assert after["sent"] - before["sent"] == len(batch)
     assert after["recomputes"] == before["recomputes"] and after["failures"] == before["failures"]
-    # D's own (vLLM's) metrics count them: P's first token is their first token.
-    assert after["finished"] - before["finished"] == after["ttfts"] - before["ttfts"] == len(batch)
+    # D's own (vLLM's) metrics count them, once each: P's first token is their first token.
+    assert after["e2es"] - before["e2es"] == after["ttfts"] - before["ttfts"] == len(batch)
     block_size = 16
     bytes_per_token = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: layers, K and V, KV heads, head size, float32
     assert after["bytes"] - before["bytes"] == sum(len(p) // block_size * block_size for p in batch) * bytes_per_token
@@ -223,20 +225,24 @@ def test_short_prompts_never_go_to_the_prefill_engine(pd: PD):
     client, model = client_for(pd.serve)
     decisions = lambda outcome: metric(pd.page("processor"), "kvmesh_pd_decisions_total", outcome=outcome)  # noqa: E731
     before = {o: decisions(o) for o in ("short", "cached", "remote")}
-    sent = counters(pd)["sent"]
+    sent, finished = counters(pd)["sent"], counters(pd)["finished"]
     for prompt in prompts(5, 10, THRESHOLD, seed=4):
         client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
     assert decisions("short") - before["short"] == 5
     assert decisions("remote") == before["remote"] and counters(pd)["sent"] == sent
+    assert counters(pd)["finished"] == finished + 5
     # A long one does go there, once: then the decode engine holds it (the transferred blocks are in
     # its prefix cache) and computes it itself. Every outcome, end to end through the gateway.
     [long] = prompts(1, 300, 300, seed=5)
     first = client.completions.create(model=model, prompt=long, max_tokens=4, temperature=0)
     assert decisions("remote") - before["remote"] == 1
     assert counters(pd)["sent"] == sent + 1
+    # Prefilled on P and decoded on D, it is one request: vllm:request_success counts it once.
+    assert counters(pd)["finished"] == finished + 6
     again = client.completions.create(model=model, prompt=long, max_tokens=4, temperature=0)
     assert decisions("cached") - before["cached"] == 1
     assert counters(pd)["sent"] == sent + 1
+    assert counters(pd)["finished"] == finished + 7
     assert again.choices[0].text == first.choices[0].text
     pd.wait_idle()
 

@@ -241,8 +241,9 @@ def test_cache_config_info_and_waiting_by_reason_carry_vllms_labels(serve: Serve
 
 
 def test_a_stop_string_counts_as_stop_not_abort(serve: Serve, traffic: dict):
-    """Only the processor sees stop strings: it aborts the engine request with the reason "stop",
-    which vllm:request_success must count as vLLM's frontend does."""
+    """Only the processor sees stop strings: it counts vllm:request_success by the finish reason the
+    client sees, as vLLM's frontend does, even when the engine finished the request by length before
+    the processor's abort reached it."""
     client, model = client_for(serve)
     url = serve.services["gateway"]["metrics"]
     free = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, **IGNORE_EOS)

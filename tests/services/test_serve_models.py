@@ -84,7 +84,7 @@ def test_an_unknown_model_is_404(stack: Serve) -> None:
 
 
 def test_metrics_carry_each_model_name(stack: Serve) -> None:
-    """Run after the requests above: every model's engine counted its own requests."""
+    """Run after the requests above: each model's requests are counted under its name."""
     page = fetch_page(f"{stack.url}/metrics", 10.0)
     for model in (SMOLLM2, *FAMILIES):
         assert any(line.startswith("vllm:request_success_total{") and f'model_name="{model}"' in line

@@ -80,7 +80,7 @@ class ScriptedEngine:
             if not finished and request.request_id not in self.aborted:
                 self.aborted.append(request.request_id)
 
-    async def abort(self, request_ids: Sequence[str], reason: str = "abort") -> None:
+    async def abort(self, request_ids: Sequence[str]) -> None:
         self.aborted.extend(r for r in request_ids if r in self.running and r not in self.aborted)
 
     async def stats(self) -> EngineStats:

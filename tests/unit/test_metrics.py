@@ -34,11 +34,11 @@ def assert_valid_exposition(page: bytes) -> None:
     assert check.returncode in (0, 3) and "error" not in output, output
 
 
-def page_of(component: str, success: float) -> str:
+def page_of(component: str, tokens: float) -> str:
     registry = new_registry(component)
-    counter = Counter("vllm:request_success", "requests", ["model_name", "engine"], registry=registry)
+    counter = Counter("vllm:generation_tokens", "tokens", ["model_name", "engine"], registry=registry)
     if component == "engine":
-        counter.labels("m", "0").inc(success)
+        counter.labels("m", "0").inc(tokens)
     return generate_latest(registry).decode()
 
 
@@ -48,14 +48,14 @@ def test_merged_pages_are_one_valid_exposition_with_distinct_series():
     text = merged.decode()
     assert_valid_exposition(merged)
     assert text.count("# TYPE process_resident_memory_bytes ") == 1
-    assert text.count("# TYPE vllm:request_success_total ") == 1
+    assert text.count("# TYPE vllm:generation_tokens_total ") == 1
     values = samples(merged)
     # process_* of both processes, told apart by the component the merge added.
     memory = {dict(labels)["component"] for name, labels in values if name == "process_resident_memory_bytes"}
     assert memory == {"gateway", "engine"}
     # vLLM's series keep vLLM's labels: no component.
-    success = {labels: v for (name, labels), v in values.items() if name == "vllm:request_success_total"}
-    assert success == {(("engine", "0"), ("model_name", "m")): 3.0}
+    tokens = {labels: v for (name, labels), v in values.items() if name == "vllm:generation_tokens_total"}
+    assert tokens == {(("engine", "0"), ("model_name", "m")): 3.0}
     build = {dict(labels)["component"] for name, labels in values if name == "kvmesh_build_info"}
     assert build == {"gateway", "engine"}
 
@@ -63,7 +63,7 @@ def test_merged_pages_are_one_valid_exposition_with_distinct_series():
 def test_a_series_two_pages_carry_is_kept_once():
     engine = page_of("engine", 2)
     values = samples(merge_scrapes([Scrape("a", engine), Scrape("a", engine)]))
-    assert sum(1 for name, _ in values if name == "vllm:request_success_total") == 1
+    assert sum(1 for name, _ in values if name == "vllm:generation_tokens_total") == 1
 
 
 def test_engines_of_one_serve_stay_apart_by_instance():
@@ -73,9 +73,9 @@ def test_engines_of_one_serve_stay_apart_by_instance():
                             Scrape("http://127.0.0.1:2/metrics", second)])
     assert_valid_exposition(merged)
     values = samples(merged)
-    success = {dict(labels)["instance"]: v for (name, labels), v in values.items()
-               if name == "vllm:request_success_total"}
-    assert success == {"127.0.0.1:1": 2.0, "127.0.0.1:2": 5.0}
+    tokens = {dict(labels)["instance"]: v for (name, labels), v in values.items()
+              if name == "vllm:generation_tokens_total"}
+    assert tokens == {"127.0.0.1:1": 2.0, "127.0.0.1:2": 5.0}
     build = {(dict(labels)["component"], dict(labels).get("instance")) for name, labels in values
              if name == "kvmesh_build_info"}
     assert build == {("gateway", None), ("engine", "127.0.0.1:1"), ("engine", "127.0.0.1:2")}

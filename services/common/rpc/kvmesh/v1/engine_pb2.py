@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.rpc.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/engine.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xf2\x02\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x15\n\x08group_id\x18\x07 \x01(\tH\x01\x88\x01\x01\x12#\n\x16prefill_engine_address\x18\x08 \x01(\tH\x02\x88\x01\x01\x12\x16\n\ttenant_id\x18\t \x01(\tH\x03\x88\x01\x01\x12\x16\n\tlora_name\x18\x32 \x01(\tH\x04\x88\x01\x01\x42\r\n\x0b_cache_saltB\x0b\n\t_group_idB\x19\n\x17_prefill_engine_addressB\x0c\n\n_tenant_idB\x0c\n\n_lora_name\"\x8c\x01\n\x0ePrefillRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.EngineRequest\x12\x1a\n\x12receiver_endpoints\x18\x02 \x03(\t\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\x05\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x0b\n\x03tag\x18\x05 \x01(\x03\"\xb0\x01\n\x0fPrefillResponse\x12\x1b\n\x0e\x66irst_token_id\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x0c\n\x04sent\x18\x04 \x01(\x08\x12\x12\n\nbytes_sent\x18\x05 \x01(\x03\x42\x11\n\x0f_first_token_id\",\n\x16ReleaseTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x19\n\x17ReleaseTransferResponse\"\xa8\x02\n\x0c\x45ngineOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12.\n\x0cnew_logprobs\x18\x03 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x35\n\x13new_prompt_logprobs\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x1a\n\rfinish_reason\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\x42\r\n\x0bstop_reasonB\x10\n\x0e_finish_reason\"3\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0f\n\rAbortResponse\"\x11\n\x0fGetStatsRequest\"\xe0\x01\n\x0b\x45ngineStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x17\n\x0fnum_used_blocks\x18\x03 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x03\x12\"\n\x04lora\x18\x32 \x01(\x0b\x32\x14.kvmesh.v1.LoRAState\"x\n\tLoRAState\x12\x10\n\x08\x61\x64\x61pters\x18\x01 \x03(\t\x12\x0f\n\x07running\x18\x02 \x03(\t\x12\x0f\n\x07waiting\x18\x03 \x03(\t\x12\x0e\n\x06loaded\x18\x04 \x03(\t\x12\x11\n\tmax_loras\x18\x05 \x01(\x05\x12\x14\n\x0cnum_deferred\x18\x06 \x01(\x05\">\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"\x19\n\x17LoadLoRAAdapterResponse\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoRAAdapterResponse\"\x16\n\x14GetEngineInfoRequest\"\xc0\x01\n\nEngineInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\x12\x0c\n\x04role\x18\x07 \x01(\t\x12\x1d\n\x15kv_transfer_endpoints\x18\x08 \x03(\t\x12\x12\n\nmodel_name\x18\t \x01(\t\"0\n\x11IdentityChallenge\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0c\n\x04role\x18\x02 \x01(\t\"1\n\rIdentityProof\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05proof\x18\x02 \x01(\x0c\"*\n\x12MatchPrefixRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x8c\x01\n\x13MatchPrefixResponse\x12\x1a\n\x12num_matched_blocks\x18\x01 \x01(\x05\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x02\x32\xf7\x05\n\x06\x45ngine\x12?\n\x08Generate\x12\x18.kvmesh.v1.EngineRequest\x1a\x17.kvmesh.v1.EngineOutput0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12>\n\x08GetStats\x12\x1a.kvmesh.v1.GetStatsRequest\x1a\x16.kvmesh.v1.EngineStats\x12\x41\n\x07GetInfo\x12\x1f.kvmesh.v1.GetEngineInfoRequest\x1a\x15.kvmesh.v1.EngineInfo\x12L\n\x0bMatchPrefix\x12\x1d.kvmesh.v1.MatchPrefixRequest\x1a\x1e.kvmesh.v1.MatchPrefixResponse\x12\x42\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse0\x01\x12X\n\x0fReleaseTransfer\x12!.kvmesh.v1.ReleaseTransferRequest\x1a\".kvmesh.v1.ReleaseTransferResponse\x12G\n\rProveIdentity\x12\x1c.kvmesh.v1.IdentityChallenge\x1a\x18.kvmesh.v1.IdentityProof\x12X\n\x0fLoadLoRAAdapter\x12!.kvmesh.v1.LoadLoRAAdapterRequest\x1a\".kvmesh.v1.LoadLoRAAdapterResponse\x12^\n\x11UnloadLoRAAdapter\x12#.kvmesh.v1.UnloadLoRAAdapterRequest\x1a$.kvmesh.v1.UnloadLoRAAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/engine.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xf2\x02\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x15\n\x08group_id\x18\x07 \x01(\tH\x01\x88\x01\x01\x12#\n\x16prefill_engine_address\x18\x08 \x01(\tH\x02\x88\x01\x01\x12\x16\n\ttenant_id\x18\t \x01(\tH\x03\x88\x01\x01\x12\x16\n\tlora_name\x18\x32 \x01(\tH\x04\x88\x01\x01\x42\r\n\x0b_cache_saltB\x0b\n\t_group_idB\x19\n\x17_prefill_engine_addressB\x0c\n\n_tenant_idB\x0c\n\n_lora_name\"\x8c\x01\n\x0ePrefillRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.EngineRequest\x12\x1a\n\x12receiver_endpoints\x18\x02 \x03(\t\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\x05\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x0b\n\x03tag\x18\x05 \x01(\x03\"\xb0\x01\n\x0fPrefillResponse\x12\x1b\n\x0e\x66irst_token_id\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x0c\n\x04sent\x18\x04 \x01(\x08\x12\x12\n\nbytes_sent\x18\x05 \x01(\x03\x42\x11\n\x0f_first_token_id\",\n\x16ReleaseTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x19\n\x17ReleaseTransferResponse\"\xa8\x02\n\x0c\x45ngineOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12.\n\x0cnew_logprobs\x18\x03 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x35\n\x13new_prompt_logprobs\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x1a\n\rfinish_reason\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\x42\r\n\x0bstop_reasonB\x10\n\x0e_finish_reason\"1\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\tJ\x04\x08\x02\x10\x03R\x06reason\"\x0f\n\rAbortResponse\"\x11\n\x0fGetStatsRequest\"\xe0\x01\n\x0b\x45ngineStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x17\n\x0fnum_used_blocks\x18\x03 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x03\x12\"\n\x04lora\x18\x32 \x01(\x0b\x32\x14.kvmesh.v1.LoRAState\"x\n\tLoRAState\x12\x10\n\x08\x61\x64\x61pters\x18\x01 \x03(\t\x12\x0f\n\x07running\x18\x02 \x03(\t\x12\x0f\n\x07waiting\x18\x03 \x03(\t\x12\x0e\n\x06loaded\x18\x04 \x03(\t\x12\x11\n\tmax_loras\x18\x05 \x01(\x05\x12\x14\n\x0cnum_deferred\x18\x06 \x01(\x05\">\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"\x19\n\x17LoadLoRAAdapterResponse\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoRAAdapterResponse\"\x16\n\x14GetEngineInfoRequest\"\xc0\x01\n\nEngineInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\x12\x0c\n\x04role\x18\x07 \x01(\t\x12\x1d\n\x15kv_transfer_endpoints\x18\x08 \x03(\t\x12\x12\n\nmodel_name\x18\t \x01(\t\"0\n\x11IdentityChallenge\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0c\n\x04role\x18\x02 \x01(\t\"1\n\rIdentityProof\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05proof\x18\x02 \x01(\x0c\"*\n\x12MatchPrefixRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x8c\x01\n\x13MatchPrefixResponse\x12\x1a\n\x12num_matched_blocks\x18\x01 \x01(\x05\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x02\x32\xf7\x05\n\x06\x45ngine\x12?\n\x08Generate\x12\x18.kvmesh.v1.EngineRequest\x1a\x17.kvmesh.v1.EngineOutput0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12>\n\x08GetStats\x12\x1a.kvmesh.v1.GetStatsRequest\x1a\x16.kvmesh.v1.EngineStats\x12\x41\n\x07GetInfo\x12\x1f.kvmesh.v1.GetEngineInfoRequest\x1a\x15.kvmesh.v1.EngineInfo\x12L\n\x0bMatchPrefix\x12\x1d.kvmesh.v1.MatchPrefixRequest\x1a\x1e.kvmesh.v1.MatchPrefixResponse\x12\x42\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse0\x01\x12X\n\x0fReleaseTransfer\x12!.kvmesh.v1.ReleaseTransferRequest\x1a\".kvmesh.v1.ReleaseTransferResponse\x12G\n\rProveIdentity\x12\x1c.kvmesh.v1.IdentityChallenge\x1a\x18.kvmesh.v1.IdentityProof\x12X\n\x0fLoadLoRAAdapter\x12!.kvmesh.v1.LoadLoRAAdapterRequest\x1a\".kvmesh.v1.LoadLoRAAdapterResponse\x12^\n\x11UnloadLoRAAdapter\x12#.kvmesh.v1.UnloadLoRAAdapterRequest\x1a$.kvmesh.v1.UnloadLoRAAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,35 +45,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINEOUTPUT']._serialized_start=830
   _globals['_ENGINEOUTPUT']._serialized_end=1126
   _globals['_ABORTREQUEST']._serialized_start=1128
-  _globals['_ABORTREQUEST']._serialized_end=1179
-  _globals['_ABORTRESPONSE']._serialized_start=1181
-  _globals['_ABORTRESPONSE']._serialized_end=1196
-  _globals['_GETSTATSREQUEST']._serialized_start=1198
-  _globals['_GETSTATSREQUEST']._serialized_end=1215
-  _globals['_ENGINESTATS']._serialized_start=1218
-  _globals['_ENGINESTATS']._serialized_end=1442
-  _globals['_LORASTATE']._serialized_start=1444
-  _globals['_LORASTATE']._serialized_end=1564
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1566
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1628
-  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=1630
-  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=1655
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1657
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1702
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=1704
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=1731
-  _globals['_GETENGINEINFOREQUEST']._serialized_start=1733
-  _globals['_GETENGINEINFOREQUEST']._serialized_end=1755
-  _globals['_ENGINEINFO']._serialized_start=1758
-  _globals['_ENGINEINFO']._serialized_end=1950
-  _globals['_IDENTITYCHALLENGE']._serialized_start=1952
-  _globals['_IDENTITYCHALLENGE']._serialized_end=2000
-  _globals['_IDENTITYPROOF']._serialized_start=2002
-  _globals['_IDENTITYPROOF']._serialized_end=2051
-  _globals['_MATCHPREFIXREQUEST']._serialized_start=2053
-  _globals['_MATCHPREFIXREQUEST']._serialized_end=2095
-  _globals['_MATCHPREFIXRESPONSE']._serialized_start=2098
-  _globals['_MATCHPREFIXRESPONSE']._serialized_end=2238
-  _globals['_ENGINE']._serialized_start=2241
-  _globals['_ENGINE']._serialized_end=3000
+  _globals['_ABORTREQUEST']._serialized_end=1177
+  _globals['_ABORTRESPONSE']._serialized_start=1179
+  _globals['_ABORTRESPONSE']._serialized_end=1194
+  _globals['_GETSTATSREQUEST']._serialized_start=1196
+  _globals['_GETSTATSREQUEST']._serialized_end=1213
+  _globals['_ENGINESTATS']._serialized_start=1216
+  _globals['_ENGINESTATS']._serialized_end=1440
+  _globals['_LORASTATE']._serialized_start=1442
+  _globals['_LORASTATE']._serialized_end=1562
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1564
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1626
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=1628
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=1653
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1655
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1700
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=1702
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=1729
+  _globals['_GETENGINEINFOREQUEST']._serialized_start=1731
+  _globals['_GETENGINEINFOREQUEST']._serialized_end=1753
+  _globals['_ENGINEINFO']._serialized_start=1756
+  _globals['_ENGINEINFO']._serialized_end=1948
+  _globals['_IDENTITYCHALLENGE']._serialized_start=1950
+  _globals['_IDENTITYCHALLENGE']._serialized_end=1998
+  _globals['_IDENTITYPROOF']._serialized_start=2000
+  _globals['_IDENTITYPROOF']._serialized_end=2049
+  _globals['_MATCHPREFIXREQUEST']._serialized_start=2051
+  _globals['_MATCHPREFIXREQUEST']._serialized_end=2093
+  _globals['_MATCHPREFIXRESPONSE']._serialized_start=2096
+  _globals['_MATCHPREFIXRESPONSE']._serialized_end=2236
+  _globals['_ENGINE']._serialized_start=2239
+  _globals['_ENGINE']._serialized_end=2998
 # @@protoc_insertion_point(module_scope)

@@ -172,13 +172,14 @@ def to_bf16_blocks(weight: torch.Tensor) -> torch.Tensor:
 
 # I8 weights come in groups of this many rows (quant_matmul.c, "int8 activations").
 I8_GROUP_ROWS = 8
-# The file's block types that have an int8-activation copy, and its type.
-I8_OF = {QuantType.Q4_1: QuantType.Q4_1_I8, QuantType.Q8_0: QuantType.Q8_0_I8}
-I8_TYPES = tuple(I8_OF.values())
+# The file's block types that have an int8-activation copy, and its type (a Q4_K sub-block of 32 is a
+# Q4_1 block with float32 scales).
+I8_OF = {QuantType.Q4_1: QuantType.Q4_1_I8, QuantType.Q4_K: QuantType.Q4_1_I8, QuantType.Q8_0: QuantType.Q8_0_I8}
+I8_TYPES = tuple(dict.fromkeys(I8_OF.values()))
 
 
 def to_i8_blocks(blocks: torch.Tensor, qtype: QuantType, k: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """[N, row_bytes] Q4_1 or Q8_0 blocks (N a multiple of I8_GROUP_ROWS) -> the same weights as
+    """[N, row_bytes] Q4_1, Q4_K or Q8_0 blocks (N a multiple of I8_GROUP_ROWS) -> the same weights as
     Q4_1_I8 / Q8_0_I8 blocks (`I8_OF`), [N, k / 32 * 24 (36)] uint8: rows in groups of 8 laid out for
     integer dot products with int8 x."""
     if qtype not in I8_OF:
@@ -188,7 +189,7 @@ def to_i8_blocks(blocks: torch.Tensor, qtype: QuantType, k: int, lib: ctypes.CDL
         raise ValueError(f"I8 weights hold their rows in groups of {I8_GROUP_ROWS}, not {blocks.shape[0]} rows")
     out = torch.empty(blocks.shape[0], row_bytes(I8_OF[qtype], k), dtype=torch.uint8)
     (lib or native.library(_NAME)).quant_pack_i8(out.data_ptr(), blocks.data_ptr(), blocks.shape[1],
-                                                 blocks.shape[0], k, I8_OF[qtype])
+                                                 blocks.shape[0], k, qtype)
     return out
 
 

@@ -662,8 +662,8 @@ int quant_matmul_bf16_dot(void) {
 /* ------------------------------------------------------------------------------ int8 activations
  *
  * Q4_1_I8 and Q8_0_I8 (types 1003 and 1004, never a file's): `--dtype auto`'s copies of a layer's Q4_1
- * weights and of the LM head's Q8_0 ones for the larger steps on a CPU without bfloat16 dot products (an
- * AVX2-only one). The weights are the file's, exactly; x is quantized per 32-block the way llama.cpp
+ * or Q4_K weights and of Q8_0 ones (the LM head's, and layers') for the larger steps on a CPU without
+ * bfloat16 dot products (an AVX2-only one). The weights are the file's, exactly; x is quantized per 32-block the way llama.cpp
  * quantizes activations for its dot products (q8_1 for Q4_1, q8_0 for Q8_0):
  *
  *   dx = amax(|x|) * (1/127), qx = round(x / dx) (to nearest even) in -127..127, sx = dx * sum(qx)
@@ -691,10 +691,12 @@ int quant_matmul_bf16_dot(void) {
 
 static inline int64_t i8_block_bytes(const int type) { return type == TYPE_Q4_1_I8 ? I8_ROWS * 24 : I8_ROWS * 36; }
 
-/* src: N (a multiple of 8) rows of Q4_1 (type Q4_1_I8) or Q8_0 (type Q8_0_I8) blocks, row_bytes apart ->
- * dst: N * K / 32 * 24 (or 36) bytes. */
-void quant_pack_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t N, int64_t K, int type) {
-    if (type != TYPE_Q4_1_I8 && type != TYPE_Q8_0_I8) return;
+/* src: N (a multiple of 8) rows of Q4_1 or Q4_K (-> Q4_1_I8) or Q8_0 (-> Q8_0_I8) blocks of `src_type`,
+ * row_bytes apart -> dst: N * K / 32 * 24 (or 36) bytes. A Q4_K sub-block of 32 is a Q4_1 block with
+ * float32 scales: w = (d sc) q - dmin m, both products exact in float32 (the K-quants' note above). */
+void quant_pack_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t N, int64_t K, int src_type) {
+    if (src_type != TYPE_Q4_1 && src_type != TYPE_Q4_K && src_type != TYPE_Q8_0) return;
+    const int type = src_type == TYPE_Q8_0 ? TYPE_Q8_0_I8 : TYPE_Q4_1_I8;
     const int64_t nb = K / QK, bytes = i8_block_bytes(type);
     for (int64_t g = 0; g < N / I8_ROWS; g++)
         for (int64_t b = 0; b < nb; b++) {
@@ -707,15 +709,28 @@ void quant_pack_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t 
                     for (int t = 0; t < 8; t++) memcpy(out + 32 + 32 * t + 4 * r, blk + 2 + 4 * t, 4);
                     continue;
                 }
-                const uint8_t *blk = src + (g * I8_ROWS + r) * row_bytes + b * 20;
-                const float d = f16_to_f32(read_u16(blk)), m = f16_to_f32(read_u16(blk + 2));
+                float d, m;
+                uint8_t q[QK];
+                if (src_type == TYPE_Q4_K) {
+                    const uint8_t *sb = src + (g * I8_ROWS + r) * row_bytes + b / 8 * 144;
+                    float dsc[16], dm[8];
+                    uint8_t all[QK_K];
+                    k_scales(sb, TYPE_Q4_K, dsc, dm);
+                    k_quants(all, sb, TYPE_Q4_K);
+                    d = dsc[b % 8];
+                    m = -dm[b % 8];
+                    memcpy(q, all + QK * (b % 8), QK);
+                } else {
+                    const uint8_t *blk = src + (g * I8_ROWS + r) * row_bytes + b * 20;
+                    d = f16_to_f32(read_u16(blk));
+                    m = f16_to_f32(read_u16(blk + 2));
+                    for (int j = 0; j < 16; j++) {
+                        q[j] = blk[4 + j] & 15;
+                        q[j + 16] = blk[4 + j] >> 4;
+                    }
+                }
                 memcpy(out + 4 * r, &d, 4);
                 memcpy(out + 32 + 4 * r, &m, 4);
-                uint8_t q[QK];
-                for (int j = 0; j < 16; j++) {
-                    q[j] = blk[4 + j] & 15;
-                    q[j + 16] = blk[4 + j] >> 4;
-                }
                 for (int t = 0; t < 4; t++)
                     for (int i = 0; i < 4; i++) out[64 + 32 * t + 4 * r + i] = (uint8_t)(q[8 * t + i] | q[8 * t + 4 + i] << 4);
             }

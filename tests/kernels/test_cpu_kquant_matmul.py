@@ -19,6 +19,7 @@ from services.common.config import default_cache_dir
 from services.common.gguf_file import GGUFFile
 from services.common.model_files import GEMMA3_MODEL, locate_model
 from tests.kernels.kquant_blocks import dequantize, quantize, random_blocks
+from tests.kernels.test_cpu_quant_matmul import quantize_x
 
 K_TYPES = list(qm.K_TYPES)
 VECTOR_BUILDS = [isa for isa in native.ISA_FLAGS if isa != "scalar"]
@@ -90,6 +91,36 @@ def test_a_q4_k_m_files_tensors_dequantize_and_multiply_exactly(lib, name, qtype
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(cols))
     torch.testing.assert_close(qm.matmul(x, blocks, qtype, cols, lib), (x.double() @ reference.double().T).float(),
                                rtol=1e-5, atol=1e-5 * cols**0.5)
+
+
+def q4_k_rows(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gemma 3 file's first `rows` rows of a Q4_K layer (o_proj, 1024 columns) and gguf-py's weights."""
+    tensor = GGUFFile(locate_model(GEMMA3_MODEL)).tensors["blk.0.attn_output.weight"]
+    cols = int(tensor.shape[0])
+    data = np.asarray(tensor.data).view(np.uint8).reshape(-1, qm.row_bytes(QuantType.Q4_K, cols))[:rows].copy()
+    return torch.from_numpy(data), torch.from_numpy(dequantize(data, QuantType.Q4_K, cols))
+
+
+@pytest.mark.parametrize("source", ["random", "file"])
+def test_q4_k_as_q4_1_i8_keeps_the_files_weights_bit_for_bit(lib, source):
+    # `--dtype auto`'s int8-activation copy of a Q4_K layer: each sub-block of 32 a Q4_1 block with
+    # float32 scales (d * sc, -dmin * m), both exact products
+    blocks, reference = k_blocks(24, 512, QuantType.Q4_K, seed=9) if source == "random" else q4_k_rows(24)
+    k = reference.shape[1]
+    i8 = qm.to_i8_blocks(blocks, QuantType.Q4_K, k, lib)
+    assert qm.I8_OF[QuantType.Q4_K] == QuantType.Q4_1_I8
+    assert torch.equal(bits(qm.dequantize(i8, QuantType.Q4_1_I8, k, lib)), bits(reference))
+
+
+@pytest.mark.parametrize("m", [1, 3, 32])
+def test_q4_k_as_q4_1_i8_multiplies_int8_x_against_the_exact_weights(lib, m):
+    blocks, weight = q4_k_rows(16)
+    k = weight.shape[1]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    got = qm.matmul(x, qm.to_i8_blocks(blocks, QuantType.Q4_K, k, lib), QuantType.Q4_1_I8, k, lib)
+    q, d, _ = quantize_x(x)  # x as the kernel rounds it, per 32-block
+    rounded_x = (q * d[..., None]).reshape(m, k).double()
+    torch.testing.assert_close(got, (rounded_x @ weight.double().T).float(), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
 @pytest.mark.parametrize("qtype", K_TYPES)

@@ -269,7 +269,7 @@ def test_only_q4_1_is_packed_and_a_packed_weight_must_fit_its_shape(lib):
 
 # ------------------------------------------------------------------ Q4_1_I8 / Q8_0_I8 (int8 x, `--dtype auto` on AVX2)
 
-I8_FILE_TYPES = list(qm.I8_OF)  # Q4_1 (the layers'), Q8_0 (the LM head's)
+I8_FILE_TYPES = [QuantType.Q4_1, QuantType.Q8_0]  # the layers', the LM head's (Q4_K: test_cpu_kquant_matmul.py)
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -28,7 +28,9 @@ from services.common.model_files import GEMMA3_MODEL, locate_model
 from services.llm import RequestOutput
 from services.worker.gguf_weights import GGUFWeights, widen_to_q8_0
 from services.worker.models.gemma3 import Gemma3ForCausalLM
+from services.worker.layers.quantized_weight import use_gemm_dtype
 from services.worker.native_decoder import NativeDecoder
+from services.worker.worker import gemm_dtype_layers
 from tests.model.hf_reference import HFReference
 from tests.model.prompts import RAW_PROMPTS
 from tests.model.tiny_gemma3 import WINDOW, save_tiny_gemma3
@@ -203,6 +205,32 @@ def test_gemma3_270m_native_decoder_equals_its_modules(gemma3_llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     calls = check_native_equals_modules(gemma3_llm, prompts, params)
     assert sum(map(len, prompts)) in calls and 2 in calls  # the chunk, then decodes
+
+
+@pytest.mark.slow  # over a second: `make test`, not test-fast
+def test_gemma3_270m_int8_copies_keep_every_layer_but_q6_k_on_integer_tiles(gemma3_llm: LLM) -> None:
+    # `--dtype auto` on an AVX2-only CPU, given to the model on any CPU for the length of the test: the
+    # Q8_0 layers (Q5_0 in the file) and the Q4_K ones (as Q4_1 blocks) get int8-activation copies,
+    # the Q6_K ones keep their float32 tiles; natively and through the modules the bits agree.
+    layers = gemm_dtype_layers(gemma3_llm.worker.runner.model)
+    exact = [layer.block_weight for layer in layers]
+    model = gemma3_llm.worker.model.model
+    served = model.native_decoder
+    try:
+        use_gemm_dtype(layers, torch.int8)
+        model.native_decoder = NativeDecoder(model, served.ops)  # bound to the copies, as at start-up
+        copies = {(w.qtype, None if w.gemm_weight is None else w.gemm_weight.qtype) for w in
+                  (layer.block_weight for layer in layers)}
+        assert copies == {(QuantType.Q8_0, QuantType.Q8_0_I8), (QuantType.Q4_K, QuantType.Q4_1_I8),
+                          (QuantType.Q6_K, None)}
+        tokenizer = gemma3_llm.get_tokenizer()
+        prompts = [tokenizer.encode(p) for p in RAW_PROMPTS[1:3]]
+        check_native_equals_modules(gemma3_llm, prompts, SamplingParams(temperature=0.0, max_tokens=6,
+                                                                        ignore_eos=True, logprobs=3))
+    finally:
+        model.native_decoder = served
+        for layer, weight in zip(layers, exact):
+            layer.block_weight = weight
 
 
 @pytest.mark.slow  # over a second: `make test`, not test-fast

@@ -22,8 +22,10 @@ copies `--dtype auto` keeps of a layer's weights for its larger steps (never a f
            goes to torch's bfloat16 GEMM as it is
   Q4_1_I8  elsewhere (AVX2): the Q4_1 weights exactly, in groups of 8 rows, against x quantized to
            int8 per 32-block as llama.cpp quantizes activations (`to_i8_blocks`): integer dot
-           products, 1.3-2x the float32 tiles' speed from one row to prefill sizes
-  Q8_0_I8  the same for the LM head's Q8_0 weights (signed: vpsignb gives each product its sign)
+           products, 1.3-2x the float32 tiles' speed from one row to prefill sizes; Q4_K weights too
+           (a sub-block of 32 is a Q4_1 block with float32 scales)
+  Q8_0_I8  the same for Q8_0 weights (signed: vpsignb gives each product its sign)
+  Q6_K_I8  the same for Q6_K weights, a scale for each half of a block
 """
 
 from __future__ import annotations
@@ -69,11 +71,13 @@ class QuantType(IntEnum):
     BF16 = 30  # `--dtype auto`'s copies only (above): a file's BF16 tensors are dequantized at load
     Q4_1_I8 = 1003  # not GGML's: `--dtype auto`'s copies where there is no BF16 dot product (`to_i8_blocks`)
     Q8_0_I8 = 1004  # the same for Q8_0 weights (the LM head's)
+    Q6_K_I8 = 1005  # the same for Q6_K weights: blocks of 32 with a scale per half
 
 
 # Bytes of a block (a K-quant's: of a super-block).
 BLOCK_BYTES = {QuantType.F16: 64, QuantType.Q4_1: 20, QuantType.Q8_0: 34, QuantType.Q4_K: 144, QuantType.Q5_K: 176,
-               QuantType.Q6_K: 210, QuantType.BF16: 64, QuantType.Q4_1_I8: 24, QuantType.Q8_0_I8: 36}
+               QuantType.Q6_K: 210, QuantType.BF16: 64, QuantType.Q4_1_I8: 24, QuantType.Q8_0_I8: 36,
+               QuantType.Q6_K_I8: 40}
 K_TYPES = (QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K)
 # The blocks kept as a GGUF file holds them; a file's other types are dequantized at load.
 FILE_TYPES = (QuantType.F16, QuantType.Q4_1, QuantType.Q8_0, *K_TYPES)
@@ -174,14 +178,15 @@ def to_bf16_blocks(weight: torch.Tensor) -> torch.Tensor:
 I8_GROUP_ROWS = 8
 # The file's block types that have an int8-activation copy, and its type (a Q4_K sub-block of 32 is a
 # Q4_1 block with float32 scales).
-I8_OF = {QuantType.Q4_1: QuantType.Q4_1_I8, QuantType.Q4_K: QuantType.Q4_1_I8, QuantType.Q8_0: QuantType.Q8_0_I8}
+I8_OF = {QuantType.Q4_1: QuantType.Q4_1_I8, QuantType.Q4_K: QuantType.Q4_1_I8, QuantType.Q8_0: QuantType.Q8_0_I8,
+         QuantType.Q6_K: QuantType.Q6_K_I8}
 I8_TYPES = tuple(dict.fromkeys(I8_OF.values()))
 
 
 def to_i8_blocks(blocks: torch.Tensor, qtype: QuantType, k: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """[N, row_bytes] Q4_1, Q4_K or Q8_0 blocks (N a multiple of I8_GROUP_ROWS) -> the same weights as
-    Q4_1_I8 / Q8_0_I8 blocks (`I8_OF`), [N, k / 32 * 24 (36)] uint8: rows in groups of 8 laid out for
-    integer dot products with int8 x."""
+    """[N, row_bytes] Q4_1, Q4_K, Q8_0 or Q6_K blocks (N a multiple of I8_GROUP_ROWS) -> the same weights
+    as Q4_1_I8 / Q8_0_I8 / Q6_K_I8 blocks (`I8_OF`), [N, k / 32 * 24 (36, 40)] uint8: rows in groups of 8
+    laid out for integer dot products with int8 x."""
     if qtype not in I8_OF:
         raise ValueError(f"{qtype.name} blocks have no int8 copy; only {', '.join(t.name for t in I8_OF)}")
     _check_weight(blocks, qtype, k)

@@ -49,7 +49,8 @@
 #define PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
 
 enum { TYPE_F16 = 1, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14, TYPE_BF16 = 30,
-       TYPE_Q4_1_I8 = 1003, TYPE_Q8_0_I8 = 1004 /* not GGML's: below */ };
+       TYPE_Q4_1_I8 = 1003, TYPE_Q8_0_I8 = 1004, TYPE_Q6_K_I8 = 1005 /* not GGML's: below */ };
+#define IS_I8(type) ((type) == TYPE_Q4_1_I8 || (type) == TYPE_Q8_0_I8 || (type) == TYPE_Q6_K_I8)
 #define QK 32 /* weights per block (a K-quant's sub-block) */
 #define QK_K 256 /* weights per K-quant super-block */
 #define IS_K(type) ((type) == TYPE_Q4_K || (type) == TYPE_Q5_K || (type) == TYPE_Q6_K)
@@ -118,6 +119,7 @@ int64_t quant_block_bytes(int type) {
     case TYPE_Q6_K: return 210;
     case TYPE_Q4_1_I8: return 24; /* a row's share of its group's blocks */
     case TYPE_Q8_0_I8: return 36;
+    case TYPE_Q6_K_I8: return 40;
     default: return 0;
     }
 }
@@ -675,11 +677,16 @@ int quant_matmul_bf16_dot(void) {
  * of them in a 16-bit lane without saturating). The integer sums are exact, so every path gives the
  * same floats.
  *
+ * Q6_K_I8 (1005) is the same for Q6_K weights, whose scales go by 16 weights: a block of 32 has two,
+ * d0 for its first 16 weights (vectors t < 4) and d1 for the rest, each half summed apart. Its weights
+ * are small (|q| <= 32), so four products of a half add up in 16-bit lanes before one widening.
+ *
  * Layout: rows in groups of I8_ROWS = 8, each group's blocks in order:
  *
  *   Q4_1_I8, 192 bytes a block:  float d[8] | float m[8] | 4 vectors t of 32 bytes:
  *                                byte 4r + i = q_r[8t + i] | q_r[8t + 4 + i] << 4
  *   Q8_0_I8, 288 bytes a block:  float d[8] | 8 vectors t of 32 bytes: byte 4r + i = q_r[4t + i]
+ *   Q6_K_I8, 320 bytes a block:  float d0[8] | float d1[8] | 8 vectors t as Q8_0_I8's (q - 32)
  *
  * so a Q4_1 vector's low nibbles are the 8 rows' weights at columns 8t .. 8t + 3 and its high ones at
  * 8t + 4 .. 8t + 7 (a Q8_0 vector's bytes those at 4t .. 4t + 3): one multiply-add against x's four
@@ -689,39 +696,55 @@ int quant_matmul_bf16_dot(void) {
 #define I8_ROWS 8
 #define I8_MR 4 /* rows of x per tile: 4 float + 4 integer accumulators beside the weights and x */
 
-static inline int64_t i8_block_bytes(const int type) { return type == TYPE_Q4_1_I8 ? I8_ROWS * 24 : I8_ROWS * 36; }
+static inline int64_t i8_block_bytes(const int type) {
+    return I8_ROWS * (type == TYPE_Q4_1_I8 ? 24 : type == TYPE_Q8_0_I8 ? 36 : 40);
+}
 
-/* src: N (a multiple of 8) rows of Q4_1 or Q4_K (-> Q4_1_I8) or Q8_0 (-> Q8_0_I8) blocks of `src_type`,
- * row_bytes apart -> dst: N * K / 32 * 24 (or 36) bytes. A Q4_K sub-block of 32 is a Q4_1 block with
- * float32 scales: w = (d sc) q - dmin m, both products exact in float32 (the K-quants' note above). */
+/* Sub-block b (of 32 weights) of a K-quant row: its quants (as k_quants) and its super-block's scales. */
+static void k_sub_block(uint8_t q[QK], float dsc[16], float dm[8], const uint8_t *row, int64_t b, const int type) {
+    const uint8_t *sb = row + b / 8 * quant_block_bytes(type);
+    uint8_t all[QK_K];
+    k_scales(sb, type, dsc, dm);
+    k_quants(all, sb, type);
+    memcpy(q, all + QK * (b % 8), QK);
+}
+
+/* src: N (a multiple of 8) rows of Q4_1 or Q4_K (-> Q4_1_I8), Q8_0 (-> Q8_0_I8) or Q6_K (-> Q6_K_I8) blocks
+ * of `src_type`, row_bytes apart -> dst: N * K / 32 * 24 (36, 40) bytes. A Q4_K sub-block of 32 is a
+ * Q4_1 block with float32 scales, w = (d sc) q - dmin m, and a Q6_K one two halves of (d sc) (q - 32):
+ * every product exact in float32 (the K-quants' note above). */
 void quant_pack_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t N, int64_t K, int src_type) {
-    if (src_type != TYPE_Q4_1 && src_type != TYPE_Q4_K && src_type != TYPE_Q8_0) return;
-    const int type = src_type == TYPE_Q8_0 ? TYPE_Q8_0_I8 : TYPE_Q4_1_I8;
+    if (src_type != TYPE_Q4_1 && src_type != TYPE_Q4_K && src_type != TYPE_Q8_0 && src_type != TYPE_Q6_K) return;
+    const int type = src_type == TYPE_Q8_0 ? TYPE_Q8_0_I8 : src_type == TYPE_Q6_K ? TYPE_Q6_K_I8 : TYPE_Q4_1_I8;
     const int64_t nb = K / QK, bytes = i8_block_bytes(type);
     for (int64_t g = 0; g < N / I8_ROWS; g++)
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *out = dst + (g * nb + b) * bytes;
             for (int r = 0; r < I8_ROWS; r++) {
+                const uint8_t *row = src + (g * I8_ROWS + r) * row_bytes;
+                float dsc[16], dm[8];
+                uint8_t q[QK];
+                if (type == TYPE_Q6_K_I8) {
+                    k_sub_block(q, dsc, dm, row, b, TYPE_Q6_K);
+                    memcpy(out + 4 * r, &dsc[2 * (b % 8)], 4);
+                    memcpy(out + 32 + 4 * r, &dsc[2 * (b % 8) + 1], 4);
+                    for (int j = 0; j < QK; j++) out[64 + 32 * (j / 4) + 4 * r + j % 4] = q[j];
+                    continue;
+                }
                 if (type == TYPE_Q8_0_I8) {
-                    const uint8_t *blk = src + (g * I8_ROWS + r) * row_bytes + b * 34;
+                    const uint8_t *blk = row + b * 34;
                     const float d = f16_to_f32(read_u16(blk));
                     memcpy(out + 4 * r, &d, 4);
                     for (int t = 0; t < 8; t++) memcpy(out + 32 + 32 * t + 4 * r, blk + 2 + 4 * t, 4);
                     continue;
                 }
                 float d, m;
-                uint8_t q[QK];
                 if (src_type == TYPE_Q4_K) {
-                    const uint8_t *sb = src + (g * I8_ROWS + r) * row_bytes + b / 8 * 144;
-                    float dsc[16], dm[8];
-                    uint8_t all[QK_K];
-                    k_scales(sb, TYPE_Q4_K, dsc, dm);
-                    k_quants(all, sb, TYPE_Q4_K);
+                    k_sub_block(q, dsc, dm, row, b, TYPE_Q4_K);
                     d = dsc[b % 8];
                     m = -dm[b % 8];
-                    memcpy(q, all + QK * (b % 8), QK);
                 } else {
-                    const uint8_t *blk = src + (g * I8_ROWS + r) * row_bytes + b * 20;
+                    const uint8_t *blk = row + b * 20;
                     d = f16_to_f32(read_u16(blk));
                     m = f16_to_f32(read_u16(blk + 2));
                     for (int j = 0; j < 16; j++) {
@@ -747,6 +770,12 @@ static void i8_dequantize_row(float *dst, const uint8_t *w, int64_t row_bytes, i
         memcpy(&d, blk + 4 * r, 4);
         if (type == TYPE_Q8_0_I8) {
             for (int j = 0; j < QK; j++) dst[b * QK + j] = d * (float)(int8_t)blk[32 + 32 * (j / 4) + 4 * r + j % 4];
+            continue;
+        }
+        if (type == TYPE_Q6_K_I8) {
+            memcpy(&m, blk + 32 + 4 * r, 4); /* d1 */
+            for (int j = 0; j < QK; j++)
+                dst[b * QK + j] = (j < 16 ? d : m) * (float)(int8_t)blk[64 + 32 * (j / 4) + 4 * r + j % 4];
             continue;
         }
         memcpy(&m, blk + 32 + 4 * r, 4);
@@ -843,6 +872,32 @@ static inline __attribute__((always_inline)) void i8_tile(
         if (pf != NULL)
             for (int o = 0; o < bytes; o += 64) PREFETCH(pf + b * bytes + o);
         __m256i isum[I8_MR];
+        if (type == TYPE_Q6_K_I8) {
+            for (int h = 0; h < 2; h++) { /* the block's halves, a scale each */
+                for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
+                for (int t = 4 * h; t < 4 * h + 4; t++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * t));
+                    const __m256i mag = _mm256_sign_epi8(v, v);
+                    for (int r = 0; r < mr; r++) {
+                        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(read_i32(qx + r * K + b * QK + 4 * t)), v);
+#if defined(I8_VNNI)
+                        isum[r] = _mm256_dpbusd_epi32(isum[r], mag, xs);
+#else
+                        isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(mag, xs)); /* 4 * 2 * 32 * 127 */
+#endif
+                    }
+                }
+                const __m256 d = _mm256_loadu_ps((const float *)(blk + 32 * h));
+                for (int r = 0; r < mr; r++) {
+#if !defined(I8_VNNI)
+                    isum[r] = _mm256_madd_epi16(isum[r], _mm256_set1_epi16(1));
+#endif
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])),
+                                             acc[r]);
+                }
+            }
+            continue;
+        }
         for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
         if (type == TYPE_Q8_0_I8) {
             for (int t = 0; t < 8; t++) {
@@ -901,6 +956,16 @@ static inline void i8_tile(float *y, int64_t ldy, const int8_t *qx, const float 
                     acc += (float)isum * (d * dx[r * nb + b]);
                     continue;
                 }
+                if (type == TYPE_Q6_K_I8) { /* two halves of 16, a scale each (d0, then d1) */
+                    for (int h = 0; h < 2; h++) {
+                        isum = 0;
+                        for (int j = 16 * h; j < 16 * h + 16; j++)
+                            isum += (int8_t)blk[64 + 32 * (j / 4) + 4 * lane + j % 4] * xb[j];
+                        memcpy(&d, blk + 32 * h + 4 * lane, 4);
+                        acc += (float)isum * (d * dx[r * nb + b]);
+                    }
+                    continue;
+                }
                 for (int t = 0; t < 4; t++)
                     for (int i = 0; i < 4; i++) {
                         const uint8_t byte = blk[64 + 32 * t + 4 * lane + i];
@@ -937,7 +1002,7 @@ static inline __attribute__((always_inline)) void i8_group(float *y, int64_t ldy
     }
 }
 
-/* quant_matmul for Q4_1_I8 / Q8_0_I8 weights (N a multiple of 8). Returns 0, or -1 where x's quantized
+/* quant_matmul for Q4_1_I8 / Q8_0_I8 / Q6_K_I8 weights (N a multiple of 8). Returns 0, or -1 where x's quantized
  * copy could not be allocated. */
 static int matmul_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *w, int64_t M, int64_t N,
                      int64_t K, int num_threads, int type)
@@ -963,6 +1028,8 @@ static int matmul_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const u
         const uint8_t *wg = w + g * nb * bytes, *next = g + 1 < groups ? wg + nb * bytes : NULL;
         if (type == TYPE_Q8_0_I8)
             i8_group(y + g * I8_ROWS, ldy, qx, dx, sx, M, K, wg, next, TYPE_Q8_0_I8);
+        else if (type == TYPE_Q6_K_I8)
+            i8_group(y + g * I8_ROWS, ldy, qx, dx, sx, M, K, wg, next, TYPE_Q6_K_I8);
         else
             i8_group(y + g * I8_ROWS, ldy, qx, dx, sx, M, K, wg, next, TYPE_Q4_1_I8);
     }
@@ -990,7 +1057,7 @@ int quant_matmul_i8_path(void) {
 void quant_matmul(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
                   int64_t M, int64_t N, int64_t K, int type, int num_threads)
 {
-    if (type == TYPE_Q4_1_I8 || type == TYPE_Q8_0_I8) {
+    if (IS_I8(type)) {
         if (matmul_i8(y, ldy, x, ldx, w, M, N, K, num_threads, type) == 0) return;
         /* no memory for x's quantized copy: the float32 products over the exact weights, a row at a time */
         float *row = aligned_alloc(64, sizeof(float) * (size_t)K);
@@ -1044,7 +1111,7 @@ void quant_dequantize(float *out, const uint8_t *w, int64_t row_bytes, int64_t N
 {
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        if (type == TYPE_Q4_1_I8 || type == TYPE_Q8_0_I8)
+        if (IS_I8(type))
             i8_dequantize_row(out + n * K, w, row_bytes, n, K, type);
         else
             dequantize_row(out + n * K, w + n * row_bytes, K, type);

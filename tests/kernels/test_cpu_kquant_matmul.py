@@ -93,34 +93,55 @@ def test_a_q4_k_m_files_tensors_dequantize_and_multiply_exactly(lib, name, qtype
                                rtol=1e-5, atol=1e-5 * cols**0.5)
 
 
-def q4_k_rows(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gemma 3 file's first `rows` rows of a Q4_K layer (o_proj, 1024 columns) and gguf-py's weights."""
-    tensor = GGUFFile(locate_model(GEMMA3_MODEL)).tensors["blk.0.attn_output.weight"]
+# A Q4_K_M file's K-quant layers: o_proj (Q4_K) and a down projection (Q6_K).
+FILE_LAYERS = {QuantType.Q4_K: "blk.0.attn_output.weight", QuantType.Q6_K: "blk.0.ffn_down.weight"}
+I8_K_TYPES = list(FILE_LAYERS)  # the K-quants with int8-activation copies (`--dtype auto` on AVX2)
+
+
+def file_rows(qtype: QuantType, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gemma 3 file's first `rows` rows of its `qtype` layer and gguf-py's weights."""
+    tensor = GGUFFile(locate_model(GEMMA3_MODEL)).tensors[FILE_LAYERS[qtype]]
+    assert tensor.tensor_type == qtype
     cols = int(tensor.shape[0])
-    data = np.asarray(tensor.data).view(np.uint8).reshape(-1, qm.row_bytes(QuantType.Q4_K, cols))[:rows].copy()
-    return torch.from_numpy(data), torch.from_numpy(dequantize(data, QuantType.Q4_K, cols))
+    data = np.asarray(tensor.data).view(np.uint8).reshape(-1, qm.row_bytes(qtype, cols))[:rows].copy()
+    return torch.from_numpy(data), torch.from_numpy(dequantize(data, qtype, cols))
 
 
 @pytest.mark.parametrize("source", ["random", "file"])
-def test_q4_k_as_q4_1_i8_keeps_the_files_weights_bit_for_bit(lib, source):
-    # `--dtype auto`'s int8-activation copy of a Q4_K layer: each sub-block of 32 a Q4_1 block with
-    # float32 scales (d * sc, -dmin * m), both exact products
-    blocks, reference = k_blocks(24, 512, QuantType.Q4_K, seed=9) if source == "random" else q4_k_rows(24)
+@pytest.mark.parametrize("qtype", I8_K_TYPES)
+def test_k_quant_i8_copies_keep_the_files_weights_bit_for_bit(lib, qtype, source):
+    # Q4_K as Q4_1_I8 (each sub-block of 32 a Q4_1 block with float32 scales d * sc, -dmin * m) and
+    # Q6_K as Q6_K_I8 (a scale per half block): every factor an exact product
+    blocks, reference = k_blocks(24, 512, qtype, seed=9) if source == "random" else file_rows(qtype, 24)
     k = reference.shape[1]
-    i8 = qm.to_i8_blocks(blocks, QuantType.Q4_K, k, lib)
-    assert qm.I8_OF[QuantType.Q4_K] == QuantType.Q4_1_I8
-    assert torch.equal(bits(qm.dequantize(i8, QuantType.Q4_1_I8, k, lib)), bits(reference))
+    i8 = qm.to_i8_blocks(blocks, qtype, k, lib)
+    assert i8.shape == (24, k // 32 * qm.BLOCK_BYTES[qm.I8_OF[qtype]])
+    assert torch.equal(bits(qm.dequantize(i8, qm.I8_OF[qtype], k, lib)), bits(reference))
 
 
+@pytest.mark.parametrize("qtype", I8_K_TYPES)
 @pytest.mark.parametrize("m", [1, 3, 32])
-def test_q4_k_as_q4_1_i8_multiplies_int8_x_against_the_exact_weights(lib, m):
-    blocks, weight = q4_k_rows(16)
+def test_k_quant_i8_copies_multiply_int8_x_against_the_exact_weights(lib, qtype, m):
+    blocks, weight = file_rows(qtype, 16)
     k = weight.shape[1]
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
-    got = qm.matmul(x, qm.to_i8_blocks(blocks, QuantType.Q4_K, k, lib), QuantType.Q4_1_I8, k, lib)
+    got = qm.matmul(x, qm.to_i8_blocks(blocks, qtype, k, lib), qm.I8_OF[qtype], k, lib)
     q, d, _ = quantize_x(x)  # x as the kernel rounds it, per 32-block
     rounded_x = (q * d[..., None]).reshape(m, k).double()
     torch.testing.assert_close(got, (rounded_x @ weight.double().T).float(), rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+def test_q6_k_i8_sums_its_largest_products_without_overflow(lib):
+    # Four vectors of products of a half block add up in 16-bit lanes: at q = -32 against x = 127,
+    # 4 * 2 * 32 * 127 = 32,512, just inside them
+    blocks = random_blocks(8, 256, QuantType.Q6_K, np.random.default_rng(0)).reshape(8, 210)
+    blocks[:, :192] = 0  # every q - 32 = -32
+    blocks[:, 192:208] = np.uint8(127)
+    blocks[:, 208:210] = np.frombuffer(np.float16(2**-10).tobytes(), dtype=np.uint8)
+    blocks_t, weight = torch.from_numpy(blocks), torch.from_numpy(dequantize(blocks, QuantType.Q6_K, 256))
+    x = torch.ones(2, 256)
+    got = qm.matmul(x, qm.to_i8_blocks(blocks_t, QuantType.Q6_K, 256, lib), QuantType.Q6_K_I8, 256, lib)
+    torch.testing.assert_close(got, x @ weight.T, rtol=1e-5, atol=0)  # x = 1 quantizes to 127 * (1 / 127)
 
 
 @pytest.mark.parametrize("qtype", K_TYPES)

@@ -208,10 +208,10 @@ def test_gemma3_270m_native_decoder_equals_its_modules(gemma3_llm: LLM) -> None:
 
 
 @pytest.mark.slow  # over a second: `make test`, not test-fast
-def test_gemma3_270m_int8_copies_keep_every_layer_but_q6_k_on_integer_tiles(gemma3_llm: LLM) -> None:
+def test_gemma3_270m_int8_copies_put_every_layer_on_integer_tiles(gemma3_llm: LLM) -> None:
     # `--dtype auto` on an AVX2-only CPU, given to the model on any CPU for the length of the test: the
-    # Q8_0 layers (Q5_0 in the file) and the Q4_K ones (as Q4_1 blocks) get int8-activation copies,
-    # the Q6_K ones keep their float32 tiles; natively and through the modules the bits agree.
+    # Q8_0 layers (Q5_0 in the file), the Q4_K ones (as Q4_1 blocks) and the Q6_K ones get
+    # int8-activation copies; natively and through the modules the bits agree.
     layers = gemm_dtype_layers(gemma3_llm.worker.runner.model)
     exact = [layer.block_weight for layer in layers]
     model = gemma3_llm.worker.model.model
@@ -222,7 +222,7 @@ def test_gemma3_270m_int8_copies_keep_every_layer_but_q6_k_on_integer_tiles(gemm
         copies = {(w.qtype, None if w.gemm_weight is None else w.gemm_weight.qtype) for w in
                   (layer.block_weight for layer in layers)}
         assert copies == {(QuantType.Q8_0, QuantType.Q8_0_I8), (QuantType.Q4_K, QuantType.Q4_1_I8),
-                          (QuantType.Q6_K, None)}
+                          (QuantType.Q6_K, QuantType.Q6_K_I8)}
         tokenizer = gemma3_llm.get_tokenizer()
         prompts = [tokenizer.encode(p) for p in RAW_PROMPTS[1:3]]
         check_native_equals_modules(gemma3_llm, prompts, SamplingParams(temperature=0.0, max_tokens=6,

@@ -87,7 +87,7 @@ class BlockWeight(NamedTuple):
     cols: int
     rows: int
     packed: bool = False
-    gemm_weight: BlockWeight | None = None  # the larger steps' copy (BF16, Q4_1_I8, Q8_0_I8): `use_gemm_dtype`
+    gemm_weight: BlockWeight | None = None  # the larger steps' copy (BF16 or an I8 type): `use_gemm_dtype`
 
     @property
     def gemm_rows(self) -> int:
@@ -190,16 +190,18 @@ class BlockWeightHolder:
 #           sequence's decode steps stay exact.
 #  Q8_0_I8  from 2 rows too (the LM head: 36 bytes a block against Q8_0's 34): level with the float32
 #           tiles at one row, 2.0x at two, 2.5x at eight, 1.6x at 32 (AVX2, same machine).
+#  Q4_K's copy (as Q4_1_I8) and Q6_K_I8: from 2 rows, 1.9x and 1.6x the K-quant tiles there, 2.4x and
+#           2.2x at 32 (Gemma 3's down projection, 640 x 2048, 2 threads, AVX2 AMD EPYC Zen 3).
 # (docs/benchmarks/log.md)
-LOW_PRECISION_GEMM_ROWS = {QuantType.BF16: 24, QuantType.Q4_1_I8: 2, QuantType.Q8_0_I8: 2}
+LOW_PRECISION_GEMM_ROWS = {QuantType.BF16: 24, QuantType.Q4_1_I8: 2, QuantType.Q8_0_I8: 2, QuantType.Q6_K_I8: 2}
 
 
 def use_gemm_dtype(layers: Sequence[BlockWeightHolder], dtype: torch.dtype) -> int:
     """Steps of `LOW_PRECISION_GEMM_ROWS` rows or more multiply these layers' block weights through a
     copy (smaller steps keep the exact float32 kernel over the blocks): for `dtype` bfloat16 the
-    weights dequantized once and rounded to it (BF16); for int8, Q4_1 or Q8_0 weights as Q4_1_I8 or
-    Q8_0_I8, the same weights against x quantized to int8 (layers of other block types, or of rows not
-    a multiple of 8, keep no copy). Returns how many layers it changed."""
+    weights dequantized once and rounded to it (BF16); for int8, Q4_1, Q4_K, Q8_0 or Q6_K weights as
+    their I8 type (cpu_quant_matmul.I8_OF), the same weights against x quantized to int8 (layers of
+    other block types, or of rows not a multiple of 8, keep no copy). Returns how many layers it changed."""
     if dtype not in (torch.bfloat16, torch.int8):
         raise ValueError(f"the larger steps' copies are bfloat16 or int8, not {dtype}")
     changed = 0

@@ -14,6 +14,7 @@ Run from the repository root (a few minutes on 2 cores):
     .venv/bin/python -m loadtests.int8_agreement
     .venv/bin/python -m loadtests.int8_agreement --quantization gguf --model smollm2   # the exact path
     .venv/bin/python -m loadtests.int8_agreement --quantization gguf --model smollm2 --dtype auto  # bf16 or int8 steps
+    .venv/bin/python -m loadtests.int8_agreement --quantization gguf --model gemma3-270m --dtype auto
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the converted float32 folder of smollm2")
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
-    folder = resolve_model("smollm2")
+    folder = resolve_model(args.model or "smollm2")  # the float32 reference (a GGUF model's converted folder)
     llm = LLM(model=args.model or str(folder), quantization=args.quantization, kv_cache_memory=256 * 2**20,
               dtype=args.dtype)
     tokenizer = llm.get_tokenizer()
-    prompts = [apply_chat_template(tokenizer, c) for c in conversations()]
+    # a base model without a chat template gets the raw texts only
+    prompts = [apply_chat_template(tokenizer, c) for c in conversations()] if tokenizer.chat_template else []
     prompts += [tokenizer.encode(p) for p in raw_prompts()]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=5))
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

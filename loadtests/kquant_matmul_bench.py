@@ -13,6 +13,7 @@ worth `--stream-mib` of float32, so each call reads its weight from memory, not 
     .venv/bin/python -m loadtests.kquant_matmul_bench
     .venv/bin/python -m loadtests.kquant_matmul_bench --threads 1 --isa avx2 --rows 1 8 32
     .venv/bin/python -m loadtests.kquant_matmul_bench --shapes gemma3 --rows 1 2 8 --threads 1
+    .venv/bin/python -m loadtests.kquant_matmul_bench --shapes gemma3 --rows 2 32 --i8   # `--dtype auto`'s copies
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def main() -> None:
     parser.add_argument("--isa", default="native", help="the kernel build: native, avx2, scalar")
     parser.add_argument("--seconds", type=float, default=1.0, help="timing per cell, over its rounds")
     parser.add_argument("--stream-mib", type=int, default=256, help="float32 bytes the copies of a weight span")
+    parser.add_argument("--i8", action="store_true",
+                        help="also each type's int8-activation copy (`--dtype auto` on AVX2: to_i8_blocks)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lib = qm.variant(args.isa, default_cache_dir())
@@ -84,18 +87,24 @@ def main() -> None:
         copies = max(2, args.stream_mib * 2**20 // (n * k * 4))
         floats = [torch.randn(n, k) for _ in range(copies)]
         weights = {qtype: [random_weight(n, k, qtype, rng) for _ in range(copies)] for qtype in types}
+        # (label, weights, the type the kernel reads them as), by key: the file's blocks, then their copies
+        rows = {qtype: (qtype.name, weights[qtype], qtype) for qtype in types}
+        if args.i8:
+            rows |= {(qtype, "i8"): (f"{qtype.name} as {qm.I8_OF[qtype].name}",
+                                     [qm.to_i8_blocks(w, qtype, k, lib) for w in weights[qtype]], qm.I8_OF[qtype])
+                     for qtype in types if qtype in qm.I8_OF}
         for m in args.rows:
             x = torch.randn(m, k)
-            calls = {qtype: functools.partial(_matmul, x, weights[qtype], qtype, k, lib) for qtype in types}
+            calls = {key: functools.partial(_matmul, x, blocks, qtype, k, lib) for key, (_, blocks, qtype) in rows.items()}
             calls[None] = lambda i: F.linear(x, floats[i])
             best = dict.fromkeys(calls, float("inf"))
             for _ in range(ROUNDS):  # the types interleaved, the best round each: a busy machine's noise
                 for key, call in calls.items():
                     best[key] = min(best[key], time_call(call, copies, args.seconds / ROUNDS))
-            for qtype in types:
-                t = best[qtype]
-                print(f"| {label} | {qtype.name} | {m} | {best[None] * 1e6:.0f} | {t * 1e6:.0f} "
-                      f"| {weights[qtype][0].numel() / t / 1e9:.1f} | {t / best[QuantType.Q4_1]:.2f} |", flush=True)
+            for key, (name, blocks, _) in rows.items():
+                t = best[key]
+                print(f"| {label} | {name} | {m} | {best[None] * 1e6:.0f} | {t * 1e6:.0f} "
+                      f"| {blocks[0].numel() / t / 1e9:.1f} | {t / best[QuantType.Q4_1]:.2f} |", flush=True)
 
 
 def _matmul(x: torch.Tensor, blocks: list[torch.Tensor], qtype: QuantType, k: int, lib, i: int) -> torch.Tensor:

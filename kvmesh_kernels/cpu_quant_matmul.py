@@ -309,6 +309,51 @@ def _probe_packing(lib: ctypes.CDLL) -> tuple[list[int], list[int]]:
     return best_row, best_packed
 
 
+# copy_faster's probe: the same synthetic Q4_1 weight, warm in the cache (at these rows the tiles are
+# bound by arithmetic), at 32 rows of x on every thread, as a batch of decodes reads it.
+_COPY_PROBE_ROWS = 32
+# A copy must win by this factor: below it, the exact float32 tiles are the default's path.
+_COPY_PROBE_GAIN = 1.05
+
+
+def copy_faster(copy_type: QuantType, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether `--dtype auto`'s copies of type `copy_type` (BF16 or Q4_1_I8, standing for the I8 types)
+    multiply a batch of decodes faster than the exact float32 tiles over the file's blocks on this CPU
+    with this build, decided by measurement once per process and library (cached), as `packs_faster`.
+    The instructions a CPU has do not settle it: a 256-bit datapath (Zen 4) runs AVX-512 and its
+    bfloat16 dot products at half width, where the float32 tiles were measured the faster ones."""
+    return _copy_faster(copy_type, lib or native.library(_NAME))
+
+
+@functools.cache
+def _copy_faster(copy_type: QuantType, lib: ctypes.CDLL) -> bool:
+    exact, copy = _probe_copy(copy_type, lib)
+    return exact >= _COPY_PROBE_GAIN * copy
+
+
+def _probe_copy(copy_type: QuantType, lib: ctypes.CDLL) -> tuple[int, int]:
+    """copy_faster's timings: the best ns of a call of the exact tiles and of the copy's."""
+    if copy_type not in (QuantType.BF16, QuantType.Q4_1_I8):
+        raise ValueError(f"the copies are BF16 or Q4_1_I8 (the I8 types'), not {copy_type.name}")
+    n, k, m = _PROBE_N, _PROBE_K, _COPY_PROBE_ROWS
+    block = torch.arange(20, dtype=torch.int64).mul(37).remainder(256).to(torch.uint8)
+    block[:4] = torch.tensor([0x66, 0x2E, 0x66, 0xAE], dtype=torch.uint8)  # d = 0.1, m = -0.1 (f16)
+    exact = block.repeat(n * (k // BLOCK)).reshape(n, row_bytes(QuantType.Q4_1, k))
+    copy = (to_bf16_blocks(dequantize(exact, QuantType.Q4_1, k, lib)) if copy_type == QuantType.BF16
+            else to_i8_blocks(exact, QuantType.Q4_1, k, lib))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    y = torch.empty(m, n)
+    threads = torch.get_num_threads()
+    best = {QuantType.Q4_1: float("inf"), copy_type: float("inf")}
+    for _ in range(_PROBE_REPEATS + 1):  # the first round warms the caches and the threads
+        for qtype, weight in ((QuantType.Q4_1, exact), (copy_type, copy)):
+            start = time.perf_counter_ns()
+            lib.quant_matmul(y.data_ptr(), n, x.data_ptr(), k, weight.data_ptr(), weight.shape[1], m, n, k, qtype,
+                             threads)
+            best[qtype] = min(best[qtype], time.perf_counter_ns() - start)
+    return int(best[QuantType.Q4_1]), int(best[copy_type])
+
+
 def _l3_bytes() -> int:
     """The L3 cache's size from sysfs (Linux), else 32 MB."""
     try:

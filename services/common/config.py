@@ -110,8 +110,8 @@ class ModelConfig:
               "(a base model has none: its chat requests are refused without this)")
     dtype: str = option("auto", "weights' and activations' dtype; auto: the fastest this device runs natively "
                                 "(weights in GGUF blocks: float32, their steps of 24+ tokens in bfloat16 on a CPU "
-                                "with AVX512_BF16 or AMX, else of 2+ tokens against int8 activations with AVX2; "
-                                "other weights on a CPU bfloat16 with those, else float32; "
+                                "with AVX512_BF16 or AMX, else of 2+ tokens against int8 activations with AVX2, "
+                                "each where a start-up probe measures it faster than float32; other weights on a CPU bfloat16 with those, else float32; "
                                 "on a GPU bfloat16, else float16); float32 is the exact one (greedy tokens "
                                 "identical to transformers'); half and float are vLLM's names for float16 "
                                 "and float32", choices=DTYPES, parse=parse_dtype)

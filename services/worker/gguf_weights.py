@@ -189,13 +189,22 @@ def block_gemm_dtype(dtype: str, device: torch.device) -> torch.dtype:
     1.3-2.5x the float32 kernel); else float32. The LM head's larger steps too. Smaller steps stay
     float32 over the exact weights either way; the low-precision steps' activations, KV and logits
     carry its rounding (the agreement with transformers: loadtests/int8_agreement.py --dtype auto;
-    docs/benchmarks/index.md)."""
-    if dtype != "auto" or device.type != "cpu":
+    docs/benchmarks/index.md). The instructions propose; a probe at start-up disposes
+    (cpu_quant_matmul.copy_faster): where the copy measures no faster than the float32 tiles on this
+    CPU, as bfloat16 on Zen 4's 256-bit datapaths, the larger steps stay float32. Without the
+    kernel built there are no blocks to copy: float32."""
+    if dtype != "auto" or device.type != "cpu" or not cpu_quant_matmul.is_built():
         return torch.float32
     if cpu_has("avx512_bf16") or cpu_has("amx_bf16"):
-        return torch.bfloat16
-    if cpu_has("avx2", "fma", "f16c"):
-        return torch.int8
+        proposed, copy_type = torch.bfloat16, QuantType.BF16
+    elif cpu_has("avx2", "fma", "f16c"):
+        proposed, copy_type = torch.int8, QuantType.Q4_1_I8
+    else:
+        return torch.float32
+    if cpu_quant_matmul.copy_faster(copy_type):
+        return proposed
+    logger.info("--dtype auto: %s copies measured no faster than the float32 tiles on this CPU; larger steps "
+                "stay float32", str(proposed).removeprefix("torch."))
     return torch.float32
 
 

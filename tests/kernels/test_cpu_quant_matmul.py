@@ -167,6 +167,31 @@ def test_bad_inputs_are_refused_with_a_reason(lib):
         qm.dequantize(blocks.view(torch.int8), QuantType.Q4_1, 64, lib)
 
 
+# ------------------------------------------------------------------ `--dtype auto`'s copies, by measurement
+
+
+@pytest.mark.parametrize("copy_type", [QuantType.BF16, QuantType.Q4_1_I8])
+def test_the_copy_probe_times_the_exact_tiles_and_the_copys(lib, copy_type):
+    # The answer depends on the CPU, so only the timings' form and the rule are checked (below)
+    exact, copy = qm._probe_copy(copy_type, lib)
+    assert isinstance(exact, int) and isinstance(copy, int) and exact > 0 and copy > 0
+    with pytest.raises(ValueError, match="BF16 or Q4_1_I8"):
+        qm._probe_copy(QuantType.Q8_0, lib)
+
+
+@pytest.mark.parametrize("timings, faster", [((1000, 500), True), ((1000, 950), True), ((1000, 960), False),
+                                             ((1000, 1200), False)])
+def test_a_copy_is_taken_only_when_it_measures_5_percent_faster(monkeypatch, lib, timings, faster):
+    monkeypatch.setattr(qm, "_probe_copy", lambda _type, _lib: timings)
+    qm._copy_faster.cache_clear()
+    try:
+        assert qm.copy_faster(QuantType.BF16, lib) is faster
+        assert qm.copy_faster(QuantType.BF16, lib) is faster  # cached: measured once a process
+        assert qm._copy_faster.cache_info().hits == 1
+    finally:
+        qm._copy_faster.cache_clear()  # the next caller measures for real
+
+
 # ------------------------------------------------------------------ packed Q4_1 (the layers' path)
 
 

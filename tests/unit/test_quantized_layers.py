@@ -137,10 +137,20 @@ def test_dtype_auto_is_float32_for_blocks_and_bfloat16_only_with_its_instruction
 
 def test_dtype_auto_multiplies_larger_steps_in_the_cpus_low_precision():
     cpu = torch.device("cpu")
-    want = torch.bfloat16 if cpu_has("avx512_bf16") or cpu_has("amx_bf16") else \
+    proposed = torch.bfloat16 if cpu_has("avx512_bf16") or cpu_has("amx_bf16") else \
         torch.int8 if cpu_has("avx2", "fma", "f16c") else torch.float32
+    copy = {torch.bfloat16: QuantType.BF16, torch.int8: QuantType.Q4_1_I8}.get(proposed)
+    want = proposed if copy is not None and cpu_quant_matmul.copy_faster(copy) else torch.float32
     assert block_gemm_dtype("auto", cpu) == want
     assert block_gemm_dtype("float32", cpu) == torch.float32  # the default stays exact
+
+
+def test_dtype_auto_keeps_float32_where_the_copies_measure_slower(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_quant_matmul, "copy_faster", lambda _copy_type: False)
+    with caplog.at_level("INFO", logger="services.worker.gguf_weights"):
+        assert block_gemm_dtype("auto", torch.device("cpu")) == torch.float32
+    if cpu_has("avx2", "fma", "f16c"):  # a copy was proposed, and declined with a reason
+        assert "measured no faster than the float32 tiles" in caplog.text
 
 
 def test_bfloat16_copies_take_steps_from_their_threshold():

@@ -278,9 +278,7 @@ def _probe_packing(lib: ctypes.CDLL) -> tuple[list[int], list[int]]:
     """packs_faster's timings: per row count in _PROBE_ROWS, the best ns of a call of each path."""
     n, k = _PROBE_N, _PROBE_K
     width = row_bytes(QuantType.Q4_1, k)
-    block = torch.arange(20, dtype=torch.int64).mul(37).remainder(256).to(torch.uint8)  # nibbles of all values
-    block[:4] = torch.tensor([0x66, 0x2E, 0x66, 0xAE], dtype=torch.uint8)  # d = 0.1, m = -0.1 (f16): no subnormals
-    one = block.repeat(n * (k // BLOCK)).reshape(n, width)
+    one = _probe_weight()
     packed_one = pack(one, QuantType.Q4_1, k, lib)
     copy_bytes = packed_one.numel()
     span = min(max(_l3_bytes() * 3 // 2, _PROBE_SPAN_MIN), _PROBE_SPAN_MAX)
@@ -336,9 +334,7 @@ def _probe_copy(copy_type: QuantType, lib: ctypes.CDLL) -> tuple[int, int]:
     if copy_type not in (QuantType.BF16, QuantType.Q4_1_I8):
         raise ValueError(f"the copies are BF16 or Q4_1_I8 (the I8 types'), not {copy_type.name}")
     n, k, m = _PROBE_N, _PROBE_K, _COPY_PROBE_ROWS
-    block = torch.arange(20, dtype=torch.int64).mul(37).remainder(256).to(torch.uint8)
-    block[:4] = torch.tensor([0x66, 0x2E, 0x66, 0xAE], dtype=torch.uint8)  # d = 0.1, m = -0.1 (f16)
-    exact = block.repeat(n * (k // BLOCK)).reshape(n, row_bytes(QuantType.Q4_1, k))
+    exact = _probe_weight()
     copy = (to_bf16_blocks(dequantize(exact, QuantType.Q4_1, k, lib)) if copy_type == QuantType.BF16
             else to_i8_blocks(exact, QuantType.Q4_1, k, lib))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -352,6 +348,13 @@ def _probe_copy(copy_type: QuantType, lib: ctypes.CDLL) -> tuple[int, int]:
                              threads)
             best[qtype] = min(best[qtype], time.perf_counter_ns() - start)
     return int(best[QuantType.Q4_1]), int(best[copy_type])
+
+
+def _probe_weight() -> torch.Tensor:
+    """The probes' synthetic [_PROBE_N, _PROBE_K] Q4_1 weight: one block of every nibble value, repeated."""
+    block = torch.arange(20, dtype=torch.int64).mul(37).remainder(256).to(torch.uint8)  # nibbles of all values
+    block[:4] = torch.tensor([0x66, 0x2E, 0x66, 0xAE], dtype=torch.uint8)  # d = 0.1, m = -0.1 (f16): no subnormals
+    return block.repeat(_PROBE_N * (_PROBE_K // BLOCK)).reshape(_PROBE_N, row_bytes(QuantType.Q4_1, _PROBE_K))
 
 
 def _l3_bytes() -> int:

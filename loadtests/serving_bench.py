@@ -163,6 +163,27 @@ async def bench_target(target: str, endpoint: Endpoint, runs: Sequence[Run], arg
     return summaries
 
 
+def bench_targets(targets: Sequence[str], config: ServerConfig, runs: Sequence[Run],
+                  args: argparse.Namespace) -> tuple[list[Summary], dict[str, str]]:
+    """Each target in turn (a target named twice runs twice): started, benched, stopped. Returns the
+    summaries and, per target that could not be run, why. `args` as bench_target's, plus api (and
+    url, url_api for the url target)."""
+    summaries: list[Summary] = []
+    unavailable: dict[str, str] = {}
+    for target, label in run_labels(targets):
+        if target in unavailable:
+            continue
+        print(f"starting {label} (logs in {config.log_dir})", file=sys.stderr, flush=True)
+        try:
+            with started(target, config, getattr(args, "url", None), getattr(args, "url_api", "vllm")) as endpoint:
+                endpoint = dataclasses.replace(endpoint, api=args.api)
+                summaries += asyncio.run(bench_target(label, endpoint, runs, args))
+        except TargetUnavailable as exc:
+            print(f"{target} not run: {exc}", file=sys.stderr, flush=True)
+            unavailable[target] = str(exc)
+    return summaries, unavailable
+
+
 # ----------------------------------------------------------------------------- the report
 
 
@@ -403,19 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           args.llama_repack == "on")
 
     load_before, started_at = os.getloadavg()[0], time.time()
-    summaries: list[Summary] = []
-    unavailable: dict[str, str] = {}
-    for target, label in run_labels(args.targets):
-        if target in unavailable:
-            continue
-        print(f"serving_bench: starting {label} (logs in {log_dir})", file=sys.stderr, flush=True)
-        try:
-            with started(target, config, args.url, args.url_api) as endpoint:
-                endpoint = dataclasses.replace(endpoint, api=args.api)
-                summaries += asyncio.run(bench_target(label, endpoint, runs, args))
-        except TargetUnavailable as exc:
-            print(f"serving_bench: {target} not run: {exc}", file=sys.stderr, flush=True)
-            unavailable[target] = str(exc)
+    summaries, unavailable = bench_targets(args.targets, config, runs, args)
 
     print("\n" + report(args, config, summaries, unavailable))
     print(f"\nMachine: {machine()}. Load average (1 min) {load_before:.1f} before, {os.getloadavg()[0]:.1f} "

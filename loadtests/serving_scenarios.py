@@ -107,10 +107,10 @@ def _question(i: int) -> str:
     return TEMPLATES[i % len(TEMPLATES)].format(topic=topic, other=other)
 
 
-def _sentences(rng: random.Random) -> str:
-    """An endless supply of plain sentences; a few hundred are plenty for 1,000 tokens."""
+def _sentences(rng: random.Random, count: int = 400) -> str:
+    """`count` plain sentences (each ~20 tokens); the first n are the same for any count >= n."""
     parts = []
-    for k in range(400):
+    for k in range(count):
         if k % 17 == 16:
             parts.append(rng.choice(NOTES))
         else:
@@ -127,7 +127,8 @@ def _cut(text: str, tokenizer: PreTrainedTokenizerBase, num_tokens: int) -> str:
 
 
 def _long_document(i: int, tokenizer: PreTrainedTokenizerBase, num_tokens: int) -> str:
-    body = _cut(f"Document {i}. " + _sentences(random.Random(1000 + i)), tokenizer, num_tokens)
+    body = _cut(f"Document {i}. " + _sentences(random.Random(1000 + i), max(400, num_tokens // 10)), tokenizer,
+                num_tokens)
     return f"{body}\n\nSummarize the document above in a few sentences."
 
 

@@ -49,7 +49,7 @@ from services.worker.loader import resolve_model
 
 TARGETS = ("kvmesh", "inprocess", "transformers", "llama-server", "url")
 DEFAULT_ANCHOR_DIR = Path.home() / ".cache" / "kvmesh-anchors"  # where build-llama-server.sh builds
-LLAMA_SLOT_TOKENS = 2048  # context per llama-server slot (its -c is slots x this)
+LLAMA_SLOT_TOKENS = 2048  # context per llama-server slot (its -c is slots x this), unless configured
 LOOPBACK = "127.0.0.1"
 URL_WAIT = 30.0  # seconds a --url server (already started) may take to answer /health
 STOP_TIMEOUT = 30.0  # seconds a server gets to stop after SIGTERM (kvmesh serve needs about 10)
@@ -78,6 +78,7 @@ class ServerConfig:
     llama_server_dir: Path = DEFAULT_ANCHOR_DIR
     llama_file_type: str = "f16"  # models/smollm2-<this>.gguf: f16, f32, bf16, q8_0, q4_1; "model": --model's own GGUF
     llama_slots: int = 32
+    llama_slot_tokens: int = LLAMA_SLOT_TOKENS  # context per slot
     llama_repack: bool = True  # llama-server's --repack / --no-repack
     kvmesh_args: tuple[str, ...] = ()  # more flags for kvmesh and inprocess (LoRA adapters, say)
 
@@ -143,7 +144,7 @@ def server_command(target: str, config: ServerConfig, port: int) -> list[str]:
                                         f"{config.llama_server_dir}")
         threads = str(config.threads)
         return [str(exe), "-m", str(gguf), "--host", LOOPBACK, "--port", str(port), "-t", threads, "-tb", threads,
-                "-np", str(config.llama_slots), "-cb", "-c", str(config.llama_slots * LLAMA_SLOT_TOKENS),
+                "-np", str(config.llama_slots), "-cb", "-c", str(config.llama_slots * config.llama_slot_tokens),
                 "--no-webui", "--repack" if config.llama_repack else "--no-repack"]
     raise ValueError(f"unknown target {target!r}; choose from {TARGETS}")
 

@@ -166,6 +166,10 @@ typedef __mmask16 vlive; /* the chunk's live lanes */
 #define v_scale2(p, n) _mm512_scalef_ps(p, n) /* p * 2^n */
 static inline vlive v_live(int n) { return (vlive)((1u << n) - 1); }
 static inline vf v_select(vlive live, vf v, vf fill) { return _mm512_mask_blend_ps(live, fill, v); }
+/* Lanes where lo <= x < hi. */
+static inline vlive v_within(vf x, vf lo, vf hi) {
+    return _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(x, hi, _CMP_LT_OQ);
+}
 static inline vf v_load_row(const void *base, int64_t index, int dtype) {
     if (dtype == 0) return _mm512_loadu_ps((const float *)base + index);
     if (dtype == 2) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index)));
@@ -211,6 +215,9 @@ static inline vlive v_live(int n) {
     return _mm256_cmp_ps(lane, _mm256_set1_ps((float)n), _CMP_LT_OQ);
 }
 static inline vf v_select(vlive live, vf v, vf fill) { return _mm256_blendv_ps(fill, v, live); }
+static inline vlive v_within(vf x, vf lo, vf hi) {
+    return _mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_GE_OQ), _mm256_cmp_ps(x, hi, _CMP_LT_OQ));
+}
 static inline vf v_load_row(const void *base, int64_t index, int dtype) {
     if (dtype == 0) return _mm256_loadu_ps((const float *)base + index);
     if (dtype == 2) {
@@ -506,6 +513,231 @@ static inline __attribute__((always_inline)) void attend_tile_vector(
         }
     }
 }
+
+/*
+ * A prefill run (one request's consecutive rows, at least PREFILL_MIN_ROWS of them) as two small
+ * matrix products per chunk of PREFILL_CHUNK positions, with the (row, query head) pairs of the tile
+ * across the lanes instead of positions: S = Q K^T a broadcast K element times a vector of query
+ * values at a time, then P V likewise, each K and V element loaded once for all the tile's heads.
+ * The per-row path above sums every position's W-lane dot product across lanes and runs a max, an
+ * exp and a rescale per (row, head) per W positions; here the softmax runs down whole vectors of
+ * (row, head) pairs and the loads per FMA halve. One 8,000-token prompt's attention (SmolLM2's
+ * heads, AVX2, two cores): see docs/benchmarks/log.md.
+ * A row's sums depend only on its own query and context (chunks start at multiples of
+ * PREFILL_CHUNK), not on the rows beside it; they differ from the per-row path's by rounding, so
+ * shorter runs (a speculative step's few drafted tokens) keep the per-row path and speculation
+ * gives the very tokens plain decoding gives. Soft-capped scores (a tanh each) take the per-row path.
+ */
+#define PREFILL_MIN_ROWS 8
+#define PREFILL_CHUNK 32
+#define PREFILL_LANES MAX_ROWS /* (row, head) pairs of a tile */
+#define PREFILL_RV (PREFILL_LANES / W) /* their vectors, at most */
+
+/* A value the compiler must hold in a register: loaded once and used by several FMAs, where GCC
+ * would otherwise fold the load into each of them (a load per FMA, and loads are the bound). */
+#define in_register(x) __asm__("" : "+x"(x))
+
+/* S[t] = Q . K_t for the chunk's n positions, RV vectors of (row, head) lanes; qt is Q^T [d][lanes]. */
+static inline __attribute__((always_inline)) void prefill_scores_body(
+    float (*sc)[PREFILL_LANES], const float (*qt)[PREFILL_LANES], const float *const *krow, int n, int head_size,
+    const int RV)
+{
+    int t = 0;
+    for (; t + 1 < n; t += 2) { /* two positions at a time: each Q vector loaded once for both */
+        vf a0[PREFILL_RV], a1[PREFILL_RV];
+        for (int r = 0; r < RV; r++) a0[r] = a1[r] = v_zero();
+        const float *k0 = krow[t], *k1 = krow[t + 1];
+        for (int d = 0; d < head_size; d++) {
+            const vf b0 = v_set1(k0[d]), b1 = v_set1(k1[d]);
+            for (int r = 0; r < RV; r++) {
+                vf qv = v_load(qt[d] + W * r);
+                in_register(qv);
+                a0[r] = v_fmadd(qv, b0, a0[r]);
+                a1[r] = v_fmadd(qv, b1, a1[r]);
+            }
+        }
+        for (int r = 0; r < RV; r++) {
+            v_store(sc[t] + W * r, a0[r]);
+            v_store(sc[t + 1] + W * r, a1[r]);
+        }
+    }
+    if (t < n) {
+        vf a0[PREFILL_RV];
+        for (int r = 0; r < RV; r++) a0[r] = v_zero();
+        for (int d = 0; d < head_size; d++) {
+            const vf b0 = v_set1(krow[t][d]);
+            for (int r = 0; r < RV; r++) a0[r] = v_fmadd(v_load(qt[d] + W * r), b0, a0[r]);
+        }
+        for (int r = 0; r < RV; r++) v_store(sc[t] + W * r, a0[r]);
+    }
+}
+
+/* ot[d] = ot[d] * corr + sum_t P[t] V_t[d], DB elements of d at a time held in registers over the chunk. */
+static inline __attribute__((always_inline)) void prefill_values_body(
+    float (*ot)[PREFILL_LANES], const float (*pr)[PREFILL_LANES], const float *const *vrow, int n, int head_size,
+    const vf *corr, const int RV)
+{
+    const int DB = RV == 1 ? 8 : RV == 2 ? 4 : 2;
+    for (int d0 = 0; d0 < head_size; d0 += DB) {
+        vf acc[8][PREFILL_RV];
+        for (int j = 0; j < DB; j++)
+            for (int r = 0; r < RV; r++) acc[j][r] = v_mul(v_load(ot[d0 + j] + W * r), corr[r]);
+        for (int t = 0; t < n; t++) {
+            vf p[PREFILL_RV];
+            for (int r = 0; r < RV; r++) {
+                p[r] = v_load(pr[t] + W * r);
+                in_register(p[r]);
+            }
+            for (int j = 0; j < DB; j++) {
+                const vf b = v_set1(vrow[t][d0 + j]);
+                for (int r = 0; r < RV; r++) acc[j][r] = v_fmadd(p[r], b, acc[j][r]);
+            }
+        }
+        for (int j = 0; j < DB; j++)
+            for (int r = 0; r < RV; r++) v_store(ot[d0 + j] + W * r, acc[j][r]);
+    }
+}
+
+/* The two products per vector count, each its own small function: inlined into the big parallel
+ * loop, GCC kept their accumulators on the stack (1.7x slower). */
+#define PREFILL_KERNELS(RV)                                                                                        \
+    static __attribute__((noinline)) void prefill_scores_##RV(float (*sc)[PREFILL_LANES],                          \
+                                                              const float (*qt)[PREFILL_LANES],                    \
+                                                              const float *const *krow, int n, int head_size) {    \
+        prefill_scores_body(sc, qt, krow, n, head_size, RV);                                                       \
+    }                                                                                                              \
+    static __attribute__((noinline)) void prefill_values_##RV(float (*ot)[PREFILL_LANES],                          \
+                                                              const float (*pr)[PREFILL_LANES],                    \
+                                                              const float *const *vrow, int n, int head_size,      \
+                                                              const vf *corr) {                                    \
+        prefill_values_body(ot, pr, vrow, n, head_size, corr, RV);                                                 \
+    }
+PREFILL_KERNELS(1)
+PREFILL_KERNELS(2)
+#if W == 8
+PREFILL_KERNELS(3)
+PREFILL_KERNELS(4)
+#endif
+
+static inline void prefill_scores(float (*sc)[PREFILL_LANES], const float (*qt)[PREFILL_LANES], const float *const *krow,
+                                  int n, int head_size, int rv) {
+    switch (rv) {
+        case 1: prefill_scores_1(sc, qt, krow, n, head_size); break;
+#if W == 8
+        case 3: prefill_scores_3(sc, qt, krow, n, head_size); break;
+        case 4: prefill_scores_4(sc, qt, krow, n, head_size); break;
+#endif
+        default: prefill_scores_2(sc, qt, krow, n, head_size); break;
+    }
+}
+
+static inline void prefill_values(float (*ot)[PREFILL_LANES], const float (*pr)[PREFILL_LANES], const float *const *vrow,
+                                  int n, int head_size, const vf *corr, int rv) {
+    switch (rv) {
+        case 1: prefill_values_1(ot, pr, vrow, n, head_size, corr); break;
+#if W == 8
+        case 3: prefill_values_3(ot, pr, vrow, n, head_size, corr); break;
+        case 4: prefill_values_4(ot, pr, vrow, n, head_size, corr); break;
+#endif
+        default: prefill_values_2(ot, pr, vrow, n, head_size, corr); break;
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_prefill_tile(
+    void *out, const void *q, const void *k_cache, const void *v_cache, const int32_t *blocks,
+    const int32_t *row_lens, int b0, int nt, int kvh, int group, int head_size, int block_size, float scale,
+    int sliding_window, int dtype, int64_t q_stride, int64_t out_stride, int64_t row_stride, const int RV)
+{
+    float qt[MAX_HEAD][PREFILL_LANES] __attribute__((aligned(64)));
+    float ot[MAX_HEAD][PREFILL_LANES] __attribute__((aligned(64)));
+    float sc[PREFILL_CHUNK][PREFILL_LANES] __attribute__((aligned(64)));
+    float kb[PREFILL_CHUNK][MAX_HEAD] __attribute__((aligned(64)));
+    float vb[PREFILL_CHUNK][MAX_HEAD] __attribute__((aligned(64)));
+    float lo_f[PREFILL_LANES] __attribute__((aligned(64))), hi_f[PREFILL_LANES] __attribute__((aligned(64)));
+    const float *krow[PREFILL_CHUNK], *vrow[PREFILL_CHUNK];
+    float row[MAX_HEAD];
+    const int lanes = nt * group;
+    int first = INT32_MAX, last = 0, lo_max = 0, hi_min = INT32_MAX;
+    for (int r = 0; r < RV * W; r++) {
+        const int i = r < lanes ? r / group : nt - 1; /* padding lanes copy the last row's bounds */
+        const int hi = row_lens[b0 + i], lo = sliding_window > 0 && hi > sliding_window ? hi - sliding_window : 0;
+        hi_f[r] = (float)hi;
+        lo_f[r] = (float)lo;
+        first = lo < first ? lo : first;
+        last = hi > last ? hi : last;
+        lo_max = lo > lo_max ? lo : lo_max;
+        hi_min = hi < hi_min ? hi : hi_min;
+    }
+    for (int d = 0; d < head_size; d++)
+        for (int r = 0; r < RV * W; r++) qt[d][r] = ot[d][r] = 0.f;
+    for (int r = 0; r < lanes; r++) {
+        load_row(q, (int64_t)(b0 + r / group) * q_stride + (int64_t)(kvh * group + r % group) * head_size, dtype,
+                 head_size, row);
+        for (int d = 0; d < head_size; d++) qt[d][r] = row[d] * scale;
+    }
+    /* The running max starts finite: a lane with nothing visible yet keeps exp(0) = 1 as its
+     * correction of zero sums, where -inf - -inf would be NaN. */
+    vf m[PREFILL_RV], l[PREFILL_RV];
+    for (int r = 0; r < RV; r++) {
+        m[r] = v_set1(-1e30f);
+        l[r] = v_zero();
+    }
+    for (int c0 = first - first % PREFILL_CHUNK; c0 < last; c0 += PREFILL_CHUNK) {
+        const int ta = c0 > first ? c0 : first, tb = c0 + PREFILL_CHUNK < last ? c0 + PREFILL_CHUNK : last;
+        const int n = tb - ta;
+        for (int t = 0; t < n; t++) {
+            const int pos = ta + t;
+            const int64_t index = ((int64_t)blocks[pos / block_size] * block_size + pos % block_size) * row_stride
+                                  + (int64_t)kvh * head_size;
+            if (dtype == 0) {
+                krow[t] = (const float *)k_cache + index;
+                vrow[t] = (const float *)v_cache + index;
+            } else {
+                for (int c = 0; c < head_size; c += W) {
+                    v_store(kb[t] + c, v_load_row(k_cache, index + c, dtype));
+                    v_store(vb[t] + c, v_load_row(v_cache, index + c, dtype));
+                }
+                krow[t] = kb[t];
+                vrow[t] = vb[t];
+            }
+        }
+        prefill_scores(sc, (const float (*)[PREFILL_LANES])qt, krow, n, head_size, RV);
+        const int masked = ta < lo_max || tb > hi_min;
+        vf corr[PREFILL_RV];
+        for (int r = 0; r < RV; r++) {
+            const vf lo = v_load(lo_f + W * r), hi = v_load(hi_f + W * r);
+            vf cmax = v_set1(-INFINITY);
+            for (int t = 0; t < n; t++) {
+                vf s = v_load(sc[t] + W * r);
+                if (masked) {
+                    s = v_select(v_within(v_set1((float)(ta + t)), lo, hi), s, v_set1(-INFINITY));
+                    v_store(sc[t] + W * r, s);
+                }
+                cmax = v_max(cmax, s);
+            }
+            const vf mn = v_max(m[r], cmax);
+            corr[r] = v_exp(v_sub(m[r], mn));
+            m[r] = mn;
+            vf sum = v_mul(l[r], corr[r]);
+            for (int t = 0; t < n; t++) {
+                vf p = v_exp(v_sub(v_load(sc[t] + W * r), mn));
+                if (masked) p = v_select(v_within(v_set1((float)(ta + t)), lo, hi), p, v_zero());
+                sum = v_add(sum, p);
+                v_store(sc[t] + W * r, p);
+            }
+            l[r] = sum;
+        }
+        prefill_values(ot, (const float (*)[PREFILL_LANES])sc, vrow, n, head_size, corr, RV);
+    }
+    float inv[PREFILL_LANES] __attribute__((aligned(64)));
+    for (int r = 0; r < RV; r++) v_store(inv + W * r, l[r]);
+    for (int r = 0; r < lanes; r++) {
+        const float sum = inv[r];
+        for (int d = 0; d < head_size; d++) row[d] = ot[d][r];
+        store_row(out, (int64_t)(b0 + r / group) * out_stride + (int64_t)(kvh * group + r % group) * head_size, dtype,
+                  head_size, row, sum > 0.f ? 1.f / sum : 0.f);
+    }
+}
 #endif
 
 /* The lanes of the vector path this build runs (16: AVX-512, 8: AVX2), 1 for the scalar code. */
@@ -582,6 +814,22 @@ int paged_decode_attention(
         for (int tile = 0; tile < num_tiles; tile++) {
             const int b0 = tiles[tile], nt = tiles[tile + 1] - tiles[tile];
 #if defined(VECTOR_PATH)
+            if (head_size % W == 0 && soft_cap <= 0.f && nt >= PREFILL_MIN_ROWS && nt * group <= PREFILL_LANES &&
+                seq_of_row != NULL && seq_of_row[b0] == seq_of_row[b0 + nt - 1]) {
+#define PTILE(RV) attend_prefill_tile(out, q, k_cache, v_cache, row_blocks[b0], seq_lens, b0, nt, kvh, group, \
+                                      head_size, block_size, scale, sliding_window, dtype, q_stride, out_stride, \
+                                      row_stride, RV)
+                switch ((nt * group + W - 1) / W) {
+                    case 1: PTILE(1); break;
+#if W == 8
+                    case 3: PTILE(3); break;
+                    case 4: PTILE(4); break;
+#endif
+                    default: PTILE(2); break;
+                }
+#undef PTILE
+                continue;
+            }
 #define VTILE(C) attend_tile_vector(out, q, k_cache, v_cache, row_blocks + b0, shared[tile], seq_lens, b0, nt, \
                                     kvh, group, C, \
                                     block_size, scale, sliding_window, soft_cap, dtype, q_stride, out_stride, \

@@ -123,6 +123,51 @@ def test_decodes_sharing_a_prefix_match_reference_and_each_row_alone(dtype, isa,
         assert torch.equal(alone, out[row : row + 1])
 
 
+# Prompt chunks long enough for the prefill tiles (a run of at least 8 rows of one request, its
+# (row, head) pairs across the vector lanes: 1 to 4 vectors of them), beside decodes, over contexts
+# that end inside the 32-position chunks and cross blocks.
+LONG_Q_LENS, LONG_CONTEXTS = [70, 1, 130, 9, 20], [70, 40, 301, 150, 45]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2)])
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (80, 8), (128, 32)])
+@pytest.mark.parametrize("window", [None, 24])
+def test_long_prefill_chunks_match_reference(dtype, num_heads, num_kv_heads, head_size, block_size, window, isa,
+                                             gen):
+    case = make_case(Shape(num_heads, num_kv_heads, head_size, block_size, dtype), LONG_Q_LENS, LONG_CONTEXTS,
+                     torch.device("cpu"), gen)
+    seq_of_row, row_lens = prefill_rows(LONG_Q_LENS, LONG_CONTEXTS)
+    out = poisoned_like(case.q)
+    scale = head_size**-0.5
+    cpu_paged_attention.paged_decode_attention(out, case.q, case.kv_cache[0], case.kv_cache[1],
+                                               case.batch.block_table, row_lens, scale, window,
+                                               lib=cpu_paged_attention.variant(isa, default_cache_dir()),
+                                               seq_of_row=seq_of_row)
+    ref = paged_attention_ref(case.q, case.kv_cache, case.batch.query_start_loc, case.batch.seq_lens,
+                              case.batch.block_table, scale, window)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_a_prefill_row_does_not_depend_on_the_rows_beside_it(window, isa, gen):
+    """A 100-token prompt attended in one call, and from its sixth token on in another: the tiles of
+    rows start elsewhere, and every row in a full tile of both comes out bit for bit the same (the
+    prefix cache and chunked prefill cut prompts anywhere)."""
+    case = make_case(Shape(6, 2, 64, 16, torch.float32), [100], [100], torch.device("cpu"), gen)
+    seq_of_row, row_lens = prefill_rows([100], [100])
+    lib = cpu_paged_attention.variant(isa, default_cache_dir())
+    whole, tail = poisoned_like(case.q), poisoned_like(case.q[5:])
+    for out, rows in ((whole, slice(0, 100)), (tail, slice(5, 100))):
+        cpu_paged_attention.paged_decode_attention(out, case.q[rows], case.kv_cache[0], case.kv_cache[1],
+                                                   case.batch.block_table, row_lens[rows].contiguous(), 0.125,
+                                                   window, lib=lib, seq_of_row=seq_of_row[rows].contiguous())
+    # Group 3: tiles of 10 rows, from row 0 in the one call and from row 5 in the other.
+    assert torch.equal(whole[5:95], tail[:90])
+    torch.testing.assert_close(whole[95:], tail[90:], atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("window", [None, 8])
 def test_the_cpu_backend_attends_a_mixed_step_in_one_call(window, gen):
     """The `cpu` backend's plan on the engine's own metadata: the same cache and output as the

@@ -521,8 +521,8 @@ static inline __attribute__((always_inline)) void attend_tile_vector(
  * values at a time, then P V likewise, each K and V element loaded once for all the tile's heads.
  * The per-row path above sums every position's W-lane dot product across lanes and runs a max, an
  * exp and a rescale per (row, head) per W positions; here the softmax runs down whole vectors of
- * (row, head) pairs and the loads per FMA halve. One 8,000-token prompt's attention (SmolLM2's
- * heads, AVX2, two cores): see docs/benchmarks/log.md.
+ * (row, head) pairs and the loads per FMA halve. One 4,000-token prompt's attention, SmolLM2's
+ * heads, two AVX2 cores (Zen 3): 250 -> 155 ms.
  * A row's sums depend only on its own query and context (chunks start at multiples of
  * PREFILL_CHUNK), not on the rows beside it; they differ from the per-row path's by rounding, so
  * shorter runs (a speculative step's few drafted tokens) keep the per-row path and speculation
@@ -537,64 +537,92 @@ static inline __attribute__((always_inline)) void attend_tile_vector(
  * would otherwise fold the load into each of them (a load per FMA, and loads are the bound). */
 #define in_register(x) __asm__("" : "+x"(x))
 
-/* S[t] = Q . K_t for the chunk's n positions, RV vectors of (row, head) lanes; qt is Q^T [d][lanes]. */
+/* Broadcast values held in registers beside the RV-vector accumulators of a block: with FMA's
+ * 4-cycle latency two FMA pipes need 12 or more independent sums in flight (8 ran at two thirds of
+ * the peak here), and AVX2's 16 registers hold TB x RV sums + TB broadcasts + the streamed vector. */
+#if W == 8
+#define HELD(RV) ((RV) == 4 ? 3 : (RV) == 3 ? 3 : (RV) == 2 ? 5 : 7)
+#else
+#define HELD(RV) 8 /* 32 registers: 16 or 8 sums; a chunk of 32 positions and head sizes split evenly */
+#endif
+
+/* S[t0 .. t0 + TB) = Q . K_t, RV vectors of (row, head) lanes; qt is Q^T [d][lanes]. */
+static inline __attribute__((always_inline)) void scores_block(
+    float (*sc)[PREFILL_LANES], const float (*qt)[PREFILL_LANES], const float *const *krow, int t0, int head_size,
+    const int TB, const int RV)
+{
+    vf acc[12][PREFILL_RV];
+    for (int t = 0; t < TB; t++)
+        for (int r = 0; r < RV; r++) acc[t][r] = v_zero();
+    for (int d = 0; d < head_size; d++) {
+        vf k[12];
+        for (int t = 0; t < TB; t++) k[t] = v_set1(krow[t0 + t][d]);
+        for (int r = 0; r < RV; r++) {
+            vf qv = v_load(qt[d] + W * r);
+            in_register(qv);
+            for (int t = 0; t < TB; t++) acc[t][r] = v_fmadd(qv, k[t], acc[t][r]);
+        }
+    }
+    for (int t = 0; t < TB; t++)
+        for (int r = 0; r < RV; r++) v_store(sc[t0 + t] + W * r, acc[t][r]);
+}
+
 static inline __attribute__((always_inline)) void prefill_scores_body(
     float (*sc)[PREFILL_LANES], const float (*qt)[PREFILL_LANES], const float *const *krow, int n, int head_size,
     const int RV)
 {
+    const int TB = HELD(RV);
     int t = 0;
-    for (; t + 1 < n; t += 2) { /* two positions at a time: each Q vector loaded once for both */
-        vf a0[PREFILL_RV], a1[PREFILL_RV];
-        for (int r = 0; r < RV; r++) a0[r] = a1[r] = v_zero();
-        const float *k0 = krow[t], *k1 = krow[t + 1];
-        for (int d = 0; d < head_size; d++) {
-            const vf b0 = v_set1(k0[d]), b1 = v_set1(k1[d]);
-            for (int r = 0; r < RV; r++) {
-                vf qv = v_load(qt[d] + W * r);
-                in_register(qv);
-                a0[r] = v_fmadd(qv, b0, a0[r]);
-                a1[r] = v_fmadd(qv, b1, a1[r]);
-            }
-        }
-        for (int r = 0; r < RV; r++) {
-            v_store(sc[t] + W * r, a0[r]);
-            v_store(sc[t + 1] + W * r, a1[r]);
-        }
-    }
-    if (t < n) {
-        vf a0[PREFILL_RV];
-        for (int r = 0; r < RV; r++) a0[r] = v_zero();
-        for (int d = 0; d < head_size; d++) {
-            const vf b0 = v_set1(krow[t][d]);
-            for (int r = 0; r < RV; r++) a0[r] = v_fmadd(v_load(qt[d] + W * r), b0, a0[r]);
-        }
-        for (int r = 0; r < RV; r++) v_store(sc[t] + W * r, a0[r]);
+    for (; t + TB <= n; t += TB) scores_block(sc, qt, krow, t, head_size, TB, RV);
+    switch (n - t) { /* the rest as one block of fewer positions: one at a time would have too few sums in flight */
+        case 0: break;
+        case 1: scores_block(sc, qt, krow, t, head_size, 1, RV); break;
+        case 2: scores_block(sc, qt, krow, t, head_size, 2, RV); break;
+        case 3: scores_block(sc, qt, krow, t, head_size, 3, RV); break;
+        case 4: scores_block(sc, qt, krow, t, head_size, 4, RV); break;
+        case 5: scores_block(sc, qt, krow, t, head_size, 5, RV); break;
+        case 6: scores_block(sc, qt, krow, t, head_size, 6, RV); break;
+        default: for (; t < n; t++) scores_block(sc, qt, krow, t, head_size, 1, RV); break;
     }
 }
 
-/* ot[d] = ot[d] * corr + sum_t P[t] V_t[d], DB elements of d at a time held in registers over the chunk. */
+/* ot[d0 .. d0 + DB) = ot * corr + sum_t P[t] V_t[d], the DB sums of each lane vector in registers over the chunk. */
+static inline __attribute__((always_inline)) void values_block(
+    float (*ot)[PREFILL_LANES], const float (*pr)[PREFILL_LANES], const float *const *vrow, int n, int d0,
+    const vf *corr, const int DB, const int RV)
+{
+    vf acc[12][PREFILL_RV];
+    for (int j = 0; j < DB; j++)
+        for (int r = 0; r < RV; r++) acc[j][r] = v_mul(v_load(ot[d0 + j] + W * r), corr[r]);
+    for (int t = 0; t < n; t++) {
+        vf v[12];
+        for (int j = 0; j < DB; j++) v[j] = v_set1(vrow[t][d0 + j]);
+        for (int r = 0; r < RV; r++) {
+            vf p = v_load(pr[t] + W * r);
+            in_register(p);
+            for (int j = 0; j < DB; j++) acc[j][r] = v_fmadd(p, v[j], acc[j][r]);
+        }
+    }
+    for (int j = 0; j < DB; j++)
+        for (int r = 0; r < RV; r++) v_store(ot[d0 + j] + W * r, acc[j][r]);
+}
+
 static inline __attribute__((always_inline)) void prefill_values_body(
     float (*ot)[PREFILL_LANES], const float (*pr)[PREFILL_LANES], const float *const *vrow, int n, int head_size,
     const vf *corr, const int RV)
 {
-    const int DB = RV == 1 ? 8 : RV == 2 ? 4 : 2;
-    for (int d0 = 0; d0 < head_size; d0 += DB) {
-        vf acc[8][PREFILL_RV];
-        for (int j = 0; j < DB; j++)
-            for (int r = 0; r < RV; r++) acc[j][r] = v_mul(v_load(ot[d0 + j] + W * r), corr[r]);
-        for (int t = 0; t < n; t++) {
-            vf p[PREFILL_RV];
-            for (int r = 0; r < RV; r++) {
-                p[r] = v_load(pr[t] + W * r);
-                in_register(p[r]);
-            }
-            for (int j = 0; j < DB; j++) {
-                const vf b = v_set1(vrow[t][d0 + j]);
-                for (int r = 0; r < RV; r++) acc[j][r] = v_fmadd(p[r], b, acc[j][r]);
-            }
-        }
-        for (int j = 0; j < DB; j++)
-            for (int r = 0; r < RV; r++) v_store(ot[d0 + j] + W * r, acc[j][r]);
+    const int DB = HELD(RV);
+    int d0 = 0;
+    for (; d0 + DB <= head_size; d0 += DB) values_block(ot, pr, vrow, n, d0, corr, DB, RV);
+    switch (head_size - d0) {
+        case 0: break;
+        case 1: values_block(ot, pr, vrow, n, d0, corr, 1, RV); break;
+        case 2: values_block(ot, pr, vrow, n, d0, corr, 2, RV); break;
+        case 3: values_block(ot, pr, vrow, n, d0, corr, 3, RV); break;
+        case 4: values_block(ot, pr, vrow, n, d0, corr, 4, RV); break;
+        case 5: values_block(ot, pr, vrow, n, d0, corr, 5, RV); break;
+        case 6: values_block(ot, pr, vrow, n, d0, corr, 6, RV); break;
+        default: for (; d0 < head_size; d0++) values_block(ot, pr, vrow, n, d0, corr, 1, RV); break;
     }
 }
 
@@ -685,6 +713,17 @@ static inline __attribute__((always_inline)) void attend_prefill_tile(
     for (int c0 = first - first % PREFILL_CHUNK; c0 < last; c0 += PREFILL_CHUNK) {
         const int ta = c0 > first ? c0 : first, tb = c0 + PREFILL_CHUNK < last ? c0 + PREFILL_CHUNK : last;
         const int n = tb - ta;
+        /* The next chunk's rows are asked for now: they come from L3 or memory (strided, in blocks
+         * scattered over the pool) while this chunk is computed. */
+        const int elem = dtype == 0 ? 4 : 2;
+        for (int pos = tb; pos < tb + PREFILL_CHUNK && pos < last; pos++) {
+            const int64_t next = ((int64_t)blocks[pos / block_size] * block_size + pos % block_size) * row_stride
+                                 + (int64_t)kvh * head_size;
+            for (int64_t o = 0; o < (int64_t)head_size * elem; o += 64) {
+                __builtin_prefetch((const char *)k_cache + next * elem + o, 0, 3);
+                __builtin_prefetch((const char *)v_cache + next * elem + o, 0, 3);
+            }
+        }
         for (int t = 0; t < n; t++) {
             const int pos = ta + t;
             const int64_t index = ((int64_t)blocks[pos / block_size] * block_size + pos % block_size) * row_stride

@@ -7,8 +7,13 @@ Two loads, each greedy:
 Each run builds its own `LLM` (defaults: `--dtype auto`), warms it up and empties the prefix cache
 between timings, so no run hits another's prompt. Greedy outputs must agree between the runs.
 
+With --chat-pairs N the chat load then runs N more times each way on two `LLM`s held side by side,
+off and on back to back (the pair's order alternating), and each pair gives a ratio: a shared VM's
+speed drifts by more than the few percent speculation may cost, but not within a pair's seconds.
+
     .venv/bin/python -m loadtests.spec_decode_bench
     .venv/bin/python -m loadtests.spec_decode_bench --threads 1 --chat-streams 32 --max-tokens 128
+    .venv/bin/python -m loadtests.spec_decode_bench --chat-pairs 12 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import time
 
 import torch
@@ -59,6 +65,27 @@ def chat_tokens_per_second(llm: LLM, streams: int, max_tokens: int) -> tuple[flo
     return streams * max_tokens / seconds, [o.outputs[0].token_ids for o in outputs]
 
 
+def chat_pairs(args: argparse.Namespace, spec: dict, pairs: int) -> list[float]:
+    """on ÷ off chat throughput of `pairs` back-to-back pairs of runs, each pair's order alternating."""
+    llms = {name: LLM(model=args.model, max_num_seqs=max(args.chat_streams, 8),
+                      speculative_config=spec if name == "on" else None) for name in ("off", "on")}
+    reference = None
+    for llm in llms.values():
+        _, tokens = chat_tokens_per_second(llm, args.chat_streams, args.max_tokens)  # warm-up
+        if reference is not None and tokens != reference:
+            print("warning: the chat outputs differ with and without speculation")
+        reference = tokens
+    ratios = []
+    for i in range(pairs):
+        rates = {name: chat_tokens_per_second(llms[name], args.chat_streams, args.max_tokens)[0]
+                 for name in (("off", "on") if i % 2 == 0 else ("on", "off"))}
+        ratios.append(rates["on"] / rates["off"])
+        print(f"pair {i + 1}: off {rates['off']:.1f}, on {rates['on']:.1f} tok/s, on ÷ off {ratios[-1]:.3f}", flush=True)
+    for llm in llms.values():
+        llm.close()
+    return ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -68,6 +95,7 @@ def main() -> None:
     parser.add_argument("--chat-streams", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--chat-pairs", type=int, default=0, help="then this many back-to-back chat pairs")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -101,6 +129,10 @@ def main() -> None:
           f"{sum(r[1] for r in off) / sum(r[1] for r in on):.2f}x faster |")
     print(f"| chat, {args.chat_streams} streams, tok/s | {off[0][2]:.1f} / {off[1][2]:.1f} | "
           f"{on[0][2]:.1f} / {on[1][2]:.1f} | {sum(r[2] for r in on) / sum(r[2] for r in off):.3f} |")
+    if args.chat_pairs:
+        ratios = sorted(chat_pairs(args, spec, args.chat_pairs))
+        print(f"\nchat x{args.chat_streams}, {len(ratios)} back-to-back pairs, on ÷ off: median "
+              f"{statistics.median(ratios):.3f}, mean {statistics.mean(ratios):.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f}")
 
 
 if __name__ == "__main__":

@@ -129,10 +129,11 @@ def test_decodes_sharing_a_prefix_match_reference_and_each_row_alone(dtype, isa,
 LONG_Q_LENS, LONG_CONTEXTS = [70, 1, 130, 9, 20], [70, 40, 301, 150, 45]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2)])
-@pytest.mark.parametrize("head_size,block_size", [(64, 16), (80, 8), (128, 32)])
-@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_size,block_size,window", [
+    (torch.float32, 4, 4, 64, 16, None), (torch.float32, 6, 2, 80, 8, 24), (torch.float32, 8, 2, 128, 32, None),
+    (torch.bfloat16, 6, 2, 64, 16, None), (torch.bfloat16, 8, 2, 80, 8, 24), (torch.bfloat16, 4, 4, 128, 32, 24),
+    (torch.float16, 8, 2, 64, 16, 24), (torch.float16, 4, 4, 80, 8, None), (torch.float16, 6, 2, 128, 32, None),
+])
 def test_long_prefill_chunks_match_reference(dtype, num_heads, num_kv_heads, head_size, block_size, window, isa,
                                              gen):
     case = make_case(Shape(num_heads, num_kv_heads, head_size, block_size, dtype), LONG_Q_LENS, LONG_CONTEXTS,

@@ -394,6 +394,13 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     return runs
 
 
+def server_config(args: argparse.Namespace, log_dir: Path) -> ServerConfig:
+    return ServerConfig(args.model, args.dtype, args.device, args.kv_cache_memory, args.max_num_seqs,
+                        args.max_num_batched_tokens, args.startup_timeout, log_dir, threads=args.threads,
+                        llama_server_dir=args.llama_server_dir, llama_file_type=args.llama_file_type,
+                        llama_slots=args.llama_slots, llama_repack=args.llama_repack == "on")
+
+
 def report(args: argparse.Namespace, config: ServerConfig, summaries: Sequence[Summary],
            unavailable: dict[str, str]) -> str:
     threads = args.threads
@@ -418,10 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = plan_runs(args)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="serving_bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    config = ServerConfig(args.model, args.dtype, args.device, args.kv_cache_memory, args.max_num_seqs,
-                          args.max_num_batched_tokens, args.startup_timeout, log_dir, args.threads,
-                          args.llama_server_dir, args.llama_file_type, args.llama_slots,
-                          args.llama_repack == "on")
+    config = server_config(args, log_dir)
 
     load_before, started_at = os.getloadavg()[0], time.time()
     summaries, unavailable = bench_targets(args.targets, config, runs, args)

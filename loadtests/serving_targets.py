@@ -78,9 +78,9 @@ class ServerConfig:
     llama_server_dir: Path = DEFAULT_ANCHOR_DIR
     llama_file_type: str = "f16"  # models/smollm2-<this>.gguf: f16, f32, bf16, q8_0, q4_1; "model": --model's own GGUF
     llama_slots: int = 32
-    llama_slot_tokens: int = LLAMA_SLOT_TOKENS  # context per slot
     llama_repack: bool = True  # llama-server's --repack / --no-repack
     kvmesh_args: tuple[str, ...] = ()  # more flags for kvmesh and inprocess (LoRA adapters, say)
+    llama_slot_tokens: int = LLAMA_SLOT_TOKENS  # context per llama-server slot
 
 
 @contextmanager

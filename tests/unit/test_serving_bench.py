@@ -13,9 +13,10 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 
-from loadtests.serving_bench import Summary, anchor_ratios, not_comparable, ratios, run_labels
+from loadtests.serving_bench import (Summary, anchor_ratios, build_parser, not_comparable, ratios, run_labels,
+                                    server_config)
 from loadtests.serving_client import Endpoint, RequestResult, send
-from loadtests.serving_targets import (VLLM_EXTRAS, ServerConfig, TargetUnavailable, _transformers_extras,
+from loadtests.serving_targets import (LLAMA_SLOT_TOKENS, VLLM_EXTRAS, ServerConfig, TargetUnavailable, _transformers_extras,
                                        server_command, server_env)
 from services.worker.loader import resolve_model
 
@@ -70,6 +71,17 @@ def test_no_ratio_unless_both_sides_completed_every_request_at_full_length_on_th
 def config(tmp_path: Path, threads: int = 3) -> ServerConfig:
     return ServerConfig("smollm2", "auto", "cpu", 2**30, 32, 2048, 60.0, tmp_path, threads,
                         llama_server_dir=tmp_path, llama_file_type="q4_1", llama_slots=4)
+
+
+def test_the_command_line_gives_llama_server_its_slots_and_their_context(tmp_path: Path):
+    args = build_parser().parse_args(["--llama-server-dir", str(tmp_path), "--llama-file-type", "q8_0",
+                                      "--llama-repack", "off"])
+    (tmp_path / "llama-build" / "bin").mkdir(parents=True)
+    (tmp_path / "llama-build" / "bin" / "llama-server").touch()
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "smollm2-q8_0.gguf").touch()
+    llama = server_command("llama-server", server_config(args, tmp_path), 9006)
+    assert (flag(llama, "-np"), flag(llama, "-c")) == ("32", str(32 * LLAMA_SLOT_TOKENS)) and "--no-repack" in llama
 
 
 def flag(command: list[str], name: str) -> str:

@@ -65,11 +65,16 @@ def chat_tokens_per_second(llm: LLM, streams: int, max_tokens: int) -> tuple[flo
     return streams * max_tokens / seconds, [o.outputs[0].token_ids for o in outputs]
 
 
+def make_llm(args: argparse.Namespace, spec: dict, name: str) -> LLM:
+    """The stack of run `name`: "on" speculates with `spec`, "off" does not."""
+    return LLM(model=args.model, max_num_seqs=max(args.chat_streams, 8),
+               speculative_config=spec if name == "on" else None)
+
+
 def chat_pairs(args: argparse.Namespace, spec: dict, pairs: int) -> tuple[list[float], list[float]]:
     """on ÷ off chat throughput of `pairs` back-to-back pairs of runs, each pair's order alternating, by
     wall clock and by the process's CPU time (all threads; a VM's stolen time is not in it)."""
-    llms = {name: LLM(model=args.model, max_num_seqs=max(args.chat_streams, 8),
-                      speculative_config=spec if name == "on" else None) for name in ("off", "on")}
+    llms = {name: make_llm(args, spec, name) for name in ("off", "on")}
     reference = None
     for llm in llms.values():
         _, tokens = chat_tokens_per_second(llm, args.chat_streams, args.max_tokens)  # warm-up
@@ -109,8 +114,7 @@ def main() -> None:
     results: list[tuple[str, float, float]] = []
     reference: dict[str, object] = {}
     for name in ("off", "on", "on", "off"):
-        llm = LLM(model=args.model, max_num_seqs=max(args.chat_streams, 8),
-                  speculative_config=spec if name == "on" else None)
+        llm = make_llm(args, spec, name)
         llm.generate("warm up", SamplingParams(max_tokens=4))
         copy_tpot, copy_tokens = copy_seconds_per_token(llm, args.max_tokens, args.repeats)
         chat_rate, chat_tokens = chat_tokens_per_second(llm, args.chat_streams, args.max_tokens)

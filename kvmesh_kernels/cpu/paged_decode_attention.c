@@ -65,6 +65,21 @@ static inline void store_row(void *out, int64_t o, int dtype, int d, const float
     }
 }
 
+/* Element index of position t's K (or V) row for kv head kvh, in a cache of [blocks, block_size, Hkv, D]. */
+static inline int64_t kv_row(const int32_t *blocks, int t, int block_size, int64_t row_stride, int kvh, int head_size)
+{
+    return ((int64_t)blocks[t / block_size] * block_size + t % block_size) * row_stride + (int64_t)kvh * head_size;
+}
+
+/* Asks for the K and V rows at element index `index` (elem bytes an element) ahead of their use. */
+static inline void prefetch_kv_row(const void *k_cache, const void *v_cache, int64_t index, int head_size, int elem)
+{
+    for (int64_t o = 0; o < (int64_t)head_size * elem; o += 64) {
+        __builtin_prefetch((const char *)k_cache + index * elem + o, 0, 3);
+        __builtin_prefetch((const char *)v_cache + index * elem + o, 0, 3);
+    }
+}
+
 /* One (sequence, kv head) item. Inlined with a constant head_size so the loops over it vectorize. */
 static inline __attribute__((always_inline)) void attend_item(
     void *out, const void *q, const void *k_cache, const void *v_cache,
@@ -467,22 +482,16 @@ static inline __attribute__((always_inline)) void attend_tile_vector(
             const int block_end = (t0 / block_size + 1) * block_size;
             int n = (block_end < to ? block_end : to) - t0;
             if (n > W) n = W;
-            const int64_t row0 = ((int64_t)blocks[t0 / block_size] * block_size + t0 % block_size) * row_stride
-                                 + (int64_t)kvh * head_size;
+            const int64_t row0 = kv_row(blocks, t0, block_size, row_stride, kvh, head_size);
             /* The next chunk's rows are requested now: they come from memory (or another core's cache)
              * while this one is computed, where the strided rows would wait on each miss in turn. */
             if (t0 + n < to) {
                 const int t1 = t0 + n;
-                const int64_t next = ((int64_t)blocks[t1 / block_size] * block_size + t1 % block_size) * row_stride
-                                     + (int64_t)kvh * head_size;
+                const int64_t next = kv_row(blocks, t1, block_size, row_stride, kvh, head_size);
                 const int next_end = (t1 / block_size + 1) * block_size < to ? (t1 / block_size + 1) * block_size : to;
                 const int nn = next_end - t1 < W ? next_end - t1 : W;
                 const int elem = dtype == 0 ? 4 : 2;
-                for (int t = 0; t < nn; t++)
-                    for (int64_t o = 0; o < (int64_t)head_size * elem; o += 64) {
-                        __builtin_prefetch((const char *)k_cache + (next + t * row_stride) * elem + o, 0, 3);
-                        __builtin_prefetch((const char *)v_cache + (next + t * row_stride) * elem + o, 0, 3);
-                    }
+                for (int t = 0; t < nn; t++) prefetch_kv_row(k_cache, v_cache, next + t * row_stride, head_size, elem);
             }
             /* float32 rows are read where they lie; bfloat16 and float16 ones are made float32 once for
              * the tile. */
@@ -716,18 +725,11 @@ static inline __attribute__((always_inline)) void attend_prefill_tile(
         /* The next chunk's rows are asked for now: they come from L3 or memory (strided, in blocks
          * scattered over the pool) while this chunk is computed. */
         const int elem = dtype == 0 ? 4 : 2;
-        for (int pos = tb; pos < tb + PREFILL_CHUNK && pos < last; pos++) {
-            const int64_t next = ((int64_t)blocks[pos / block_size] * block_size + pos % block_size) * row_stride
-                                 + (int64_t)kvh * head_size;
-            for (int64_t o = 0; o < (int64_t)head_size * elem; o += 64) {
-                __builtin_prefetch((const char *)k_cache + next * elem + o, 0, 3);
-                __builtin_prefetch((const char *)v_cache + next * elem + o, 0, 3);
-            }
-        }
+        for (int pos = tb; pos < tb + PREFILL_CHUNK && pos < last; pos++)
+            prefetch_kv_row(k_cache, v_cache, kv_row(blocks, pos, block_size, row_stride, kvh, head_size), head_size,
+                            elem);
         for (int t = 0; t < n; t++) {
-            const int pos = ta + t;
-            const int64_t index = ((int64_t)blocks[pos / block_size] * block_size + pos % block_size) * row_stride
-                                  + (int64_t)kvh * head_size;
+            const int64_t index = kv_row(blocks, ta + t, block_size, row_stride, kvh, head_size);
             if (dtype == 0) {
                 krow[t] = (const float *)k_cache + index;
                 vrow[t] = (const float *)v_cache + index;

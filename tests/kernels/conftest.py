@@ -13,7 +13,12 @@ import zlib
 import pytest
 import torch
 
-from kvmesh_kernels import native
+from kvmesh_kernels import cpu_fused_ops, cpu_lora, cpu_paged_attention, cpu_quant_matmul, native
+from tests.kernels import avx512_emulation
+from tests.kernels.avx512_emulation import EMULATED
+
+# The kernels that give their builds for other instruction sets (`variant`).
+KERNEL_MODULES = (cpu_fused_ops, cpu_lora, cpu_paged_attention, cpu_quant_matmul)
 
 
 def kernels_device() -> torch.device:
@@ -21,11 +26,27 @@ def kernels_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() and not interpreted else "cpu")
 
 
-@pytest.fixture(params=list(native.ISA_FLAGS))
-def isa(request: pytest.FixtureRequest) -> str:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The emulated builds take a minute to compile on a fresh cache: `make test`, not test-fast.
+    for item in items:
+        if getattr(item, "callspec", None) and item.callspec.params.get("isa") == EMULATED:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(params=[*native.ISA_FLAGS, EMULATED])
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each code path of the native CPU kernels that this CPU can run (native.ISA_FLAGS): the build
-    for this CPU, the AVX2 + FMA path (built explicitly, also on an AVX-512 host) and the scalar C."""
-    if not native.runs_here(request.param):
+    for this CPU, the AVX2 + FMA path (built explicitly, also on an AVX-512 host) and the scalar C;
+    on a CPU without AVX-512, also the AVX-512 paths emulated (tests/kernels/avx512_emulation.py),
+    which each kernel module's `variant` then gives for `avx512-emulated`."""
+    if request.param == EMULATED:
+        if native.cpu_has("avx512f"):
+            pytest.skip("this CPU runs the AVX-512 paths for real: they are its native build")
+        for module in KERNEL_MODULES:
+            served = module.variant
+            monkeypatch.setattr(module, "variant", lambda isa, cache_dir, kernel=module._KERNEL, served=served:
+                                avx512_emulation.variant(kernel, cache_dir) if isa == EMULATED else served(isa, cache_dir))
+    elif not native.runs_here(request.param):
         pytest.skip(f"this CPU cannot run the {request.param} build of the native kernels")
     return request.param
 

@@ -1,7 +1,8 @@
 """The fused CPU ops against the torch code they replace: RoPE and the KV write bit-exact in every
 dtype (float32 outputs must stay token-identical to transformers), bfloat16 and float16 RMSNorm within
 one rounding step of their type and float32 RMSNorm within a few ulps (only their sums' order
-differs); in every build this CPU can run (the `isa` fixture: native, AVX2 + FMA, scalar)."""
+differs); in every build this CPU can run (the `isa` fixture: native, AVX2 + FMA, scalar;
+AVX-512 emulated where the CPU lacks it)."""
 
 from __future__ import annotations
 

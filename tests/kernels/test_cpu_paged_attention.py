@@ -1,7 +1,8 @@
 """The native CPU paged decode-attention kernel (the `cpu` backend's decode path) against the
 plain-torch reference: odd context lengths, GQA ratios, head and block sizes, sliding window,
 soft-cap, float32, bfloat16 and float16, NaN-poisoned cache outside the contexts and a NaN-poisoned
-output; in every build this CPU can run (the `isa` fixture: native, AVX2 + FMA, scalar)."""
+output; in every build this CPU can run (the `isa` fixture: native, AVX2 + FMA, scalar;
+AVX-512 emulated where the CPU lacks it)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from kvmesh_kernels import cpu_paged_attention, native
 from kvmesh_kernels.reference import paged_attention_ref
 from services.common.config import default_cache_dir
+from tests.kernels.avx512_emulation import EMULATED
 from tests.kernels.paged_inputs import TOLERANCES, Shape, make_case, poisoned_like
 
 SEQ_LENS = [1, 15, 16, 17, 100, 257]
@@ -26,7 +28,7 @@ def _built() -> None:
 
 def test_each_build_runs_the_path_it_was_compiled_for(isa):
     lanes = cpu_paged_attention.vector_width(cpu_paged_attention.variant(isa, default_cache_dir()))
-    want = {"avx2": 8, "scalar": 1}.get(isa) or (16 if native.cpu_has("avx512f") else
+    want = {"avx2": 8, "scalar": 1, EMULATED: 16}.get(isa) or (16 if native.cpu_has("avx512f") else
                                                  8 if native.cpu_has("avx2", "fma") else 1)
     assert lanes == want
     # A variant is loaded beside the served build, never in its place.

@@ -1,7 +1,8 @@
 """The quantized-weight matmul (kvmesh_kernels/cpu_quant_matmul.py) in every build this CPU runs (native,
-AVX2 built explicitly, portable C): its dequantization bit for bit gguf's (what transformers
-converts a GGUF file with), its matmul a float32 matmul over those weights up to the sum's order,
-over odd shapes, both of `linear`'s paths and every block type it reads."""
+AVX2 built explicitly, portable C, AVX-512 emulated where the CPU lacks it): its dequantization bit
+for bit gguf's (what transformers converts a GGUF file with), its matmul a float32 matmul over those
+weights up to the sum's order, over odd shapes, both of `linear`'s paths and every block type it
+reads."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kvmesh_kernels import cpu_quant_matmul as qm
 from kvmesh_kernels import native
 from kvmesh_kernels.cpu_quant_matmul import QuantType
 from services.common.config import default_cache_dir
+from tests.kernels.avx512_emulation import EMULATED
 
 
 # The types whose rows are blocks of their own and that gguf quantizes (the I8 copies hold their rows in
@@ -46,7 +48,7 @@ def quantized(rows: int, cols: int, qtype: QuantType, seed: int) -> tuple[torch.
 
 
 def test_the_build_runs_the_path_it_was_built_for(isa, lib):
-    want = {"avx2": 256, "scalar": 0}.get(isa)
+    want = {"avx2": 256, "scalar": 0, EMULATED: 512}.get(isa)
     if want is None:
         want = 512 if "avx512f" in open("/proc/cpuinfo").read() else 256
     assert qm.isa(lib) == want
@@ -88,7 +90,7 @@ def test_a_row_sums_alike_whatever_the_batch(lib, qtype, m):
 
 
 def test_bf16_dot_products_where_the_cpu_has_them(isa, lib):
-    assert qm.bf16_dot(lib) == (isa == "native" and "avx512_bf16" in open("/proc/cpuinfo").read())
+    assert qm.bf16_dot(lib) == (isa == EMULATED or isa == "native" and "avx512_bf16" in open("/proc/cpuinfo").read())
 
 
 def test_linear_takes_a_bf16_weight_to_torch_bfloat16_gemm_from_gemm_rows(lib):
@@ -385,7 +387,7 @@ def test_linear_keeps_i8_weights_on_the_integer_tiles_at_every_row_count(lib, qt
 def test_i8_sums_take_the_cpus_integer_dot_products(isa, lib):
     flags = open("/proc/cpuinfo").read().split()
     vnni = "avx_vnni" in flags or "avx512_vnni" in flags
-    assert qm.i8_path(lib) == {"scalar": "c", "avx2": "avx2"}.get(isa, "vnni" if vnni else "avx2")
+    assert qm.i8_path(lib) == {"scalar": "c", "avx2": "avx2", EMULATED: "vnni"}.get(isa, "vnni" if vnni else "avx2")
 
 
 def test_i8_weights_are_made_of_q4_1_or_q8_0_rows_in_groups_of_8(lib):

@@ -2,7 +2,8 @@
 with ctypes. A library is cached under the cache dir its caller passes (kvmesh_kernels/ imports nothing
 from services/), under `native/`, keyed by its source and the headers beside it, compiler, flags
 and the CPU's features (it is built with -march=native, and a cache dir may be shared by nodes
-with other CPUs), so a changed source is rebuilt and concurrent builds never see half a file.
+with other CPUs), so a changed source is rebuilt, concurrent builds never see half a file, and
+one process compiles while the others wait.
 
 The kernels choose their code path when compiled (`#if defined(__AVX512F__)`, `__AVX2__`...), so
 the serving build (`build`, -march=native) runs the best path of the CPU it is built on. Tests also
@@ -12,6 +13,7 @@ the portable C path everywhere; a variant is kept beside the served library, nev
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import shutil
@@ -110,30 +112,43 @@ class Kernel:
         return self.declare(load(self.name, (*self.base_flags, *ISA_FLAGS[isa]), cache_dir))
 
 
-def load(name: str, flags: tuple[str, ...], cache_dir: Path) -> ctypes.CDLL:
-    """kvmesh_kernels/cpu/{name}.c compiled with `flags` and loaded, without serving it: a variant for tests."""
+def load(name: str, flags: tuple[str, ...], cache_dir: Path, source: str | None = None) -> ctypes.CDLL:
+    """kvmesh_kernels/cpu/{name}.c compiled with `flags` and loaded, without serving it: a variant for tests.
+    `source` is a text to compile in place of the file, with the file's headers (the tests' rewritten builds)."""
     if (name, flags) in _loaded:
         return _loaded[(name, flags)]
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise NativeKernelUnavailable(f"no C compiler (gcc or cc) on PATH for the CPU kernels ({name}.c)")
     source_path = SOURCES / f"{name}.c"
-    command = [compiler, *flags, "-shared", "-fPIC"]
+    text = source_path.read_bytes() if source is None else source.encode()
+    includes = () if source is None else ("-I", str(SOURCES))
+    command = [compiler, *flags, *includes, "-shared", "-fPIC"]
     key_text = " ".join([*command, *_LIBS, _cpu_features()])
     # The headers beside the sources (half.h) are part of every kernel's text.
     headers = b"".join(path.read_bytes() for path in sorted(SOURCES.glob("*.h")))
-    key = hashlib.sha256(source_path.read_bytes() + headers + key_text.encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + headers + key_text.encode()).hexdigest()[:16]
     target = Path(cache_dir) / "native" / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run([*command, "-o", str(built), str(source_path), *_LIBS],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                raise NativeKernelUnavailable(f"compiling {source_path.name} failed:\n{result.stderr}")
-            os.replace(built, target)  # atomic
+        # One compile for processes that ask at once (pytest's workers, a node's workers).
+        with open(target.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not target.exists():
+                _compile(command, source_path, source, target)
     return _loaded.setdefault((name, flags), ctypes.CDLL(str(target)))
+
+
+def _compile(command: list[str], source_path: Path, source: str | None, target: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        if source is not None:
+            source_path = Path(tmp) / source_path.name
+            source_path.write_text(source)
+        built = Path(tmp) / target.name
+        result = subprocess.run([*command, "-o", str(built), str(source_path), *_LIBS], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise NativeKernelUnavailable(f"compiling {source_path.name} failed:\n{result.stderr}")
+        os.replace(built, target)  # atomic
 
 
 def is_built(name: str) -> bool:

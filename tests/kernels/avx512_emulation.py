@@ -11,13 +11,7 @@ fixture's `avx512-emulated`). It shows what the AVX-512 code computes, never how
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
-import os
 import re
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 from kvmesh_kernels import native
@@ -37,7 +31,6 @@ _RENAMES = [
     (r"\b(__m(?:512|256|128)(?:bh|d|i)?|__mmask(?:8|16|32|64))\b", r"simde\1"),
     (r"\b(_MM_FROUND_|_CMP_)", r"SIMDE\1"),
 ]
-_loaded: dict[str, ctypes.CDLL] = {}
 
 
 def rewritten(source: str) -> str:
@@ -48,36 +41,11 @@ def rewritten(source: str) -> str:
 
 def variant(kernel: native.Kernel, cache_dir: Path) -> ctypes.CDLL:
     """`kernel` built as for an AVX-512 CPU and run through SIMDe, declared as its own variants are."""
-    if kernel.name in _loaded:
-        return _loaded[kernel.name]
     if not SIMDE.exists():
         raise RuntimeError(f"{SIMDE} is missing: the AVX-512 emulation needs libsimde-dev (`make setup` installs it)")
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    assert compiler, "no C compiler for the native kernels"
     text = rewritten((native.SOURCES / f"{kernel.name}.c").read_text())
     # Through SIMDe's headers, -O3 takes quant_matmul.c 90 s to compile and -O1 10 s. A kernel without
     # AVX-512 paths keeps its own flags: its build is the AVX2 one.
     level = ("-O1",) if "KVMESH_EMULATED_" in text else ()
-    command = [compiler, *kernel.base_flags, *level, *FLAGS, "-I", str(native.SOURCES), "-include", str(SHIM),
-               "-shared", "-fPIC"]
-    headers = "".join(p.read_text() for p in sorted(native.SOURCES.glob("*.h")))
-    key = hashlib.sha256("\0".join([text, headers, SHIM.read_text(), *command]).encode()).hexdigest()[:16]
-    target = Path(cache_dir) / "native" / f"{kernel.name}-{EMULATED}-{key}.so"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # One build for both pytest workers.
-    with open(target.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.exists():
-            _build(command, text, kernel.name, target)
-    return _loaded.setdefault(kernel.name, kernel.declare(ctypes.CDLL(str(target))))
-
-
-def _build(command: list[str], text: str, name: str, target: Path) -> None:
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = Path(tmp) / f"{name}.c"
-        source.write_text(text)
-        built = Path(tmp) / target.name
-        result = subprocess.run([*command, "-o", str(built), str(source), "-lmvec", "-lm"], capture_output=True,
-                                text=True)
-        assert result.returncode == 0, f"the emulated AVX-512 build of {name}.c failed:\n{result.stderr}"
-        os.replace(built, target)
+    source = f"{SHIM.read_text()}\n{text}"  # the shim in the text, so that its changes rebuild
+    return kernel.declare(native.load(kernel.name, (*kernel.base_flags, *level, *FLAGS), cache_dir, source))

@@ -27,7 +27,7 @@ def kernels_device() -> torch.device:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # The emulated builds take a minute to compile on a fresh cache: `make test`, not test-fast.
+    # The emulated builds take about 20 s to compile on a fresh cache: `make test`, not test-fast.
     for item in items:
         if getattr(item, "callspec", None) and item.callspec.params.get("isa") == EMULATED:
             item.add_marker(pytest.mark.slow)

@@ -117,8 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="context_curve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     config = ServerConfig(args.model, args.dtype, "cpu", args.kv_cache_memory, 1, args.max_num_batched_tokens,
-                          args.startup_timeout, log_dir, args.threads, args.llama_server_dir, args.llama_file_type,
-                          llama_slots=1, llama_slot_tokens=max(args.lengths) + PROMPT_MARGIN)
+                          args.startup_timeout, log_dir, threads=args.threads, llama_server_dir=args.llama_server_dir,
+                          llama_file_type=args.llama_file_type, llama_slots=1,
+                          llama_slot_tokens=max(args.lengths) + PROMPT_MARGIN)
     bench = argparse.Namespace(warmup=1, max_tokens=1, timeout=args.timeout, max_duration=args.timeout * args.requests,
                                api=args.api)
     summaries, unavailable = bench_targets(args.targets, config, runs, bench)

@@ -7,8 +7,11 @@ TRITON_INTERPRET=1 (unless the environment already says otherwise).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import zlib
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +36,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+def emulating(kernel: native.Kernel, served: Callable[[str, Path], ctypes.CDLL]) -> Callable[[str, Path], ctypes.CDLL]:
+    """A kernel module's `variant` that also gives the emulated AVX-512 build."""
+    def variant(isa: str, cache_dir: Path) -> ctypes.CDLL:
+        return avx512_emulation.variant(kernel, cache_dir) if isa == EMULATED else served(isa, cache_dir)
+    return variant
+
+
 @pytest.fixture(params=[*native.ISA_FLAGS, EMULATED])
 def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each code path of the native CPU kernels that this CPU can run (native.ISA_FLAGS): the build
@@ -43,9 +53,7 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
         if native.cpu_has("avx512f"):
             pytest.skip("this CPU runs the AVX-512 paths for real: they are its native build")
         for module in KERNEL_MODULES:
-            served = module.variant
-            monkeypatch.setattr(module, "variant", lambda isa, cache_dir, kernel=module._KERNEL, served=served:
-                                avx512_emulation.variant(kernel, cache_dir) if isa == EMULATED else served(isa, cache_dir))
+            monkeypatch.setattr(module, "variant", emulating(module._KERNEL, module.variant))
     elif not native.runs_here(request.param):
         pytest.skip(f"this CPU cannot run the {request.param} build of the native kernels")
     return request.param

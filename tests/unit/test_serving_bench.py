@@ -16,8 +16,8 @@ import pytest
 from loadtests.serving_bench import (Summary, anchor_ratios, build_parser, not_comparable, ratios, run_labels,
                                     server_config)
 from loadtests.serving_client import Endpoint, RequestResult, send
-from loadtests.serving_targets import (LLAMA_SLOT_TOKENS, VLLM_EXTRAS, ServerConfig, TargetUnavailable, _transformers_extras,
-                                       server_command, server_env)
+from loadtests.serving_targets import (LLAMA_SLOT_TOKENS, VLLM_EXTRAS, ServerConfig, TargetUnavailable,
+                                       _transformers_extras, server_command, server_env)
 from services.worker.loader import resolve_model
 
 

@@ -50,7 +50,7 @@ def quantized(rows: int, cols: int, qtype: QuantType, seed: int) -> tuple[torch.
 def test_the_build_runs_the_path_it_was_built_for(isa, lib):
     want = {"avx2": 256, "scalar": 0, EMULATED: 512}.get(isa)
     if want is None:
-        want = 512 if "avx512f" in open("/proc/cpuinfo").read() else 256
+        want = 512 if native.cpu_has("avx512f") else 256
     assert qm.isa(lib) == want
 
 
@@ -90,7 +90,7 @@ def test_a_row_sums_alike_whatever_the_batch(lib, qtype, m):
 
 
 def test_bf16_dot_products_where_the_cpu_has_them(isa, lib):
-    assert qm.bf16_dot(lib) == (isa == EMULATED or isa == "native" and "avx512_bf16" in open("/proc/cpuinfo").read())
+    assert qm.bf16_dot(lib) == (isa == EMULATED or isa == "native" and native.cpu_has("avx512_bf16"))
 
 
 def test_linear_takes_a_bf16_weight_to_torch_bfloat16_gemm_from_gemm_rows(lib):
@@ -385,8 +385,7 @@ def test_linear_keeps_i8_weights_on_the_integer_tiles_at_every_row_count(lib, qt
 
 
 def test_i8_sums_take_the_cpus_integer_dot_products(isa, lib):
-    flags = open("/proc/cpuinfo").read().split()
-    vnni = "avx_vnni" in flags or "avx512_vnni" in flags
+    vnni = native.cpu_has("avx_vnni") or native.cpu_has("avx512_vnni")
     assert qm.i8_path(lib) == {"scalar": "c", "avx2": "avx2", EMULATED: "vnni"}.get(isa, "vnni" if vnni else "avx2")
 
 

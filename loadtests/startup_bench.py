@@ -1,9 +1,9 @@
 """How long `kvmesh serve` takes to come up, and the CPU its processes spend on it.
 
-    .venv/bin/python -m loadtests.startup_bench [--model smollm2] [--runs 3]
+    .venv/bin/python -m loadtests.startup_bench [--model smollm2] [--runs 3] [--shipped]
 
-Each run starts `kvmesh serve` (float32, a 64 MiB KV cache, a 256-token context), waits for the
-ready line it prints once every service answers (read every half second), then stops it with
+Each run starts `kvmesh serve` (float32, a 64 MiB KV cache, a 256-token context; with --shipped,
+the flags of `make serve`: the KV cache a share of free memory), waits for the ready line it prints once every service answers (read every half second), then stops it with
 SIGTERM. serve reaps its children as it stops, so the CPU of the whole process tree is what this
 process's children used.
 """
@@ -29,10 +29,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--shipped", action="store_true", help="no flags but the model's, as `make serve`")
     args = parser.parse_args()
+    flags = () if args.shipped else FLAGS
     for run in range(1, args.runs + 1):
         cpu, start = children_cpu(), time.monotonic()
-        proc, _, _ = start_serve(["--model", args.model, "--port", str(free_ports(1)[0]), *FLAGS])
+        proc, _, _ = start_serve(["--model", args.model, "--port", str(free_ports(1)[0]), *flags])
         ready = time.monotonic() - start
         stop_serve(proc)
         print(f"run {run}: ready after {ready:.1f} s, {children_cpu() - cpu:.1f} s of CPU up and down")

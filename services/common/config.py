@@ -181,8 +181,9 @@ class CacheConfig:
     block_size: int = option(16, "tokens per KV-cache block (a power of two)", minimum=1)
     kv_cache_memory: int | None = option(
         None, "KV cache bytes, e.g. 512MiB (default: --memory-fraction of free memory)", minimum=1, parse=parse_bytes)
-    memory_fraction: float = option(0.2, "share of free memory for the KV cache when --kv-cache-memory is unset",
-                                    minimum=0.0, maximum=1.0)
+    memory_fraction: float = option(
+        0.2, "share of free memory (within the memory limit of the worker's cgroup) for the KV cache when "
+        "--kv-cache-memory is unset", minimum=0.0, maximum=1.0)
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -45,6 +45,8 @@ OTHER_ENVIRONMENT: list[tuple[str, str]] = [
     ("KVMESH_API_KEY", "the gateway's API keys, separated by commas, when no `--api-key` is given"),
     ("KVMESH_INTERNAL_TOKEN", "one token shared by every internal role, when no token file is given"),
     ("KVMESH_NAMESPACE", "the Kubernetes namespace for discovery outside a pod (default: `default`)"),
+    ("OMP_NUM_THREADS", "a worker's compute threads (default: the CPUs it may run on, at most its cgroup's CPU "
+                        "quota in whole CPUs)"),
     ("OMP_WAIT_POLICY", "`PASSIVE` makes idle OpenMP threads sleep; `make test` sets it"),
 ]
 

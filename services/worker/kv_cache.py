@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from services.worker import host_memory
+from services.worker import host_limits
 
 
 class KVCacheSpec(NamedTuple):
@@ -44,7 +44,7 @@ def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
-    return host_memory.available_bytes()
+    return host_limits.available_bytes()
 
 
 def num_blocks_for_budget(spec: KVCacheSpec, kv_cache_memory: int | None, memory_fraction: float,

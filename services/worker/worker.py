@@ -13,6 +13,9 @@ and run every step together (the layers' collectives keep them in step); rank 0 
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from kvmesh_kernels import cpu_decoder, cpu_fused_ops, cpu_lora, cpu_quant_matmul
@@ -30,7 +33,7 @@ from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks
 from services.common.model_files import model_id_of
 from services.worker.loader import load_model, resolve_model
 from services.worker.model_runner import ModelRunner
-from services.worker import native_decoder
+from services.worker import host_limits, native_decoder
 from services.worker.kv_transfer import KVTransferEndpoint
 from services.worker.lora.layers import SlotShape
 from services.worker.lora.manager import LoRAManager
@@ -46,6 +49,18 @@ def gemm_dtype_layers(model: torch.nn.Module) -> list[BlockWeightHolder]:
     return [*layers, model.lm_head]
 
 
+logger = logging.getLogger(__name__)
+
+
+def fit_threads_to_cpu_quota() -> None:
+    """torch's OpenMP team on this thread, which the native kernels size theirs by, no wider than
+    the CPU quota of this process's cgroup (a pod's CPU limit), unless OMP_NUM_THREADS says."""
+    threads = host_limits.cpu_threads()
+    if "OMP_NUM_THREADS" not in os.environ and threads < torch.get_num_threads():
+        logger.info("%d threads, not %d: the CPU quota of this cgroup", threads, torch.get_num_threads())
+        torch.set_num_threads(threads)
+
+
 class Worker:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, worker_config: WorkerConfig,
                  parallel_config: ParallelConfig = ParallelConfig(),
@@ -55,6 +70,8 @@ class Worker:
         `lora`: with enable_lora, LoRA layers around the model's projections, and --lora-modules'
         folders checked against the model (ValueError naming what is wrong)."""
         self.device = torch.device(model_config.device)
+        if self.device.type == "cpu":  # first: the start-up probes time the kernels with this team
+            fit_threads_to_cpu_quota()
         self.dtype = resolve_dtype(model_config.dtype, model_config.quantization, model_config.model, self.device)
         self.cache_config = cache_config
         torch.manual_seed(model_config.seed)

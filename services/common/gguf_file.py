@@ -9,6 +9,7 @@ Only little-endian files (what llama.cpp writes; a big-endian one is refused wit
     f = GGUFFile(path)
     f.field("general.architecture")        # 'llama'; arrays come back as lists, as GGUFReader's contents()
     f.tensors["blk.0.attn_q.weight"]       # GGUFTensor(name, tensor_type, shape (fastest first), data)
+    f.write_without({"tokenizer.ggml.tokens"}, out, {"llama.vocab_size": 49152})  # a leaner copy
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class GGUFFile:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             self._fields: dict[str, tuple[int, int]] = {}  # key -> (value type, offset of the value)
+            self._spans: dict[str, tuple[int, int]] = {}  # key -> its bytes in the header, key included
             self.tensors = self._parse()
         except (struct.error, UnicodeDecodeError, KeyError, IndexError) as exc:
             raise ValueError(f"{self.path} is not a valid GGUF file ({exc})") from None
@@ -62,10 +64,13 @@ class GGUFFile:
             raise ValueError(f"{self.path} is a big-endian GGUF file: not supported")
         pos = 24
         for _ in range(num_fields):
+            key_start = pos
             key, pos = self._string(pos)
             (value_type,) = struct.unpack_from("<I", buf, pos)
             self._fields[key] = (value_type, pos + 4)
             pos = self._skip(value_type, pos + 4)
+            self._spans[key] = (key_start, pos)
+        self._infos_span = (pos, 0)
         infos = []
         for _ in range(num_tensors):
             name, pos = self._string(pos)
@@ -76,6 +81,7 @@ class GGUFFile:
             pos += 4 + 8 * n_dims + 12
         alignment = self.field("general.alignment") or DEFAULT_ALIGNMENT
         start = -(-pos // alignment) * alignment
+        self._infos_span, self._alignment, self._data_start = (self._infos_span[0], pos), alignment, start
         whole = np.frombuffer(buf, dtype=np.uint8)
         tensors = {}
         for name, tensor_type, shape, offset in infos:
@@ -111,6 +117,25 @@ class GGUFFile:
         for _ in range(count):  # strings (or nested arrays), one length at a time
             pos = self._skip(item_type, pos)
         return pos
+
+    def write_without(self, drop: set[str], out: Path, add_uint32: dict[str, int] | None = None) -> None:
+        """A copy of the file at `out` without the fields `drop`, with the uint32 fields `add_uint32`
+        (replacing any of the same name): every other field, tensor and byte of data as they are here."""
+        add = add_uint32 or {}
+        kept = [key for key in self._fields if key not in drop and key not in add]
+        with open(out, "wb") as f:
+            f.write(self._map[:8])  # magic, version
+            f.write(struct.pack("<QQ", len(self.tensors), len(kept) + len(add)))
+            for key in kept:
+                begin, end = self._spans[key]
+                f.write(self._map[begin:end])
+            for key, value in add.items():
+                name = key.encode()
+                f.write(struct.pack("<Q", len(name)) + name + struct.pack("<II", 4, value))
+            begin, end = self._infos_span
+            f.write(self._map[begin:end])  # tensor offsets are relative to the data: they still hold
+            f.write(b"\0" * (-f.tell() % self._alignment))
+            f.write(self._map[self._data_start:])
 
     # ------------------------------------------------------------------ the metadata
 

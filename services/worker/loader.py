@@ -2,7 +2,8 @@
 tokenizer, is `services.common.model_files` (no torch).
 
 A GGUF file is dequantized once by transformers and cached as a Hugging Face folder under the cache
-directory (`model_files.cached_conversion`). Transformers only converts; the runtime model is ours
+directory (`model_files.cached_conversion`); its tokenizer is the one the processor builds from the
+file (`model_files.gguf_tokenizer`). Transformers only converts; the runtime model is ours
 (`services.worker.models`). Where the worker keeps a GGUF model's weights in their blocks
 (`--quantization`, services/worker/gguf_weights.py), the folder's floats of those weights are never read.
 """
@@ -16,14 +17,18 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from services.common.gguf_file import GGUFFile
 from services.common.hf_config import HFConfig, load_hf_config
-from services.common.model_files import cached_conversion, locate_model
+from services.common.model_files import cached_conversion, gguf_tokenizer, locate_model
 from services.worker.gguf_weights import GGUFWeights
 from services.worker.layers.linear import WeightSource
 from services.worker.models.registry import get_model_class
 from services.worker.parallel_group import TensorParallelGroup
 
 FULL_MODEL_SUFFIX = ""  # the whole model converted from a GGUF: `<stem>-<size>-<digest>`
+# The tokenizer's large arrays; its scalars (bos, eos ids...) go into the config and stay.
+TOKENIZER_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                              "tokenizer.ggml.merges"})
 
 
 def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
@@ -67,12 +72,32 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     # `dequantize=True` is explicit on purpose: left to itself, transformers keeps the weights packed
     # in GGUF blocks whenever a Hugging Face `kernels` package is importable, and such a model
     # refuses save_pretrained.
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig  # once per file: see hf_config
+    from transformers import AutoModelForCausalLM, GgufConfig  # once per file: see hf_config
 
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32,
-        quantization_config=GgufConfig(dequantize=True),
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    header = GGUFFile(gguf_path)
+    # gguf's reader takes seconds over a large vocabulary (15 s for Gemma 3's 262,144 tokens), and
+    # transformers reads the file twice to load a model, for its config and its weights. It is given
+    # a copy without the tokenizer's arrays where it can take the vocabulary size from a field.
+    architecture = header.field("general.architecture")
+    lean = out_dir / f".lean-{gguf_path.name}"
+    if _vocab_size_field_maps(architecture):
+        vocab_size = header.field(f"{architecture}.vocab_size") or len(header.field("tokenizer.ggml.tokens") or ())
+        header.write_without(TOKENIZER_ARRAYS, lean, {f"{architecture}.vocab_size": vocab_size})
+        source = lean
+    else:
+        source = gguf_path
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source.parent, gguf_file=source.name, dtype=torch.float32,
+            quantization_config=GgufConfig(dequantize=True),
+        )
+    finally:
+        lean.unlink(missing_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    gguf_tokenizer(gguf_path).save_pretrained(out_dir)  # transformers' builders, on our reader's metadata
+
+
+def _vocab_size_field_maps(architecture: str) -> bool:
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    return GGUF_CONFIG_MAPPING.get(architecture, {}).get("vocab_size") == "vocab_size"

@@ -1,6 +1,7 @@
 """services/common/gguf_file.py against gguf's own GGUFReader (the format's reference reader), on a
 file gguf's GGUFWriter wrote with every value type, arrays of numbers and of strings, and tensors
-in float32 and in quantized blocks; and what it says of files that are not GGUF."""
+in float32 and in quantized blocks; its copies without some fields, as that reader reads them; and
+what it says of files that are not GGUF."""
 
 from __future__ import annotations
 
@@ -59,6 +60,23 @@ def test_the_same_fields_and_tensors_as_ggufs_reader(written: Path):
         assert mine.shape == tuple(int(n) for n in tensor.shape)
         assert np.array_equal(mine.data, np.asarray(tensor.data).view(np.uint8).reshape(-1))
     assert ours.tensors["q8"].shape == (64, 4) and ours.tensors["q8"].data.size == 4 * 2 * 34
+
+
+def test_a_copy_without_fields_keeps_every_other_field_and_tensor(written: Path, tmp_path: Path):
+    original = GGUFFile(written)
+    copy_path = tmp_path / "lean.gguf"
+    original.write_without({"t.tokens", "t.scores"}, copy_path, {"llama.vocab_size": 4, "t.u32": 7})
+    copy, reference = GGUFFile(copy_path), gguf.GGUFReader(copy_path)
+    kept = [key for key in original.keys() if key not in ("t.tokens", "t.scores", "t.u32")]
+    assert copy.keys() == kept + ["llama.vocab_size", "t.u32"]
+    for key in kept:
+        assert copy.field(key) == original.field(key) == reference.fields[key].contents(), key
+    assert copy.field("llama.vocab_size") == reference.fields["llama.vocab_size"].contents() == 4
+    assert copy.field("t.u32") == 7  # replaced
+    assert [t.name for t in reference.tensors] == list(original.tensors)
+    for tensor in reference.tensors:
+        assert np.array_equal(np.asarray(tensor.data).view(np.uint8).reshape(-1), original.tensors[tensor.name].data)
+    assert copy_path.stat().st_size < written.stat().st_size
 
 
 def test_what_is_not_a_gguf_file_is_a_value_error(written: Path, tmp_path: Path):

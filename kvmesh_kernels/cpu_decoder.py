@@ -94,7 +94,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 _KERNEL = native.Kernel(_NAME, _BASE_FLAGS, _declare)
-build, available = _KERNEL.build, _KERNEL.available
+build, available, compile_ahead = _KERNEL.build, _KERNEL.available, _KERNEL.compile_ahead
 
 
 def ops() -> Ops | None:

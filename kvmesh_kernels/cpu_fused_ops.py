@@ -53,7 +53,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 # The served build (`build(cache_dir)`) and the other instruction sets' (`variant(isa, cache_dir)`).
 _KERNEL = native.Kernel(_NAME, _BASE_FLAGS, _declare)
-build, variant, available = _KERNEL.build, _KERNEL.variant, _KERNEL.available
+build, variant, available, compile_ahead = _KERNEL.build, _KERNEL.variant, _KERNEL.available, _KERNEL.compile_ahead
 
 
 def _library() -> ctypes.CDLL:

@@ -36,7 +36,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 # The served build (`build(cache_dir)`) and the other instruction sets' (`variant(isa, cache_dir)`).
 _KERNEL = native.Kernel(_NAME, _BASE_FLAGS, _declare)
-build, variant, is_available = _KERNEL.build, _KERNEL.variant, _KERNEL.available
+build, variant, is_available, compile_ahead = _KERNEL.build, _KERNEL.variant, _KERNEL.available, _KERNEL.compile_ahead
 
 
 def vector_width(lib: ctypes.CDLL | None = None) -> int:

@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -106,6 +107,17 @@ class Kernel:
             return False
         return True
 
+    def compile_ahead(self, cache_dir: Path) -> threading.Thread:
+        """Start compiling the served build in a thread of its own (returned, started) and return at
+        once. The compiler is a process, so kernels compile side by side, and beside whatever the
+        caller does next (a model's conversion, on a first start); `build` then finds the library or
+        waits for its compile (the file lock). A failure is left for `build` to raise."""
+        flags = (*self.base_flags, *ISA_FLAGS[SERVED_ISA])
+        thread = threading.Thread(target=_compile_quietly, args=(self.name, flags, cache_dir), daemon=True,
+                                  name=f"compile-{self.name}")
+        thread.start()
+        return thread
+
     def variant(self, isa: str, cache_dir: Path) -> ctypes.CDLL:
         """The kernel compiled for `isa` (a key of ISA_FLAGS), beside the served one: pass it as `lib`
         to run that code path."""
@@ -117,6 +129,12 @@ def load(name: str, flags: tuple[str, ...], cache_dir: Path, source: str | None 
     `source` is a text to compile in place of the file, with the file's headers (the tests' rewritten builds)."""
     if (name, flags) in _loaded:
         return _loaded[(name, flags)]
+    return _loaded.setdefault((name, flags), ctypes.CDLL(str(compiled(name, flags, cache_dir, source))))
+
+
+def compiled(name: str, flags: tuple[str, ...], cache_dir: Path, source: str | None = None) -> Path:
+    """The shared library of kvmesh_kernels/cpu/{name}.c (or `source`) compiled with `flags`, from the
+    cache or compiled now; `load` without loading it."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise NativeKernelUnavailable(f"no C compiler (gcc or cc) on PATH for the CPU kernels ({name}.c)")
@@ -136,7 +154,14 @@ def load(name: str, flags: tuple[str, ...], cache_dir: Path, source: str | None 
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not target.exists():
                 _compile(command, source_path, source, target)
-    return _loaded.setdefault((name, flags), ctypes.CDLL(str(target)))
+    return target
+
+
+def _compile_quietly(name: str, flags: tuple[str, ...], cache_dir: Path) -> None:
+    try:
+        compiled(name, flags, cache_dir)
+    except (NativeKernelUnavailable, OSError):
+        pass
 
 
 def _compile(command: list[str], source_path: Path, source: str | None, target: Path) -> None:

@@ -31,7 +31,7 @@ from services.worker.gguf_weights import gguf_weights_for, block_gemm_dtype, res
 from services.worker.layers.linear import MergedLinear, RowParallelLinear
 from services.worker.layers.quantized_weight import BlockWeightHolder, use_gemm_dtype
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
-from services.common.model_files import model_id_of
+from services.common.model_files import locate_model, model_id_of
 from services.worker.loader import load_model, resolve_model
 from services.worker.model_runner import ModelRunner
 from services.worker import host_limits, native_decoder
@@ -90,6 +90,7 @@ class Worker:
         torch.manual_seed(model_config.seed)
         cache_dir = model_config.cache_dir or default_cache_dir()
         if self.device.type == "cpu":
+            locate_model(model_config.model, cache_dir)  # a model that is not there fails before any compile
             compile_kernels_ahead(cache_dir, worker_config.attention_backend, lora.enable_lora)
         self.model_path = resolve_model(model_config.model, cache_dir)
         if self.device.type == "cpu":

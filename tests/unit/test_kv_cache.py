@@ -3,12 +3,10 @@ memory until its blocks are written, and gives its memory back when the worker d
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import gc
-import os
-import subprocess
-import sys
-from collections.abc import Iterator
-from pathlib import Path
+import mmap
 
 import pytest
 import torch
@@ -19,12 +17,18 @@ CPU = torch.device("cpu")
 MiB = 2**20
 
 
-def anon_rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no RssAnon in /proc/self/status")
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def resident_bytes(address: int, length: int) -> int | None:
+    """The bytes of [address, address + length) in memory (mincore(2): these pages alone, whatever
+    other threads of the process allocate); None where the range is not mapped."""
+    pages = -(-length // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    if _libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vector) != 0:
+        assert ctypes.get_errno() == errno.ENOMEM, errno.errorcode[ctypes.get_errno()]
+        return None
+    return sum(byte & 1 for byte in vector) * mmap.PAGESIZE
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -44,19 +48,17 @@ def test_layout_and_zeros(dtype: torch.dtype) -> None:
 def test_a_large_cache_is_resident_only_where_written_and_freed_when_dropped() -> None:
     spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_size=64, block_size=16, dtype=torch.float32)
     num_blocks = 512 * MiB // spec.bytes_per_block
-    gc.collect()
-    before = anon_rss()
     caches = allocate_kv_caches(spec, num_blocks, CPU)
-    assert anon_rss() - before < 16 * MiB  # 512 MiB asked for, nothing written yet
+    spans = [(cache.data_ptr(), cache.nbytes) for cache in caches]
+    assert [resident_bytes(*span) for span in spans] == [0] * 4  # 512 MiB asked for, nothing written yet
 
     for cache in caches:  # the blocks a few requests use, in every layer
         cache[:, :64] = 1.0
-    written = 4 * 64 * spec.bytes_per_block // spec.num_layers
-    grown = anon_rss() - before
-    assert written <= grown < written + 16 * MiB
+    written = 64 * spec.bytes_per_block // spec.num_layers  # K and V of 64 blocks, per layer
+    for span in spans:
+        assert written <= resident_bytes(*span) <= written + 2 * mmap.PAGESIZE  # those pages, no more
     assert not caches[3][:, 64:].any()  # the rest still reads zero
 
     del caches, cache
     gc.collect()
-    assert anon_rss() - before < 16 * MiB  # unmapped with the last tensor over it
-
+    assert [resident_bytes(*span) for span in spans] == [None] * 4  # unmapped with the last tensor over it

@@ -151,7 +151,14 @@ class Worker:
                                                             self.cache_config.memory_fraction, self.device))
 
     def initialize_cache(self, num_blocks: int, max_num_reqs: int) -> None:
-        kv_caches = allocate_kv_caches(self.kv_cache_spec, num_blocks, self.device)
+        spec = self.kv_cache_spec
+        tokens = num_blocks * spec.block_size
+        # vLLM's two sizing lines: what the cache holds, and how many full-length requests fit in it.
+        logger.info("KV cache size: %d tokens (%d blocks, %.2f GiB)", tokens, num_blocks,
+                    num_blocks * spec.bytes_per_block / 2**30)
+        logger.info("Maximum concurrency for %d tokens per request: %.2fx", self.info.max_model_len,
+                    tokens / self.info.max_model_len)
+        kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
         self.runner = ModelRunner(self.model, kv_caches, self.backend, self.cache_config.block_size,
                                   max_num_reqs, self.info.max_model_len, self.info.vocab_size, self.tp, self.lora)
 

@@ -8,6 +8,7 @@ that stop or kill `kvmesh serve` or one of its services start their own."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import threading
@@ -17,7 +18,8 @@ import openai
 import pytest
 
 from services import LLM, SamplingParams
-from tests.services.procs import Serve, client_for, gone, running_serve
+from tests.services.procs import (SERVE_KV_BYTES, SHARED_MAX_MODEL_LEN, Serve, client_for, gone,
+                                  running_serve)
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time, in a small village by the sea,"]
 CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
@@ -88,6 +90,18 @@ def test_client_that_times_out_frees_its_blocks(serve: Serve):
         client.completions.create(model=model, prompt="Tell me a long story.", **ENDLESS)
     assert time.monotonic() - start < 5
     serve.wait_until_engine_idle()
+
+
+def test_the_worker_says_how_many_tokens_its_kv_cache_holds(serve: Serve):
+    # vLLM's sizing lines, which operators read to size a deployment.
+    log = serve.stderr_path.read_text(errors="replace")
+    size = re.search(r"worker: KV cache size: (\d+) tokens \((\d+) blocks, ([\d.]+) GiB\)", log)
+    concurrency = re.search(r"worker: Maximum concurrency for (\d+) tokens per request: ([\d.]+)x", log)
+    assert size and concurrency, log[-2000:]
+    tokens, blocks, gib = int(size[1]), int(size[2]), float(size[3])
+    assert tokens == blocks * 16 and 0 < gib <= SERVE_KV_BYTES / 2**30
+    assert int(concurrency[1]) == SHARED_MAX_MODEL_LEN
+    assert float(concurrency[2]) == round(tokens / SHARED_MAX_MODEL_LEN, 2)
 
 
 def test_sigterm_during_traffic_stops_everything_within_15s(served_model: str):

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import time
+from collections.abc import Sequence
 from enum import IntEnum
 from pathlib import Path
 
@@ -307,47 +309,61 @@ def _probe_packing(lib: ctypes.CDLL) -> tuple[list[int], list[int]]:
     return best_row, best_packed
 
 
-# copy_faster's probe: the same synthetic Q4_1 weight, warm in the cache (at these rows the tiles are
-# bound by arithmetic), at 32 rows of x on every thread, as a batch of decodes reads it.
-_COPY_PROBE_ROWS = 32
+# fastest_copy's probe: the same synthetic Q4_1 weight, warm in the cache (at these rows the tiles are
+# bound by arithmetic), on every thread, at the rows of a batch of decodes and of a prefill chunk.
+_COPY_PROBE_ROWS = (32, 256)
 # A copy must win by this factor: below it, the exact float32 tiles are the default's path.
 _COPY_PROBE_GAIN = 1.05
+COPY_TYPES = (QuantType.BF16, QuantType.Q4_1_I8)
 
 
-def copy_faster(copy_type: QuantType, lib: ctypes.CDLL | None = None) -> bool:
-    """Whether `--dtype auto`'s copies of type `copy_type` (BF16 or Q4_1_I8, standing for the I8 types)
-    multiply a batch of decodes faster than the exact float32 tiles over the file's blocks on this CPU
-    with this build, decided by measurement once per process and library (cached), as `packs_faster`.
-    The instructions a CPU has do not settle it: a 256-bit datapath (Zen 4) runs AVX-512 and its
-    bfloat16 dot products at half width, where the float32 tiles were measured the faster ones."""
-    return _copy_faster(copy_type, lib or native.library(_NAME))
+def fastest_copy(copy_types: Sequence[QuantType], lib: ctypes.CDLL | None = None) -> QuantType | None:
+    """Of `--dtype auto`'s proposed copies (BF16, Q4_1_I8 standing for the I8 types), the one that
+    multiplies fastest on this CPU with this build, or None where none is at least 5 % faster than the
+    exact float32 tiles over the file's blocks; decided by measurement once per process and library
+    (cached), as `packs_faster`. A copy's score is the geometric mean of its speed-ups over the exact
+    tiles at 32 rows (a batch of decodes) and at 256 (a prefill chunk, where the BF16 copy hands off to
+    torch's bfloat16 GEMM). The instructions a CPU has do not settle it: a 256-bit datapath (Zen 4)
+    runs AVX-512 and its bfloat16 dot products at half width, where VNNI's integer dot products were
+    measured faster than both."""
+    return _fastest_copy(tuple(copy_types), lib or native.library(_NAME))
 
 
 @functools.cache
-def _copy_faster(copy_type: QuantType, lib: ctypes.CDLL) -> bool:
-    exact, copy = _probe_copy(copy_type, lib)
-    return exact >= _COPY_PROBE_GAIN * copy
+def _fastest_copy(copy_types: tuple[QuantType, ...], lib: ctypes.CDLL) -> QuantType | None:
+    if not copy_types:
+        return None
+    exact, copies = _probe_copies(copy_types, lib)
+    speedups = {qtype: math.prod(e / c for e, c in zip(exact, times)) ** (1 / len(exact))
+                for qtype, times in copies.items()}
+    best = max(copy_types, key=speedups.__getitem__)  # the first proposed where they tie
+    return best if speedups[best] >= _COPY_PROBE_GAIN else None
 
 
-def _probe_copy(copy_type: QuantType, lib: ctypes.CDLL) -> tuple[int, int]:
-    """copy_faster's timings: the best ns of a call of the exact tiles and of the copy's."""
-    if copy_type not in (QuantType.BF16, QuantType.Q4_1_I8):
-        raise ValueError(f"the copies are BF16 or Q4_1_I8 (the I8 types'), not {copy_type.name}")
-    n, k, m = _PROBE_N, _PROBE_K, _COPY_PROBE_ROWS
+def _probe_copies(copy_types: Sequence[QuantType], lib: ctypes.CDLL) -> tuple[list[int], dict[QuantType, list[int]]]:
+    """fastest_copy's timings: per row count in _COPY_PROBE_ROWS, the best ns of a call of the exact
+    tiles, and of each copy's (through `linear`, as a layer calls it), interleaved."""
+    if not copy_types or any(qtype not in COPY_TYPES for qtype in copy_types):
+        raise ValueError(f"the copies are BF16 or Q4_1_I8 (the I8 types'), not {[t.name for t in copy_types]}")
+    n, k = _PROBE_N, _PROBE_K
     exact = _probe_weight()
-    copy = (to_bf16_blocks(dequantize(exact, QuantType.Q4_1, k, lib)) if copy_type == QuantType.BF16
-            else to_i8_blocks(exact, QuantType.Q4_1, k, lib))
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    y = torch.empty(m, n)
-    threads = torch.get_num_threads()
-    best = {QuantType.Q4_1: float("inf"), copy_type: float("inf")}
-    for _ in range(_PROBE_REPEATS + 1):  # the first round warms the caches and the threads
-        for qtype, weight in ((QuantType.Q4_1, exact), (copy_type, copy)):
-            start = time.perf_counter_ns()
-            lib.quant_matmul(y.data_ptr(), n, x.data_ptr(), k, weight.data_ptr(), weight.shape[1], m, n, k, qtype,
-                             threads)
-            best[qtype] = min(best[qtype], time.perf_counter_ns() - start)
-    return int(best[QuantType.Q4_1]), int(best[copy_type])
+    weights = {QuantType.Q4_1: exact}
+    for qtype in copy_types:
+        weights[qtype] = (to_bf16_blocks(dequantize(exact, QuantType.Q4_1, k, lib)) if qtype == QuantType.BF16
+                          else to_i8_blocks(exact, QuantType.Q4_1, k, lib))
+    best = {qtype: [] for qtype in weights}
+    for m in _COPY_PROBE_ROWS:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        y = torch.empty(m, n)
+        times = {qtype: float("inf") for qtype in weights}
+        for _ in range(_PROBE_REPEATS + 1):  # the first round warms the caches and the threads
+            for qtype, weight in weights.items():
+                start = time.perf_counter_ns()
+                linear(x, weight, qtype, k, lib=lib, out=y)
+                times[qtype] = min(times[qtype], time.perf_counter_ns() - start)
+        for qtype, ns in times.items():
+            best[qtype].append(int(ns))
+    return best.pop(QuantType.Q4_1), best
 
 
 def _probe_weight() -> torch.Tensor:

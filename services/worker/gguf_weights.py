@@ -182,29 +182,34 @@ def resolve_dtype(dtype: str, quantization: str, model: str, device: torch.devic
 def block_gemm_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The arithmetic of the larger steps' matmuls (prefill chunks, decode batches from
     quantized_weight.LOW_PRECISION_GEMM_ROWS rows) over weights kept in GGUF blocks, for `--dtype auto`
-    on a CPU: bfloat16 where it has bfloat16 instructions (AVX512_BF16, AMX-BF16: torch's bfloat16 GEMM
-    runs 4-5x its float32 one there at prefill sizes, 1.3-2.3x the native float32 kernel from 24 rows);
-    else int8 where the kernel has AVX2 (x quantized to 8 bits per 32-block against the Q4_1 weights
-    and the LM head's Q8_0 ones in integer dot products, as llama.cpp and vLLM's GGUF kernels compute:
-    1.3-2.5x the float32 kernel); else float32. The LM head's larger steps too. Smaller steps stay
-    float32 over the exact weights either way; the low-precision steps' activations, KV and logits
-    carry its rounding (the agreement with transformers: loadtests/int8_agreement.py --dtype auto;
-    docs/benchmarks/index.md). The instructions propose; a probe at start-up disposes
-    (cpu_quant_matmul.copy_faster): where the copy measures no faster than the float32 tiles on this
-    CPU, as bfloat16 on Zen 4's 256-bit datapaths, the larger steps stay float32. Without the
-    kernel built there are no blocks to copy: float32."""
+    on a CPU: the fastest of the copies its instructions allow, by a probe at start-up
+    (cpu_quant_matmul.fastest_copy). The candidates: bfloat16 where it has bfloat16 instructions
+    (AVX512_BF16, AMX-BF16: torch's bfloat16 GEMM at prefill sizes, the dot-product instruction
+    below); int8 where the kernel has AVX2 (x quantized to 8 bits per 32-block against the file's
+    weights in integer dot products, as llama.cpp and vLLM's GGUF kernels compute). Float32 where
+    no copy measures at least 5 % faster than the float32 tiles. Measured: on Zen 4 int8 (VNNI) beat
+    bfloat16, whose dot products run at half width there. The LM head's larger steps too. Smaller
+    steps stay float32 over the exact weights either way; the low-precision steps' activations, KV
+    and logits carry its rounding (the agreement with transformers: loadtests/int8_agreement.py
+    --dtype auto; docs/benchmarks/index.md). Without the kernel built there are no blocks to copy:
+    float32."""
     if dtype != "auto" or device.type != "cpu" or not cpu_quant_matmul.is_built():
         return torch.float32
+    proposed = {}
     if cpu_has("avx512_bf16") or cpu_has("amx_bf16"):
-        proposed, copy_type = torch.bfloat16, QuantType.BF16
-    elif cpu_has("avx2", "fma", "f16c"):
-        proposed, copy_type = torch.int8, QuantType.Q4_1_I8
-    else:
+        proposed[QuantType.BF16] = torch.bfloat16
+    if cpu_has("avx2", "fma", "f16c"):
+        proposed[QuantType.Q4_1_I8] = torch.int8
+    if not proposed:
         return torch.float32
-    if cpu_quant_matmul.copy_faster(copy_type):
-        return proposed
+    fastest = cpu_quant_matmul.fastest_copy(tuple(proposed))
+    names = ", ".join(str(d).removeprefix("torch.") for d in proposed.values())
+    if fastest is not None:
+        logger.info("--dtype auto: larger steps multiply in %s, measured the fastest of %s, float32 on this CPU",
+                    str(proposed[fastest]).removeprefix("torch."), names)
+        return proposed[fastest]
     logger.info("--dtype auto: %s copies measured no faster than the float32 tiles on this CPU; larger steps "
-                "stay float32", str(proposed).removeprefix("torch."))
+                "stay float32", names)
     return torch.float32
 
 

@@ -172,26 +172,37 @@ def test_bad_inputs_are_refused_with_a_reason(lib):
 # ------------------------------------------------------------------ `--dtype auto`'s copies, by measurement
 
 
-@pytest.mark.parametrize("copy_type", [QuantType.BF16, QuantType.Q4_1_I8])
-def test_the_copy_probe_times_the_exact_tiles_and_the_copys(lib, copy_type):
+def test_the_copy_probe_times_the_exact_tiles_and_each_copy_at_a_decode_batch_and_a_prefill_chunk(lib):
     # The answer depends on the CPU, so only the timings' form and the rule are checked (below)
-    exact, copy = qm._probe_copy(copy_type, lib)
-    assert isinstance(exact, int) and isinstance(copy, int) and exact > 0 and copy > 0
+    exact, copies = qm._probe_copies(qm.COPY_TYPES, lib)
+    assert set(copies) == set(qm.COPY_TYPES)
+    for times in (exact, *copies.values()):
+        assert len(times) == len(qm._COPY_PROBE_ROWS) and all(isinstance(t, int) and t > 0 for t in times)
     with pytest.raises(ValueError, match="BF16 or Q4_1_I8"):
-        qm._probe_copy(QuantType.Q8_0, lib)
+        qm._probe_copies((QuantType.Q8_0,), lib)
 
 
-@pytest.mark.parametrize("timings, faster", [((1000, 500), True), ((1000, 950), True), ((1000, 960), False),
-                                             ((1000, 1200), False)])
-def test_a_copy_is_taken_only_when_it_measures_5_percent_faster(monkeypatch, lib, timings, faster):
-    monkeypatch.setattr(qm, "_probe_copy", lambda _type, _lib: timings)
-    qm._copy_faster.cache_clear()
+@pytest.mark.parametrize("bf16, i8, fastest", [
+    ((500, 5000), (600, 6000), QuantType.BF16),  # 2x at both sizes against 1.67x
+    ((500, 5000), (250, 9000), QuantType.Q4_1_I8),  # the geometric means: 2x against 2.24x
+    ((950, 9500), (2000, 20000), QuantType.BF16),  # 1.05x is enough
+    ((960, 9600), (2000, 20000), None),  # 1.04x is not: the exact tiles
+    ((1000, 10000), (1000, 10000), None),
+    ((500, 5000), (500, 5000), QuantType.BF16),  # a tie goes to the first proposed
+])
+def test_the_fastest_copy_is_taken_only_when_it_measures_5_percent_faster(monkeypatch, lib, bf16, i8, fastest):
+    timings = [1000, 10000], {QuantType.BF16: list(bf16), QuantType.Q4_1_I8: list(i8)}
+    monkeypatch.setattr(qm, "_probe_copies", lambda types, _lib: (timings[0], {t: timings[1][t] for t in types}))
+    qm._fastest_copy.cache_clear()
     try:
-        assert qm.copy_faster(QuantType.BF16, lib) is faster
-        assert qm.copy_faster(QuantType.BF16, lib) is faster  # cached: measured once a process
-        assert qm._copy_faster.cache_info().hits == 1
+        assert qm.fastest_copy(qm.COPY_TYPES, lib) == fastest
+        assert qm.fastest_copy(qm.COPY_TYPES, lib) == fastest  # cached: measured once a process
+        assert qm._fastest_copy.cache_info().hits == 1
+        # Proposed alone (a CPU without bfloat16 instructions), the I8 copy against the exact tiles only
+        assert qm.fastest_copy((QuantType.Q4_1_I8,), lib) == (QuantType.Q4_1_I8 if i8[0] < 1000 else None)
+        assert qm.fastest_copy((), lib) is None
     finally:
-        qm._copy_faster.cache_clear()  # the next caller measures for real
+        qm._fastest_copy.cache_clear()  # the next caller measures for real
 
 
 # ------------------------------------------------------------------ packed Q4_1 (the layers' path)

@@ -135,18 +135,26 @@ def test_dtype_auto_is_float32_for_blocks_and_bfloat16_only_with_its_instruction
     assert ModelConfig(dtype="auto", quantization="gguf").dtype == "auto"
 
 
-def test_dtype_auto_multiplies_larger_steps_in_the_cpus_low_precision():
+def test_dtype_auto_multiplies_larger_steps_in_the_fastest_copy_the_cpu_allows(monkeypatch, caplog):
     cpu = torch.device("cpu")
-    proposed = torch.bfloat16 if cpu_has("avx512_bf16") or cpu_has("amx_bf16") else \
-        torch.int8 if cpu_has("avx2", "fma", "f16c") else torch.float32
-    copy = {torch.bfloat16: QuantType.BF16, torch.int8: QuantType.Q4_1_I8}.get(proposed)
-    want = proposed if copy is not None and cpu_quant_matmul.copy_faster(copy) else torch.float32
-    assert block_gemm_dtype("auto", cpu) == want
+    proposed = {}
+    if cpu_has("avx512_bf16") or cpu_has("amx_bf16"):
+        proposed[QuantType.BF16] = torch.bfloat16
+    if cpu_has("avx2", "fma", "f16c"):
+        proposed[QuantType.Q4_1_I8] = torch.int8
+    fastest = cpu_quant_matmul.fastest_copy(tuple(proposed)) if proposed else None
+    assert block_gemm_dtype("auto", cpu) == proposed.get(fastest, torch.float32)
     assert block_gemm_dtype("float32", cpu) == torch.float32  # the default stays exact
+    # Whichever the probe picks is taken, and the worker's log says which
+    for qtype in proposed:
+        monkeypatch.setattr(cpu_quant_matmul, "fastest_copy", lambda types, _pick=qtype: _pick)
+        with caplog.at_level("INFO", logger="services.worker.gguf_weights"):
+            assert block_gemm_dtype("auto", cpu) == proposed[qtype]
+        assert f"larger steps multiply in {str(proposed[qtype]).removeprefix('torch.')}" in caplog.text
 
 
 def test_dtype_auto_keeps_float32_where_the_copies_measure_slower(monkeypatch, caplog):
-    monkeypatch.setattr(cpu_quant_matmul, "copy_faster", lambda _copy_type: False)
+    monkeypatch.setattr(cpu_quant_matmul, "fastest_copy", lambda _copy_types: None)
     with caplog.at_level("INFO", logger="services.worker.gguf_weights"):
         assert block_gemm_dtype("auto", torch.device("cpu")) == torch.float32
     if cpu_has("avx2", "fma", "f16c"):  # a copy was proposed, and declined with a reason

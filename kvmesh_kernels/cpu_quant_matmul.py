@@ -201,8 +201,9 @@ def to_i8_blocks(blocks: torch.Tensor, qtype: QuantType, k: int, lib: ctypes.CDL
 
 
 def i8_path(lib: ctypes.CDLL | None = None) -> str:
-    """How the build sums I8 products: "vnni" (vpdpbusd), "avx2" (vpmaddubsw) or "c"."""
-    return {1: "vnni", 2: "avx2", 0: "c"}[(lib or native.library(_NAME)).quant_matmul_i8_path()]
+    """How the build sums I8 products: "vnni-512" (vpdpbusd on 512-bit vectors, 16 rows at a time),
+    "vnni" (on 256-bit ones), "avx2" (vpmaddubsw) or "c"."""
+    return {3: "vnni-512", 1: "vnni", 2: "avx2", 0: "c"}[(lib or native.library(_NAME)).quant_matmul_i8_path()]
 
 
 def dequantize(blocks: torch.Tensor, qtype: QuantType, k: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:

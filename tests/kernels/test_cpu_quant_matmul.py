@@ -396,8 +396,9 @@ def test_linear_keeps_i8_weights_on_the_integer_tiles_at_every_row_count(lib, qt
 
 
 def test_i8_sums_take_the_cpus_integer_dot_products(isa, lib):
-    vnni = native.cpu_has("avx_vnni") or native.cpu_has("avx512_vnni")
-    assert qm.i8_path(lib) == {"scalar": "c", "avx2": "avx2", EMULATED: "vnni"}.get(isa, "vnni" if vnni else "avx2")
+    native_path = ("vnni-512" if native.cpu_has("avx512_vnni") and native.cpu_has("avx512bw") else
+                   "vnni" if native.cpu_has("avx_vnni") or native.cpu_has("avx512_vnni") else "avx2")
+    assert qm.i8_path(lib) == {"scalar": "c", "avx2": "avx2", EMULATED: "vnni-512"}.get(isa, native_path)
 
 
 def test_i8_weights_are_made_of_q4_1_or_q8_0_rows_in_groups_of_8(lib):

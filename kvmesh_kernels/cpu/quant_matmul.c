@@ -695,7 +695,19 @@ int quant_matmul_bf16_dot(void) {
  * Per row 24 bytes a block (Q4_1: 20), 36 (Q8_0: 34). */
 
 #define I8_ROWS 8
+#if defined(__AVX2__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define I8_ZMM 1 /* the 512-bit tiles below; Q8_0_I8 bytes are then q + 128 (see there) */
+#endif
 #define I8_MR 4 /* rows of x per tile: 4 float + 4 integer accumulators beside the weights and x */
+
+/* With I8_ZMM, Q8_0_I8 keeps q + 128 (q ^ 0x80) as unsigned bytes, so that vpdpbusd takes them as
+ * they are, where signed ones would cost a negation of x a product; a block's sum then drops
+ * 128 * sum(qx), in integers: the same sums as the signed bytes give, bit for bit. */
+#if defined(I8_ZMM)
+#define Q8_OFFSET 0x80
+#else
+#define Q8_OFFSET 0
+#endif
 
 static inline int64_t i8_block_bytes(const int type) {
     return I8_ROWS * (type == TYPE_Q4_1_I8 ? 24 : type == TYPE_Q8_0_I8 ? 36 : 40);
@@ -736,7 +748,8 @@ void quant_pack_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t 
                     const uint8_t *blk = row + b * 34;
                     const float d = f16_to_f32(read_u16(blk));
                     memcpy(out + 4 * r, &d, 4);
-                    for (int t = 0; t < 8; t++) memcpy(out + 32 + 32 * t + 4 * r, blk + 2 + 4 * t, 4);
+                    for (int t = 0; t < 8; t++)
+                        for (int i = 0; i < 4; i++) out[32 + 32 * t + 4 * r + i] = (uint8_t)(blk[2 + 4 * t + i] ^ Q8_OFFSET);
                     continue;
                 }
                 float d, m;
@@ -770,7 +783,8 @@ static void i8_dequantize_row(float *dst, const uint8_t *w, int64_t row_bytes, i
         float d, m;
         memcpy(&d, blk + 4 * r, 4);
         if (type == TYPE_Q8_0_I8) {
-            for (int j = 0; j < QK; j++) dst[b * QK + j] = d * (float)(int8_t)blk[32 + 32 * (j / 4) + 4 * r + j % 4];
+            for (int j = 0; j < QK; j++)
+                dst[b * QK + j] = d * (float)(int8_t)(blk[32 + 32 * (j / 4) + 4 * r + j % 4] ^ Q8_OFFSET);
             continue;
         }
         if (type == TYPE_Q6_K_I8) {
@@ -797,8 +811,9 @@ static inline int32_t read_i32(const int8_t *p) {
 
 #define I8_INV127 (1.0f / 127.0f)
 
-/* x's row (K floats) -> qx (K bytes), dx and sx (K / 32 floats each), as above. */
-static void quantize_row_q8(int8_t *qx, float *dx, float *sx, const float *x, int64_t K) {
+/* x's row (K floats) -> qx (K bytes), dx and sx (K / 32 floats each), as above, and ix = 128 * sum(qx)
+ * (K / 32 integers: Q8_OFFSET's correction). */
+static void quantize_row_q8(int8_t *qx, float *dx, float *sx, int32_t *ix, const float *x, int64_t K) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         int8_t *qb = qx + b * QK;
@@ -828,6 +843,7 @@ static void quantize_row_q8(int8_t *qx, float *dx, float *sx, const float *x, in
                             _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
         dx[b] = d;
         sx[b] = d * (float)_mm_cvtsi128_si32(s);
+        ix[b] = 128 * _mm_cvtsi128_si32(s);
 #else
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
@@ -841,6 +857,7 @@ static void quantize_row_q8(int8_t *qx, float *dx, float *sx, const float *x, in
         }
         dx[b] = d;
         sx[b] = d * (float)sum;
+        ix[b] = 128 * sum;
 #endif
     }
 }
@@ -861,8 +878,8 @@ static inline __m256i i8_dot(__m256i acc, __m256i a, __m256i b) {
 /* y[r][0..8) (r < mr) = the group's 8 rows (blocks at wg) . x's quantized rows r; pf: bytes to read
  * ahead (the next group's), or NULL. */
 static inline __attribute__((always_inline)) void i8_tile(
-    float *y, int64_t ldy, const int8_t *qx, const float *dx, const float *sx, int64_t K, const uint8_t *wg,
-    const int mr, const uint8_t *pf, const int type)
+    float *y, int64_t ldy, const int8_t *qx, const float *dx, const float *sx, const int32_t *ix, int64_t K,
+    const uint8_t *wg, const int mr, const uint8_t *pf, const int type)
 {
     const int64_t nb = K / QK, bytes = i8_block_bytes(type);
     const __m256i nibble = _mm256_set1_epi8(15);
@@ -903,12 +920,22 @@ static inline __attribute__((always_inline)) void i8_tile(
         if (type == TYPE_Q8_0_I8) {
             for (int t = 0; t < 8; t++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * t));
+#if defined(I8_ZMM)
+                for (int r = 0; r < mr; r++) /* q + 128, unsigned */
+                    isum[r] = _mm256_dpbusd_epi32(isum[r], v, _mm256_set1_epi32(read_i32(qx + r * K + b * QK + 4 * t)));
+#else
                 const __m256i mag = _mm256_sign_epi8(v, v); /* |q|; -128 stays 0x80, 128 unsigned */
                 for (int r = 0; r < mr; r++) {
                     const __m256i xs = _mm256_set1_epi32(read_i32(qx + r * K + b * QK + 4 * t));
                     isum[r] = i8_dot(isum[r], mag, _mm256_sign_epi8(xs, v));
                 }
+#endif
             }
+#if defined(I8_ZMM)
+            for (int r = 0; r < mr; r++) isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(ix[r * (K / QK) + b]));
+#else
+            (void)ix;
+#endif
         } else {
             for (int t = 0; t < 4; t++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * t));
@@ -939,14 +966,12 @@ static inline __attribute__((always_inline)) void i8_tile(
     for (int r = 0; r < mr; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(I8_ZMM)
 /* Two neighbouring groups in one 512-bit vector: group g's 8 rows in the low half, g + 1's in the high
  * one, so each vpdpbusd sums 16 rows against x's four bytes, broadcast once. The layout stays the
  * 8-row groups of every build; a lone last group takes i8_tile. On a 256-bit datapath (Zen 4) the
  * gain is in instructions: the AVX2 tile spends two of its three vector instructions on broadcasts,
  * unpacking and scales, and runs out of issue slots before the dot-product units are busy. */
-#define I8_ZMM 1
-
 static inline __m512i i8_pair(const uint8_t *lo, const uint8_t *hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
                               _mm256_loadu_si256((const __m256i *)hi), 1);
@@ -960,8 +985,8 @@ static inline __m512 i8_pair_ps(const uint8_t *lo, const uint8_t *hi) {
  * pf: the next pair's first group, or NULL. Signed weights (Q8_0, Q6_K) enter as |q| against x
  * negated where q < 0 (AVX-512 has no vpsignb; where q is 0 its magnitude zeroes the product). */
 static inline __attribute__((always_inline)) void i8_tile16(
-    float *y, int64_t ldy, const int8_t *qx, const float *dx, const float *sx, int64_t K, const uint8_t *wg,
-    const int64_t gbytes, const int mr, const uint8_t *pf, const int type)
+    float *y, int64_t ldy, const int8_t *qx, const float *dx, const float *sx, const int32_t *ix, int64_t K,
+    const uint8_t *wg, const int64_t gbytes, const int mr, const uint8_t *pf, const int type)
 {
     const int64_t nb = K / QK, bytes = i8_block_bytes(type);
     const __m512i nibble = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
@@ -994,12 +1019,24 @@ static inline __attribute__((always_inline)) void i8_tile16(
             }
             continue;
         }
-        /* Q8_0_I8: one scale, vectors 0..8 after it; Q6_K_I8: two scales, a half of four vectors each */
-        const int halves = type == TYPE_Q6_K_I8 ? 2 : 1, per_half = 8 / halves, first = 32 * halves;
-        for (int h = 0; h < halves; h++) {
+        if (type == TYPE_Q8_0_I8) { /* q + 128, unsigned: the sums drop 128 * sum(qx) */
             for (int r = 0; r < mr; r++) isum[r] = _mm512_setzero_si512();
-            for (int t = per_half * h; t < per_half * (h + 1); t++) {
-                const __m512i v = i8_pair(blk + first + 32 * t, blk2 + first + 32 * t);
+            for (int t = 0; t < 8; t++) {
+                const __m512i v = i8_pair(blk + 32 + 32 * t, blk2 + 32 + 32 * t);
+                for (int r = 0; r < mr; r++)
+                    isum[r] = _mm512_dpbusd_epi32(isum[r], v, _mm512_set1_epi32(read_i32(qx + r * K + b * QK + 4 * t)));
+            }
+            const __m512 d = i8_pair_ps(blk, blk2);
+            for (int r = 0; r < mr; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r], _mm512_set1_epi32(ix[r * nb + b]))),
+                                         _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b])), acc[r]);
+            continue;
+        }
+        /* Q6_K_I8: two scales, a half of four vectors each */
+        for (int h = 0; h < 2; h++) {
+            for (int r = 0; r < mr; r++) isum[r] = _mm512_setzero_si512();
+            for (int t = 4 * h; t < 4 * h + 4; t++) {
+                const __m512i v = i8_pair(blk + 64 + 32 * t, blk2 + 64 + 32 * t);
                 const __m512i mag = _mm512_abs_epi8(v); /* |q|; -128 stays 0x80, 128 unsigned */
                 const __mmask64 negative = _mm512_movepi8_mask(v);
                 for (int r = 0; r < mr; r++) {
@@ -1017,9 +1054,11 @@ static inline __attribute__((always_inline)) void i8_tile16(
 }
 #endif
 #else
-static inline void i8_tile(float *y, int64_t ldy, const int8_t *qx, const float *dx, const float *sx, int64_t K,
-                           const uint8_t *wg, const int mr, const uint8_t *pf, const int type) {
+static inline void i8_tile(float *y, int64_t ldy, const int8_t *qx, const float *dx, const float *sx,
+                           const int32_t *ix, int64_t K, const uint8_t *wg, const int mr, const uint8_t *pf,
+                           const int type) {
     (void)pf;
+    (void)ix;
     const int64_t nb = K / QK, bytes = i8_block_bytes(type);
     for (int r = 0; r < mr; r++)
         for (int lane = 0; lane < I8_ROWS; lane++) {
@@ -1060,16 +1099,18 @@ static inline void i8_tile(float *y, int64_t ldy, const int8_t *qx, const float 
 }
 #endif
 
-#define I8_TILE_MR(mr_) i8_tile(y + m0 * ldy, ldy, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, K, wg, mr_, pf, type)
+#define I8_TILE_MR(mr_) \
+    i8_tile(y + m0 * ldy, ldy, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, ix + m0 * nb, K, wg, mr_, pf, type)
 #define I8_TILE16_MR(mr_) \
-    i8_tile16(y + m0 * ldy, ldy, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, K, wg, nb * bytes, mr_, pf, type)
+    i8_tile16(y + m0 * ldy, ldy, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, ix + m0 * nb, K, wg, nb * bytes, mr_, pf, type)
 
 /* The 8 columns of y (from y) of `pair` = 1 group, or the 16 of `pair` = 2 neighbouring ones (with
  * I8_ZMM), for all M rows of x; inlined with a constant type (an OpenMP region's body gets its
  * arguments as variables: the type is made a constant again inside it). */
 static inline __attribute__((always_inline)) void i8_group(float *y, int64_t ldy, const int8_t *qx, const float *dx,
-                                                          const float *sx, int64_t M, int64_t K, const uint8_t *wg,
-                                                          const int pair, const uint8_t *next, const int type)
+                                                          const float *sx, const int32_t *ix, int64_t M, int64_t K,
+                                                          const uint8_t *wg, const int pair, const uint8_t *next,
+                                                          const int type)
 {
     const int64_t nb = K / QK, bytes = i8_block_bytes(type);
     (void)bytes;
@@ -1105,13 +1146,14 @@ static int matmul_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const u
 {
     const int64_t nb = K / QK, groups = N / I8_ROWS, bytes = i8_block_bytes(type);
     int8_t *qx = aligned_alloc(64, (size_t)(M * K + 64));
-    float *dx = aligned_alloc(64, sizeof(float) * (size_t)(2 * M * nb + 16));
+    float *dx = aligned_alloc(64, sizeof(float) * (size_t)(3 * M * nb + 16));
     if (qx == NULL || dx == NULL) {
         free(qx);
         free(dx);
         return -1;
     }
     float *sx = dx + M * nb;
+    int32_t *ix = (int32_t *)(sx + M * nb);
 #if defined(I8_ZMM)
     const int per_unit = 2; /* groups a tile takes: a pair, and the last one alone where they are odd */
 #else
@@ -1124,18 +1166,18 @@ static int matmul_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const u
     /* x's rows quantized by the same threads first (a step's worth is ~1.5 ms on one AVX2 core at 32
      * rows), then the groups of weights */
     #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) quantize_row_q8(qx + m * K, dx + m * nb, sx + m * nb, x + m * ldx, K);
+    for (int64_t m = 0; m < M; m++) quantize_row_q8(qx + m * K, dx + m * nb, sx + m * nb, ix + m * nb, x + m * ldx, K);
     #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; u++) {
         const int64_t g = u * per_unit;
         const int pair = g + per_unit <= groups ? per_unit : 1;
         const uint8_t *wg = w + g * nb * bytes, *next = g + pair < groups ? wg + pair * nb * bytes : NULL;
         if (type == TYPE_Q8_0_I8)
-            i8_group(y + g * I8_ROWS, ldy, qx, dx, sx, M, K, wg, pair, next, TYPE_Q8_0_I8);
+            i8_group(y + g * I8_ROWS, ldy, qx, dx, sx, ix, M, K, wg, pair, next, TYPE_Q8_0_I8);
         else if (type == TYPE_Q6_K_I8)
-            i8_group(y + g * I8_ROWS, ldy, qx, dx, sx, M, K, wg, pair, next, TYPE_Q6_K_I8);
+            i8_group(y + g * I8_ROWS, ldy, qx, dx, sx, ix, M, K, wg, pair, next, TYPE_Q6_K_I8);
         else
-            i8_group(y + g * I8_ROWS, ldy, qx, dx, sx, M, K, wg, pair, next, TYPE_Q4_1_I8);
+            i8_group(y + g * I8_ROWS, ldy, qx, dx, sx, ix, M, K, wg, pair, next, TYPE_Q4_1_I8);
     }
     }
     free(qx);

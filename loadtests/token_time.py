@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.serve_process import start_serve, stop_serve
 from loadtests.serving_client import Endpoint, RequestResult, send
+from loadtests.serving_targets import VLLM_EXTRAS
 
 ROWS = ("model forward", "logits + sampling", "worker servicer", "step transport", "engine step",
         "between steps", "to the client")
@@ -64,7 +65,7 @@ async def stream(url: str, requests: int, max_tokens: int, concurrency: int = 1)
 
 
 async def session(url: str, numbers: range, max_tokens: int) -> list[RequestResult]:
-    endpoint = Endpoint(url, "smollm2", {"ignore_eos": True})
+    endpoint = Endpoint(url, "smollm2", VLLM_EXTRAS)
     results = []
     async with httpx.AsyncClient(timeout=None) as client:
         for i in numbers:

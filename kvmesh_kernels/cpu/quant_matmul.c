@@ -700,14 +700,20 @@ int quant_matmul_bf16_dot(void) {
 #endif
 #define I8_MR 4 /* rows of x per tile: 4 float + 4 integer accumulators beside the weights and x */
 
-/* With I8_ZMM, Q8_0_I8 keeps q + 128 (q ^ 0x80) as unsigned bytes, so that vpdpbusd takes them as
- * they are, where signed ones would cost a negation of x a product; a block's sum then drops
- * 128 * sum(qx), in integers: the same sums as the signed bytes give, bit for bit. */
+/* With I8_ZMM, Q8_0_I8 keeps q + 128 (q ^ 0x80) and Q6_K_I8 q - 32 + 32 (0..63) as unsigned bytes,
+ * so that vpdpbusd takes them as they are, where signed ones would cost a negation of x a product;
+ * a block's (or half block's) sum then drops 128 (32) times the sum of its qx, in integers: the same
+ * sums as the signed bytes give, bit for bit. x's quantization returns those sums (IX). */
 #if defined(I8_ZMM)
 #define Q8_OFFSET 0x80
+#define Q6_OFFSET 32
 #else
 #define Q8_OFFSET 0
+#define Q6_OFFSET 0
 #endif
+/* Integer sums of x's quantized block b of row r (ix: 3 a block): 128 * sum(qx), then 32 * the sum of
+ * its first 16 and of its last 16 values. */
+#define IX(ix, r, nb, b, k) ((ix)[3 * ((r) * (nb) + (b)) + (k)])
 
 static inline int64_t i8_block_bytes(const int type) {
     return I8_ROWS * (type == TYPE_Q4_1_I8 ? 24 : type == TYPE_Q8_0_I8 ? 36 : 40);
@@ -741,7 +747,7 @@ void quant_pack_i8(uint8_t *dst, const uint8_t *src, int64_t row_bytes, int64_t 
                     k_sub_block(q, dsc, dm, row, b, TYPE_Q6_K);
                     memcpy(out + 4 * r, &dsc[2 * (b % 8)], 4);
                     memcpy(out + 32 + 4 * r, &dsc[2 * (b % 8) + 1], 4);
-                    for (int j = 0; j < QK; j++) out[64 + 32 * (j / 4) + 4 * r + j % 4] = q[j];
+                    for (int j = 0; j < QK; j++) out[64 + 32 * (j / 4) + 4 * r + j % 4] = (uint8_t)(q[j] + Q6_OFFSET);
                     continue;
                 }
                 if (type == TYPE_Q8_0_I8) {
@@ -790,7 +796,7 @@ static void i8_dequantize_row(float *dst, const uint8_t *w, int64_t row_bytes, i
         if (type == TYPE_Q6_K_I8) {
             memcpy(&m, blk + 32 + 4 * r, 4); /* d1 */
             for (int j = 0; j < QK; j++)
-                dst[b * QK + j] = (j < 16 ? d : m) * (float)(int8_t)blk[64 + 32 * (j / 4) + 4 * r + j % 4];
+                dst[b * QK + j] = (j < 16 ? d : m) * (float)(int8_t)(uint8_t)(blk[64 + 32 * (j / 4) + 4 * r + j % 4] - Q6_OFFSET);
             continue;
         }
         memcpy(&m, blk + 32 + 4 * r, 4);
@@ -811,8 +817,8 @@ static inline int32_t read_i32(const int8_t *p) {
 
 #define I8_INV127 (1.0f / 127.0f)
 
-/* x's row (K floats) -> qx (K bytes), dx and sx (K / 32 floats each), as above, and ix = 128 * sum(qx)
- * (K / 32 integers: Q8_OFFSET's correction). */
+/* x's row (K floats) -> qx (K bytes), dx and sx (K / 32 floats each), as above, and ix (3 * K / 32
+ * integers: IX, the offsets' corrections). */
 static void quantize_row_q8(int8_t *qx, float *dx, float *sx, int32_t *ix, const float *x, int64_t K) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
@@ -832,10 +838,13 @@ static void quantize_row_q8(int8_t *qx, float *dx, float *sx, int32_t *ix, const
         __m256i q[4];
         for (int i = 0; i < 4; i++)
             q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid)), lim), nlim);
-        const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+        /* the two halves' sums side by side: lanes 0 .. 3 the first 16 values', 4 .. 7 the last 16's */
+        const __m256i s01 = _mm256_add_epi32(q[0], q[1]), s23 = _mm256_add_epi32(q[2], q[3]);
+        __m256i hs = _mm256_hadd_epi32(s01, s23); /* per 128-bit half: s01 pairs, s23 pairs */
+        hs = _mm256_hadd_epi32(hs, hs);
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(hs), _mm256_extracti128_si256(hs, 1));
+        const int32_t first16 = _mm_cvtsi128_si32(s), last16 = _mm_extract_epi32(s, 1);
+        s = _mm_set1_epi32(first16 + last16);
         /* packs interleave the 128-bit halves: 32-bit groups come out as q0 q1 q2 q3 (low halves), then
          * the high halves; the permutation puts them back in order */
         const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
@@ -843,21 +852,26 @@ static void quantize_row_q8(int8_t *qx, float *dx, float *sx, int32_t *ix, const
                             _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
         dx[b] = d;
         sx[b] = d * (float)_mm_cvtsi128_si32(s);
-        ix[b] = 128 * _mm_cvtsi128_si32(s);
+        ix[3 * b] = 128 * (first16 + last16);
+        ix[3 * b + 1] = 32 * first16;
+        ix[3 * b + 2] = 32 * last16;
 #else
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
         const float d = amax * I8_INV127, id = d > 0.0f ? 1.0f / d : 0.0f;
-        int32_t sum = 0;
+        int32_t sum = 0, first16 = 0;
         for (int j = 0; j < QK; j++) {
             long v = lrintf(xb[j] * id);
             v = v > 127 ? 127 : v < -127 ? -127 : v;
             qb[j] = (int8_t)v;
             sum += (int32_t)v;
+            if (j < 16) first16 += (int32_t)v;
         }
         dx[b] = d;
         sx[b] = d * (float)sum;
-        ix[b] = 128 * sum;
+        ix[3 * b] = 128 * sum;
+        ix[3 * b + 1] = 32 * first16;
+        ix[3 * b + 2] = 32 * (sum - first16);
 #endif
     }
 }
@@ -895,6 +909,10 @@ static inline __attribute__((always_inline)) void i8_tile(
                 for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
                 for (int t = 4 * h; t < 4 * h + 4; t++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * t));
+#if defined(I8_ZMM)
+                    for (int r = 0; r < mr; r++) /* q + 32, unsigned */
+                        isum[r] = _mm256_dpbusd_epi32(isum[r], v, _mm256_set1_epi32(read_i32(qx + r * K + b * QK + 4 * t)));
+#else
                     const __m256i mag = _mm256_sign_epi8(v, v);
                     for (int r = 0; r < mr; r++) {
                         const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(read_i32(qx + r * K + b * QK + 4 * t)), v);
@@ -904,7 +922,12 @@ static inline __attribute__((always_inline)) void i8_tile(
                         isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(mag, xs)); /* 4 * 2 * 32 * 127 */
 #endif
                     }
+#endif
                 }
+#if defined(I8_ZMM)
+                for (int r = 0; r < mr; r++)
+                    isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(IX(ix, r, nb, b, 1 + h)));
+#endif
                 const __m256 d = _mm256_loadu_ps((const float *)(blk + 32 * h));
                 for (int r = 0; r < mr; r++) {
 #if !defined(I8_VNNI)
@@ -932,7 +955,7 @@ static inline __attribute__((always_inline)) void i8_tile(
 #endif
             }
 #if defined(I8_ZMM)
-            for (int r = 0; r < mr; r++) isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(ix[r * (K / QK) + b]));
+            for (int r = 0; r < mr; r++) isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(IX(ix, r, nb, b, 0)));
 #else
             (void)ix;
 #endif
@@ -989,7 +1012,7 @@ static inline __attribute__((always_inline)) void i8_tile16(
     const uint8_t *wg, const int64_t gbytes, const int mr, const uint8_t *pf, const int type)
 {
     const int64_t nb = K / QK, bytes = i8_block_bytes(type);
-    const __m512i nibble = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
+    const __m512i nibble = _mm512_set1_epi8(15);
     __m512 acc[I8_MR];
     for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -1028,26 +1051,23 @@ static inline __attribute__((always_inline)) void i8_tile16(
             }
             const __m512 d = i8_pair_ps(blk, blk2);
             for (int r = 0; r < mr; r++)
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r], _mm512_set1_epi32(ix[r * nb + b]))),
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r], _mm512_set1_epi32(IX(ix, r, nb, b, 0)))),
                                          _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b])), acc[r]);
             continue;
         }
-        /* Q6_K_I8: two scales, a half of four vectors each */
+        /* Q6_K_I8: two scales, a half of four vectors each; q + 32, unsigned */
         for (int h = 0; h < 2; h++) {
             for (int r = 0; r < mr; r++) isum[r] = _mm512_setzero_si512();
             for (int t = 4 * h; t < 4 * h + 4; t++) {
                 const __m512i v = i8_pair(blk + 64 + 32 * t, blk2 + 64 + 32 * t);
-                const __m512i mag = _mm512_abs_epi8(v); /* |q|; -128 stays 0x80, 128 unsigned */
-                const __mmask64 negative = _mm512_movepi8_mask(v);
-                for (int r = 0; r < mr; r++) {
-                    const __m512i xs = _mm512_set1_epi32(read_i32(qx + r * K + b * QK + 4 * t));
-                    isum[r] = _mm512_dpbusd_epi32(isum[r], mag, _mm512_mask_sub_epi8(xs, negative, zero, xs));
-                }
+                for (int r = 0; r < mr; r++)
+                    isum[r] = _mm512_dpbusd_epi32(isum[r], v, _mm512_set1_epi32(read_i32(qx + r * K + b * QK + 4 * t)));
             }
             const __m512 d = i8_pair_ps(blk + 32 * h, blk2 + 32 * h);
             for (int r = 0; r < mr; r++)
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b])),
-                                         acc[r]);
+                acc[r] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r], _mm512_set1_epi32(IX(ix, r, nb, b, 1 + h)))),
+                    _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b])), acc[r]);
         }
     }
     for (int r = 0; r < mr; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
@@ -1100,9 +1120,9 @@ static inline void i8_tile(float *y, int64_t ldy, const int8_t *qx, const float 
 #endif
 
 #define I8_TILE_MR(mr_) \
-    i8_tile(y + m0 * ldy, ldy, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, ix + m0 * nb, K, wg, mr_, pf, type)
+    i8_tile(y + m0 * ldy, ldy, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, ix + 3 * m0 * nb, K, wg, mr_, pf, type)
 #define I8_TILE16_MR(mr_) \
-    i8_tile16(y + m0 * ldy, ldy, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, ix + m0 * nb, K, wg, nb * bytes, mr_, pf, type)
+    i8_tile16(y + m0 * ldy, ldy, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, ix + 3 * m0 * nb, K, wg, nb * bytes, mr_, pf, type)
 
 /* The 8 columns of y (from y) of `pair` = 1 group, or the 16 of `pair` = 2 neighbouring ones (with
  * I8_ZMM), for all M rows of x; inlined with a constant type (an OpenMP region's body gets its
@@ -1146,7 +1166,7 @@ static int matmul_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const u
 {
     const int64_t nb = K / QK, groups = N / I8_ROWS, bytes = i8_block_bytes(type);
     int8_t *qx = aligned_alloc(64, (size_t)(M * K + 64));
-    float *dx = aligned_alloc(64, sizeof(float) * (size_t)(3 * M * nb + 16));
+    float *dx = aligned_alloc(64, sizeof(float) * (size_t)(5 * M * nb + 16));
     if (qx == NULL || dx == NULL) {
         free(qx);
         free(dx);
@@ -1166,7 +1186,7 @@ static int matmul_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const u
     /* x's rows quantized by the same threads first (a step's worth is ~1.5 ms on one AVX2 core at 32
      * rows), then the groups of weights */
     #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) quantize_row_q8(qx + m * K, dx + m * nb, sx + m * nb, ix + m * nb, x + m * ldx, K);
+    for (int64_t m = 0; m < M; m++) quantize_row_q8(qx + m * K, dx + m * nb, sx + m * nb, ix + 3 * m * nb, x + m * ldx, K);
     #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; u++) {
         const int64_t g = u * per_unit;

@@ -22,6 +22,7 @@ import redis
 from services.common.clients import EngineInfo, EngineStats, PrefixMatch
 from services.common.hashing import hash_token_blocks
 from services.engine.client import GrpcEngineClient
+from services.processor.router import STATES_MAX_AGE
 from tests.redis_server import RedisServer
 from tests.services.procs import Serve, client_for, gone, running_serve
 
@@ -78,6 +79,12 @@ class Fleet:
         """The block hashes the index says `engine` holds (its reverse set)."""
         return set(self.redis.smembers(f"{NAMESPACE}:e:{self.info(engine).engine_id}:blocks"))
 
+    def reported_idle(self, engine: str) -> bool:
+        """Whether `engine`'s last heartbeat in the index reported nothing running or waiting: the load
+        the router adds to its cost (its heartbeat after a request finished)."""
+        live = self.redis.hgetall(f"{NAMESPACE}:e:{self.info(engine).engine_id}:live")
+        return live.get(b"running") == b"0" and live.get(b"waiting") == b"0"
+
     def chain(self, token_ids: list[int]) -> list[bytes]:
         info = self.info(self.engines[0])
         return hash_token_blocks(token_ids, info.block_size, info.model_id)
@@ -126,6 +133,11 @@ def test_index_holds_the_prompt_blocks_and_routes_the_shared_prefix_there(fleet:
     wait_for(lambda: fleet.indexed(served) >= set(chain), 10, "every full block of the prompt indexed")
     assert fleet.indexed(served) == set(chain), "the index holds more than the prompt's full blocks"
     assert not fleet.indexed(other) & set(chain)
+
+    # The router counts what an engine last reported as queued: until the served engine's heartbeat
+    # reports the first request gone, one queued request's cost ties the prefix it holds.
+    wait_for(lambda: fleet.reported_idle(served), 10, "the served engine's heartbeat reporting it idle")
+    time.sleep(2 * STATES_MAX_AGE)  # the processor's copy of the engines' states, refreshed at this age
 
     hits_before = {e: fleet.stats(e).prefix_cache_hits for e in fleet.engines}
     second = random_prompt(rng, PROMPT_TOKENS, prompt[:SHARED_TOKENS])

@@ -844,14 +844,13 @@ static void quantize_row_q8(int8_t *qx, float *dx, float *sx, int32_t *ix, const
         hs = _mm256_hadd_epi32(hs, hs);
         __m128i s = _mm_add_epi32(_mm256_castsi256_si128(hs), _mm256_extracti128_si256(hs, 1));
         const int32_t first16 = _mm_cvtsi128_si32(s), last16 = _mm_extract_epi32(s, 1);
-        s = _mm_set1_epi32(first16 + last16);
         /* packs interleave the 128-bit halves: 32-bit groups come out as q0 q1 q2 q3 (low halves), then
          * the high halves; the permutation puts them back in order */
         const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
         _mm256_storeu_si256((__m256i *)qb,
                             _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
         dx[b] = d;
-        sx[b] = d * (float)_mm_cvtsi128_si32(s);
+        sx[b] = d * (float)(first16 + last16);
         ix[3 * b] = 128 * (first16 + last16);
         ix[3 * b + 1] = 32 * first16;
         ix[3 * b + 2] = 32 * last16;
@@ -1121,8 +1120,9 @@ static inline void i8_tile(float *y, int64_t ldy, const int8_t *qx, const float 
 
 #define I8_TILE_MR(mr_) \
     i8_tile(y + m0 * ldy, ldy, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, ix + 3 * m0 * nb, K, wg, mr_, pf, type)
-#define I8_TILE16_MR(mr_) \
-    i8_tile16(y + m0 * ldy, ldy, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, ix + 3 * m0 * nb, K, wg, nb * bytes, mr_, pf, type)
+#define I8_TILE16_MR(mr_)                                                                                  \
+    i8_tile16(y + m0 * ldy, ldy, qx + m0 * K, dx + m0 * nb, sx + m0 * nb, ix + 3 * m0 * nb, K, wg,              \
+              nb * i8_block_bytes(type), mr_, pf, type)
 
 /* The 8 columns of y (from y) of `pair` = 1 group, or the 16 of `pair` = 2 neighbouring ones (with
  * I8_ZMM), for all M rows of x; inlined with a constant type (an OpenMP region's body gets its
@@ -1132,8 +1132,7 @@ static inline __attribute__((always_inline)) void i8_group(float *y, int64_t ldy
                                                           const uint8_t *wg, const int pair, const uint8_t *next,
                                                           const int type)
 {
-    const int64_t nb = K / QK, bytes = i8_block_bytes(type);
-    (void)bytes;
+    const int64_t nb = K / QK;
     for (int64_t m0 = 0; m0 < M; m0 += I8_MR) {
         /* the next groups' weights are read ahead while the first rows of x go through these */
         const uint8_t *pf = m0 == 0 ? next : NULL;

@@ -78,7 +78,7 @@ class Dims(ctypes.Structure):
 class Step(ctypes.Structure):
     _fields_ = [("num_tokens", _I64), ("cos_sin", _P * MAX_ROPE_TABLES), ("slot_mapping", _P), ("block_table", _P),
                 ("seq_lens", _P), ("seq_of_row", _P), ("max_blocks", _I32), ("seg_indptr", _P), ("seg_slots", _P),
-                ("num_segs", _I64)]
+                ("num_segs", _I64), ("prefill_bf16", _I32)]
 
 
 class Scratch(ctypes.Structure):
@@ -135,12 +135,13 @@ def weight(block_weight, bias: torch.Tensor | None) -> Weight:
 def forward(ops_: Ops, dims: Dims, layers: ctypes.Array, final_norm: torch.Tensor, hidden: torch.Tensor,
             cos_sin: Sequence[torch.Tensor], slot_mapping: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, seq_of_row: torch.Tensor | None, qkv_size: int,
-            lora_segments: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            lora_segments: tuple[torch.Tensor, torch.Tensor] | None = None, prefill_bf16: bool = False) -> torch.Tensor:
     """hidden: [n, hidden] float32 embeddings -> a new [n, hidden]: the final RMSNorm of the last
     layer's residual stream. cos_sin: the RoPE tables [n, head_size] that the layers' `rope_table`
     index, contiguous. The step's other tensors as the attention plan holds them (contiguous; int64
     slots, int32 tables). lora_segments: the step's (seg_indptr, seg_slots), contiguous int32, for the
-    layers bound with LoRA slots; None: no request runs with an adapter."""
+    layers bound with LoRA slots; None: no request runs with an adapter. prefill_bf16: the attention
+    kernel's (cpu_paged_attention.paged_decode_attention)."""
     n, h = hidden.shape
     if not 1 <= len(cos_sin) <= MAX_ROPE_TABLES or any(not t.is_contiguous() for t in cos_sin):
         raise ValueError(f"decoder_forward takes 1 to {MAX_ROPE_TABLES} contiguous RoPE tables")
@@ -159,7 +160,8 @@ def forward(ops_: Ops, dims: Dims, layers: ctypes.Array, final_norm: torch.Tenso
     step = Step(n, tables, slot_mapping.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(),
                 None if seq_of_row is None else seq_of_row.data_ptr(), block_table.shape[1],
                 None if seg_indptr is None else seg_indptr.data_ptr(),
-                None if seg_slots is None else seg_slots.data_ptr(), 0 if seg_slots is None else seg_slots.shape[0])
+                None if seg_slots is None else seg_slots.data_ptr(), 0 if seg_slots is None else seg_slots.shape[0],
+                int(prefill_bf16))
     rc = native.library(_NAME).decoder_forward(ctypes.byref(ops_), ctypes.byref(dims), layers, len(layers),
                                                final_norm.data_ptr(), ctypes.byref(step), hidden.data_ptr(),
                                                ctypes.byref(scratch))

@@ -16,8 +16,8 @@ import torch
 from kvmesh_kernels import native
 from kvmesh_kernels.native import FAST_MATH, NativeKernelUnavailable
 
-__all__ = ["NativeKernelUnavailable", "build", "is_available", "paged_decode_attention", "variant",
-           "vector_width"]
+__all__ = ["NativeKernelUnavailable", "build", "is_available", "paged_decode_attention", "prefill_bf16_built",
+           "variant", "vector_width"]
 
 _BASE_FLAGS = ("-O3", *FAST_MATH, "-fopenmp")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -26,11 +26,12 @@ _NAME = "paged_decode_attention"
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vector_width.restype, lib.vector_width.argtypes = ctypes.c_int, []
+    lib.prefill_bf16_built.restype, lib.prefill_bf16_built.argtypes = ctypes.c_int, []
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_float,
                                                                 ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                                                                ctypes.c_int]
+                                                                ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -42,6 +43,12 @@ build, variant, is_available, compile_ahead = _KERNEL.build, _KERNEL.variant, _K
 def vector_width(lib: ctypes.CDLL | None = None) -> int:
     """The float lanes of the build's vector path (16: AVX-512, 8: AVX2 + FMA), 1: the scalar code."""
     return (lib or _library()).vector_width()
+
+
+def prefill_bf16_built(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the build multiplies prefill tiles in bfloat16 when asked (`prefill_bf16`): AVX-512 with
+    AVX512_BF16."""
+    return bool((lib or _library()).prefill_bf16_built())
 
 
 def _library() -> ctypes.CDLL:
@@ -60,6 +67,7 @@ def paged_decode_attention(
     soft_cap: float | None = None,
     lib: ctypes.CDLL | None = None,  # a `variant`; default: the served build
     seq_of_row: torch.Tensor | None = None,  # [B] int32 row -> its request's row of block_table; None: b -> b
+    prefill_bf16: bool = False,  # a prefill run's products in bfloat16, where the build has them
 ) -> torch.Tensor:
     num_seqs, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -87,7 +95,7 @@ def paged_decode_attention(
         block_table.data_ptr(), seq_lens.data_ptr(), None if seq_of_row is None else seq_of_row.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_size, block_size, block_table.shape[1],
         scale, sliding_window or 0, soft_cap or 0.0, _DTYPES[q.dtype], q.stride(0), out.stride(0),
-        torch.get_num_threads(),
+        torch.get_num_threads(), int(prefill_bf16),
     )
     if rc != 0:
         raise ValueError("paged_decode_attention rejected its arguments")

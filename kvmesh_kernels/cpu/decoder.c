@@ -38,7 +38,7 @@ typedef int (*attention_fn)(void *out, const void *q, const void *k_cache, const
                             const int32_t *block_table, const int32_t *seq_lens, const int32_t *seq_of_row,
                             int num_seqs, int num_heads, int num_kv_heads, int head_size, int block_size,
                             int max_blocks_per_seq, float scale, int sliding_window, float soft_cap, int dtype,
-                            int64_t q_stride, int64_t out_stride, int num_threads);
+                            int64_t q_stride, int64_t out_stride, int num_threads, int prefill_bf16);
 typedef void (*gated_fn)(float *out, const float *x, int64_t num_tokens, int64_t inter, int num_threads);
 typedef int (*lora_shrink_fn)(float *y, int64_t ld_y, const void *x, int64_t ld_x, const void *a, int64_t slot_stride,
                               int64_t ld_a, int64_t num_slots, const int32_t *seg_indptr, const int32_t *seg_slots,
@@ -118,6 +118,7 @@ typedef struct {
      * seg_slots NULL: no request of the step has an adapter */
     const int32_t *seg_indptr, *seg_slots;
     int64_t num_segs;
+    int32_t prefill_bf16; /* the attention kernel's: prefill tiles' products in bfloat16 */
 } Step;
 
 typedef struct {
@@ -191,7 +192,7 @@ static int attention(const Ops *ops, const Dims *d, const Layer *l, const Step *
     rc = ops->attention(s->attn, s->qkv, l->k_cache, l->v_cache, step->block_table, step->seq_lens,
                                   step->seq_of_row, (int)n, d->num_heads, d->num_kv_heads, D, d->block_size,
                                   step->max_blocks, d->scale, l->sliding_window, d->soft_cap, 0, qkv_row,
-                                  q_size, nt);
+                                  q_size, nt, step->prefill_bf16);
     if (rc != 0) return rc;
     return linear(ops, d, &l->o, &l->o_lora, step, s, s->out, s->attn, n);
 }

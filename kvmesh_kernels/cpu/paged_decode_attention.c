@@ -12,7 +12,8 @@
  * item reads its context once and serves the H / Hkv query heads that share that kv head (GQA) in
  * each of its rows, with an online softmax in float32. Items of one kv head are handed out together.
  * dtype: 0 = float32, 1 = bfloat16, 2 = float16 (q, cache and out share it); the arithmetic is float32
- * in all three, a bfloat16 or float16 row made float32 as it is loaded.
+ * in all three, a bfloat16 or float16 row made float32 as it is loaded. prefill_bf16 (where the build
+ * has AVX512_BF16: prefill_bf16_built) multiplies prefill tiles' operands in bfloat16 instead.
  */
 #include <math.h>
 #include <stdint.h>
@@ -539,7 +540,14 @@ static inline __attribute__((always_inline)) void attend_tile_vector(
  */
 #define PREFILL_MIN_ROWS 8
 #define PREFILL_CHUNK 32
-#define PREFILL_LANES MAX_ROWS /* (row, head) pairs of a tile */
+#if W == 16 && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PREFILL_BF16 1
+/* (row, head) pairs of a tile: MAX_ROWS in float32, twice that in bfloat16, whose products cost half
+ * as much against the same K and V rows read and converted per chunk. */
+#define PREFILL_LANES (2 * MAX_ROWS)
+#else
+#define PREFILL_LANES MAX_ROWS
+#endif
 #define PREFILL_RV (PREFILL_LANES / W) /* their vectors, at most */
 
 /* A value the compiler must hold in a register: loaded once and used by several FMAs, where GCC
@@ -680,10 +688,122 @@ static inline void prefill_values(float (*ot)[PREFILL_LANES], const float (*pr)[
     }
 }
 
+/*
+ * The same two products with bfloat16 operands where the CPU has AVX512_BF16 (`bf16` set by the
+ * caller: `--dtype auto`, whose linear layers already round their activations): vdpbf16ps takes
+ * two multiply-adds a lane per instruction, twice the float32 FMA's, summing each pair in float32.
+ * The operands are rounded to nearest even once per chunk (K, V) or tile (Q) and laid out in pairs
+ * along the summed index: Q^T and the K rows pair head-size elements (d, d + 1), P and the V rows
+ * pair positions (t, t + 1), V's pairs built by interleaving two converted rows (a 16-bit permute).
+ * The running max, the exps and the softmax sums stay float32.
+ */
+#if defined(PREFILL_BF16)
+/* The bfloat16 tiles' broadcasts held beside their TB x RV sums (vdpbf16ps: 6 cycles' latency). */
+#define HELD_BF16(RV) ((RV) <= 2 ? 8 : (RV) == 3 ? 5 : 4)
+
+static inline __m512bh bf16_pair(const void *p) {
+    int32_t bits;
+    memcpy(&bits, p, sizeof bits);
+    return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+/* Two float32 vectors as 16 bfloat16 pairs (a[i], b[i]), a in the low half of each 32-bit lane. */
+static inline __m512i bf16_interleave(__m512 a, __m512 b) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+static inline __attribute__((always_inline)) void scores_block_bf16(
+    float (*sc)[PREFILL_LANES], const uint32_t (*qp)[PREFILL_LANES], const uint16_t (*kb)[MAX_HEAD], int t0,
+    int head_size, const int TB, const int RV)
+{
+    vf acc[12][PREFILL_RV];
+    for (int t = 0; t < TB; t++)
+        for (int r = 0; r < RV; r++) acc[t][r] = v_zero();
+    for (int d = 0; d < head_size; d += 2) {
+        __m512bh k[12];
+        for (int t = 0; t < TB; t++) k[t] = bf16_pair(kb[t0 + t] + d);
+        for (int r = 0; r < RV; r++) {
+            __m512bh qv = (__m512bh)_mm512_load_si512(qp[d / 2] + W * r);
+            in_register(qv);
+            for (int t = 0; t < TB; t++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], qv, k[t]);
+        }
+    }
+    for (int t = 0; t < TB; t++)
+        for (int r = 0; r < RV; r++) v_store(sc[t0 + t] + W * r, acc[t][r]);
+}
+
+/* ot[d0 .. d0 + DB) = ot * corr + sum over position pairs of P V, as values_block. */
+static inline __attribute__((always_inline)) void values_block_bf16(
+    float (*ot)[PREFILL_LANES], const uint32_t (*pp)[PREFILL_LANES], const uint32_t (*vp)[MAX_HEAD], int pairs,
+    int d0, const vf *corr, const int DB, const int RV)
+{
+    vf acc[12][PREFILL_RV];
+    for (int j = 0; j < DB; j++)
+        for (int r = 0; r < RV; r++) acc[j][r] = v_mul(v_load(ot[d0 + j] + W * r), corr[r]);
+    for (int t = 0; t < pairs; t++) {
+        __m512bh v[12];
+        for (int j = 0; j < DB; j++) v[j] = bf16_pair(vp[t] + d0 + j);
+        for (int r = 0; r < RV; r++) {
+            __m512bh p = (__m512bh)_mm512_load_si512(pp[t] + W * r);
+            in_register(p);
+            for (int j = 0; j < DB; j++) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], p, v[j]);
+        }
+    }
+    for (int j = 0; j < DB; j++)
+        for (int r = 0; r < RV; r++) v_store(ot[d0 + j] + W * r, acc[j][r]);
+}
+
+#define PREFILL_BF16_KERNELS(RV)                                                                                   \
+    static __attribute__((noinline)) void prefill_scores_bf16_##RV(                                                \
+        float (*sc)[PREFILL_LANES], const uint32_t (*qp)[PREFILL_LANES], const uint16_t (*kb)[MAX_HEAD], int n,    \
+        int head_size) {                                                                                           \
+        const int TB = HELD_BF16(RV);                                                                              \
+        int t = 0;                                                                                                 \
+        for (; t + TB <= n; t += TB) scores_block_bf16(sc, qp, kb, t, head_size, TB, RV);                          \
+        for (; t + 4 <= n; t += 4) scores_block_bf16(sc, qp, kb, t, head_size, 4, RV);                             \
+        for (; t < n; t++) scores_block_bf16(sc, qp, kb, t, head_size, 1, RV);                                     \
+    }                                                                                                              \
+    static __attribute__((noinline)) void prefill_values_bf16_##RV(                                                \
+        float (*ot)[PREFILL_LANES], const uint32_t (*pp)[PREFILL_LANES], const uint32_t (*vp)[MAX_HEAD], int n,    \
+        int head_size, const vf *corr) {                                                                           \
+        const int DB = HELD_BF16(RV);                                                                              \
+        int d0 = 0;                                                                                                \
+        for (; d0 + DB <= head_size; d0 += DB) values_block_bf16(ot, pp, vp, (n + 1) / 2, d0, corr, DB, RV);       \
+        for (; d0 < head_size; d0++) values_block_bf16(ot, pp, vp, (n + 1) / 2, d0, corr, 1, RV);                  \
+    }
+PREFILL_BF16_KERNELS(1)
+PREFILL_BF16_KERNELS(2)
+PREFILL_BF16_KERNELS(3)
+PREFILL_BF16_KERNELS(4)
+
+static inline void prefill_scores_bf16(float (*sc)[PREFILL_LANES], const uint32_t (*qp)[PREFILL_LANES],
+                                       const uint16_t (*kb)[MAX_HEAD], int n, int head_size, int rv) {
+    switch (rv) {
+        case 1: prefill_scores_bf16_1(sc, qp, kb, n, head_size); break;
+        case 2: prefill_scores_bf16_2(sc, qp, kb, n, head_size); break;
+        case 3: prefill_scores_bf16_3(sc, qp, kb, n, head_size); break;
+        default: prefill_scores_bf16_4(sc, qp, kb, n, head_size); break;
+    }
+}
+
+static inline void prefill_values_bf16(float (*ot)[PREFILL_LANES], const uint32_t (*pp)[PREFILL_LANES],
+                                       const uint32_t (*vp)[MAX_HEAD], int n, int head_size, const vf *corr, int rv) {
+    switch (rv) {
+        case 1: prefill_values_bf16_1(ot, pp, vp, n, head_size, corr); break;
+        case 2: prefill_values_bf16_2(ot, pp, vp, n, head_size, corr); break;
+        case 3: prefill_values_bf16_3(ot, pp, vp, n, head_size, corr); break;
+        default: prefill_values_bf16_4(ot, pp, vp, n, head_size, corr); break;
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void attend_prefill_tile(
     void *out, const void *q, const void *k_cache, const void *v_cache, const int32_t *blocks,
     const int32_t *row_lens, int b0, int nt, int kvh, int group, int head_size, int block_size, float scale,
-    int sliding_window, int dtype, int64_t q_stride, int64_t out_stride, int64_t row_stride, const int RV)
+    int sliding_window, int dtype, int64_t q_stride, int64_t out_stride, int64_t row_stride, const int RV,
+    const int BF)
 {
     float qt[MAX_HEAD][PREFILL_LANES] __attribute__((aligned(64)));
     float ot[MAX_HEAD][PREFILL_LANES] __attribute__((aligned(64)));
@@ -712,6 +832,16 @@ static inline __attribute__((always_inline)) void attend_prefill_tile(
                  head_size, row);
         for (int d = 0; d < head_size; d++) qt[d][r] = row[d] * scale;
     }
+#if defined(PREFILL_BF16)
+    uint32_t qp[MAX_HEAD / 2][PREFILL_LANES] __attribute__((aligned(64))); /* Q^T, pairs of d */
+    uint16_t kh[PREFILL_CHUNK][MAX_HEAD] __attribute__((aligned(64)));
+    uint32_t vp[PREFILL_CHUNK / 2][MAX_HEAD] __attribute__((aligned(64))); /* pairs of positions */
+    uint32_t pp[PREFILL_CHUNK / 2][PREFILL_LANES] __attribute__((aligned(64)));
+    if (BF)
+        for (int d = 0; d < head_size; d += 2)
+            for (int r = 0; r < RV * W; r++)
+                qp[d / 2][r] = f32_to_bf16(qt[d][r]) | (uint32_t)f32_to_bf16(qt[d + 1][r]) << 16;
+#endif
     /* The running max starts finite: a lane with nothing visible yet keeps exp(0) = 1 as its
      * correction of zero sums, where -inf - -inf would be NaN. */
     vf m[PREFILL_RV], l[PREFILL_RV];
@@ -720,7 +850,10 @@ static inline __attribute__((always_inline)) void attend_prefill_tile(
         l[r] = v_zero();
     }
     for (int c0 = first - first % PREFILL_CHUNK; c0 < last; c0 += PREFILL_CHUNK) {
-        const int ta = c0 > first ? c0 : first, tb = c0 + PREFILL_CHUNK < last ? c0 + PREFILL_CHUNK : last;
+        /* bfloat16 tiles pair positions (t, t + 1) from an even t, whatever the tile's first position (a
+         * position before it is masked for every lane), so that a row's sums do not depend on its tile. */
+        const int ta = c0 > first ? c0 : BF ? first - first % 2 : first;
+        const int tb = c0 + PREFILL_CHUNK < last ? c0 + PREFILL_CHUNK : last;
         const int n = tb - ta;
         /* The next chunk's rows are asked for now: they come from L3 or memory (strided, in blocks
          * scattered over the pool) while this chunk is computed. */
@@ -730,6 +863,20 @@ static inline __attribute__((always_inline)) void attend_prefill_tile(
                             elem);
         for (int t = 0; t < n; t++) {
             const int64_t index = kv_row(blocks, ta + t, block_size, row_stride, kvh, head_size);
+#if defined(PREFILL_BF16)
+            if (BF) {
+                const int64_t next = t + 1 < n ? kv_row(blocks, ta + t + 1, block_size, row_stride, kvh, head_size) : -1;
+                for (int c = 0; c < head_size; c += W) {
+                    const __m512i k = (__m512i)_mm512_cvtne2ps_pbh(v_zero(), v_load_row(k_cache, index + c, dtype));
+                    _mm256_store_si256((__m256i *)(kh[t] + c), _mm512_castsi512_si256(k));
+                    if (t % 2 == 0)
+                        _mm512_store_si512(vp[t / 2] + c, bf16_interleave(v_load_row(v_cache, index + c, dtype),
+                                                                          next >= 0 ? v_load_row(v_cache, next + c, dtype)
+                                                                                    : v_zero()));
+                }
+                continue;
+            }
+#endif
             if (dtype == 0) {
                 krow[t] = (const float *)k_cache + index;
                 vrow[t] = (const float *)v_cache + index;
@@ -742,6 +889,12 @@ static inline __attribute__((always_inline)) void attend_prefill_tile(
                 vrow[t] = vb[t];
             }
         }
+#if defined(PREFILL_BF16)
+        if (BF) {
+            prefill_scores_bf16(sc, (const uint32_t (*)[PREFILL_LANES])qp, (const uint16_t (*)[MAX_HEAD])kh, n,
+                                head_size, RV);
+        } else
+#endif
         prefill_scores(sc, (const float (*)[PREFILL_LANES])qt, krow, n, head_size, RV);
         const int masked = ta < lo_max || tb > hi_min;
         vf corr[PREFILL_RV];
@@ -768,6 +921,17 @@ static inline __attribute__((always_inline)) void attend_prefill_tile(
             }
             l[r] = sum;
         }
+#if defined(PREFILL_BF16)
+        if (BF) {
+            for (int t = 0; t < n; t += 2)
+                for (int r = 0; r < RV; r++)
+                    _mm512_store_si512(pp[t / 2] + W * r, bf16_interleave(v_load(sc[t] + W * r),
+                                                                         t + 1 < n ? v_load(sc[t + 1] + W * r) : v_zero()));
+            prefill_values_bf16(ot, (const uint32_t (*)[PREFILL_LANES])pp, (const uint32_t (*)[MAX_HEAD])vp, n,
+                                head_size, corr, RV);
+            continue;
+        }
+#endif
         prefill_values(ot, (const float (*)[PREFILL_LANES])sc, vrow, n, head_size, corr, RV);
     }
     float inv[PREFILL_LANES] __attribute__((aligned(64)));
@@ -791,21 +955,40 @@ int vector_width(void)
 #endif
 }
 
+/* Whether `prefill_bf16` takes effect in this build: AVX-512 with AVX512_BF16. */
+int prefill_bf16_built(void)
+{
+#if defined(PREFILL_BF16)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int paged_decode_attention(
     void *out, const void *q, const void *k_cache, const void *v_cache,
     const int32_t *block_table, const int32_t *seq_lens, const int32_t *seq_of_row,
     int num_seqs, int num_heads, int num_kv_heads, int head_size, int block_size,
     int max_blocks_per_seq, float scale, int sliding_window, float soft_cap, int dtype,
-    int64_t q_stride, int64_t out_stride, int num_threads)
+    int64_t q_stride, int64_t out_stride, int num_threads, int prefill_bf16)
 {
     const int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_size > MAX_HEAD || block_size > MAX_BLOCK || num_heads % num_kv_heads) return -1;
     const int64_t row_stride = (int64_t)num_kv_heads * head_size; /* one token's K (or V) */
-    /* Tiles: runs of up to MAX_ROWS / group rows of one request at consecutive positions (a prefill
-     * chunk's), or of decodes of different requests sharing at least MIN_SHARED_BLOCKS full blocks
+    /* Tiles: runs of up to MAX_ROWS / group rows (run_rows) of one request at consecutive positions (a
+     * prefill chunk's), or of decodes of different requests sharing at least MIN_SHARED_BLOCKS full blocks
      * at the start of their tables (no sliding window), up to share_rows of them: enough tiles that
      * the threads get two (kv head, tile) items each. */
     const int tile_rows = MAX_ROWS / group > 0 ? MAX_ROWS / group : 1;
+#if defined(PREFILL_BF16)
+    /* bfloat16 prefill tiles take runs of twice the rows where every run of at least PREFILL_MIN_ROWS
+     * goes to them and a shorter one still fits the per-row path's MAX_ROWS (row, head) pairs. */
+    const int run_rows = prefill_bf16 && soft_cap <= 0.f && head_size % W == 0 &&
+                         (PREFILL_MIN_ROWS - 1) * group <= MAX_ROWS ? PREFILL_LANES / group : tile_rows;
+#else
+    prefill_bf16 = 0;
+    const int run_rows = tile_rows;
+#endif
     const int min_tiles = (2 * num_threads + num_kv_heads - 1) / num_kv_heads;
     int share_rows = (num_seqs + min_tiles - 1) / min_tiles;
     share_rows = share_rows < tile_rows ? share_rows : tile_rows;
@@ -827,7 +1010,7 @@ int paged_decode_attention(
         const int starts_run = b + 1 < num_seqs && seq_of_row != NULL && seq_of_row[b + 1] == seq_of_row[b];
         const int is_lone = !same_request && !starts_run && sliding_window <= 0;
         const int t = num_tiles - 1, size = b - (t >= 0 ? tiles[t] : 0);
-        if (same_request && seq_lens[b] == seq_lens[b - 1] + 1 && size < tile_rows) {
+        if (same_request && seq_lens[b] == seq_lens[b - 1] + 1 && size < run_rows) {
             shared[t] = seq_lens[b]; /* one request: every position */
             continue;
         }
@@ -857,16 +1040,27 @@ int paged_decode_attention(
 #if defined(VECTOR_PATH)
             if (head_size % W == 0 && soft_cap <= 0.f && nt >= PREFILL_MIN_ROWS && nt * group <= PREFILL_LANES &&
                 seq_of_row != NULL && seq_of_row[b0] == seq_of_row[b0 + nt - 1]) {
-#define PTILE(RV) attend_prefill_tile(out, q, k_cache, v_cache, row_blocks[b0], seq_lens, b0, nt, kvh, group, \
-                                      head_size, block_size, scale, sliding_window, dtype, q_stride, out_stride, \
-                                      row_stride, RV)
-                switch ((nt * group + W - 1) / W) {
-                    case 1: PTILE(1); break;
-#if W == 8
-                    case 3: PTILE(3); break;
-                    case 4: PTILE(4); break;
+#define PTILE(RV, BF) attend_prefill_tile(out, q, k_cache, v_cache, row_blocks[b0], seq_lens, b0, nt, kvh, \
+                                          group, head_size, block_size, scale, sliding_window, dtype, q_stride, \
+                                          out_stride, row_stride, RV, BF)
+#if defined(PREFILL_BF16)
+                if (prefill_bf16) {
+                    switch ((nt * group + W - 1) / W) {
+                        case 1: PTILE(1, 1); break;
+                        case 2: PTILE(2, 1); break;
+                        case 3: PTILE(3, 1); break;
+                        default: PTILE(4, 1); break;
+                    }
+                    continue;
+                }
 #endif
-                    default: PTILE(2); break;
+                switch ((nt * group + W - 1) / W) {
+                    case 1: PTILE(1, 0); break;
+#if W == 8
+                    case 3: PTILE(3, 0); break;
+                    case 4: PTILE(4, 0); break;
+#endif
+                    default: PTILE(2, 0); break;
                 }
 #undef PTILE
                 continue;

@@ -125,7 +125,7 @@ class NativeDecoder:
         segments = None if ctx.lora is None else (ctx.lora.seg_indptr, ctx.lora.seg_slots)
         return cpu_decoder.forward(self.ops, self.dims, layers, self.model.norm.weight, hidden.contiguous(),
                                    [table.contiguous() for table in cos_sin], plan.slot_mapping, plan.block_table,
-                                   plan.seq_lens, plan.seq_of_row, self.qkv_size, segments)
+                                   plan.seq_lens, plan.seq_of_row, self.qkv_size, segments, plan.prefill_bf16)
 
 
 class _Gemma3Extras(NamedTuple):

@@ -153,8 +153,43 @@ def test_long_prefill_chunks_match_reference(dtype, num_heads, num_kv_heads, hea
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size,block_size,window", [
+    (4, 1, 256, 16, None), (9, 3, 64, 16, None), (8, 2, 128, 32, 24), (4, 4, 80, 8, None), (8, 4, 96, 16, 24),
+])
+def test_bfloat16_prefill_products_round_only_their_operands(num_heads, num_kv_heads, head_size, block_size, window,
+                                                             isa, gen):
+    """`prefill_bf16` (`--dtype auto`): a build with AVX512_BF16 multiplies the prompt runs' q.k and p.v
+    in bfloat16, which lands within a few bfloat16 roundings of the reference over q, K and V rounded
+    to bfloat16, while a decode in the same call keeps float32 bit for bit; every other build ignores
+    the flag."""
+    case = make_case(Shape(num_heads, num_kv_heads, head_size, block_size, torch.float32), LONG_Q_LENS,
+                     LONG_CONTEXTS, torch.device("cpu"), gen)
+    seq_of_row, row_lens = prefill_rows(LONG_Q_LENS, LONG_CONTEXTS)
+    lib = cpu_paged_attention.variant(isa, default_cache_dir())
+    built = cpu_paged_attention.prefill_bf16_built(lib)
+    assert built == {"avx2": False, "scalar": False, EMULATED: True}.get(isa, native.cpu_has("avx512_bf16"))
+    scale = head_size**-0.5
+    out = {}
+    for bf16 in (False, True):
+        out[bf16] = poisoned_like(case.q)
+        cpu_paged_attention.paged_decode_attention(out[bf16], case.q, case.kv_cache[0], case.kv_cache[1],
+                                                   case.batch.block_table, row_lens, scale, window, lib=lib,
+                                                   seq_of_row=seq_of_row, prefill_bf16=bf16)
+    if not built:
+        assert torch.equal(out[True], out[False])
+        return
+    rounded = paged_attention_ref((case.q * scale).bfloat16().float() / scale, case.kv_cache.bfloat16().float(),
+                                  case.batch.query_start_loc, case.batch.seq_lens, case.batch.block_table, scale,
+                                  window)
+    torch.testing.assert_close(out[True], rounded, atol=1e-2, rtol=1e-2)  # p in bfloat16: ~2 of its ulps at 1.0
+    decode = LONG_Q_LENS[0]  # request 1's one new token
+    assert torch.equal(out[True][decode], out[False][decode])
+    assert (out[True] - out[False]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("prefill_bf16", [False, True])
 @pytest.mark.parametrize("window", [None, 24])
-def test_a_prefill_row_does_not_depend_on_the_rows_beside_it(window, isa, gen):
+def test_a_prefill_row_does_not_depend_on_the_rows_beside_it(window, prefill_bf16, isa, gen):
     """A 100-token prompt attended in one call, and from its sixth token on in another: the tiles of
     rows start elsewhere, and every row in a full tile of both comes out bit for bit the same (the
     prefix cache and chunked prefill cut prompts anywhere)."""
@@ -165,8 +200,9 @@ def test_a_prefill_row_does_not_depend_on_the_rows_beside_it(window, isa, gen):
     for out, rows in ((whole, slice(0, 100)), (tail, slice(5, 100))):
         cpu_paged_attention.paged_decode_attention(out, case.q[rows], case.kv_cache[0], case.kv_cache[1],
                                                    case.batch.block_table, row_lens[rows].contiguous(), 0.125,
-                                                   window, lib=lib, seq_of_row=seq_of_row[rows].contiguous())
-    # Group 3: tiles of 10 rows, from row 0 in the one call and from row 5 in the other.
+                                                   window, lib=lib, seq_of_row=seq_of_row[rows].contiguous(),
+                                                   prefill_bf16=prefill_bf16)
+    # Group 3: tiles of 10 rows (21 in bfloat16), from row 0 in the one call and from row 5 in the other.
     assert torch.equal(whole[5:95], tail[:90])
     torch.testing.assert_close(whole[95:], tail[90:], atol=2e-5, rtol=2e-5)
 

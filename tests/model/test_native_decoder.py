@@ -109,7 +109,7 @@ def test_int8_copies_take_the_same_bits_natively_and_through_the_modules(llm: LL
 def test_steps_of_many_tokens_go_through_the_modules(llm: LLM):
     native = model_of(llm).native_decoder
     hidden = torch.zeros(cpu_quant_matmul.gemm_rows(), 8)
-    plan = NativeAttentionPlan(*(torch.zeros(1),) * 6)
+    plan = NativeAttentionPlan(*(torch.zeros(1),) * 6, False)
     with set_forward_context(ForwardContext(None, plan, [], None)):
         assert native.forward(hidden, torch.zeros(hidden.shape[0], 64)) is None
 

@@ -58,18 +58,20 @@ class NativeAttentionPlan:
     block_table: torch.Tensor  # [num_reqs, num_blocks] int32, contiguous
     seq_lens: torch.Tensor  # [n] int32: token i attends the first seq_lens[i] tokens of its request
     seq_of_row: torch.Tensor | None  # [n] int32: token i's request; None: every token is a decode, in order
+    prefill_bf16: bool  # the kernel multiplies prefill runs' operands in bfloat16
 
 
 class TorchAttentionBackend:
-    def __init__(self, native_decode: bool = False) -> None:
+    def __init__(self, native_decode: bool = False, prefill_bf16: bool = False) -> None:
         self.native_decode = native_decode
+        self.prefill_bf16 = prefill_bf16
         self.name = "cpu" if native_decode else "torch"
 
     def plan(self, meta: AttentionMetadata) -> TorchAttentionPlan | NativeAttentionPlan:
         device = meta.slot_mapping.device
         write_slots, write_rows = _write_plan(meta.slot_mapping)
         if self.native_decode and sum(meta.query_lens_cpu) == meta.num_tokens:
-            return _native_plan(meta, write_slots, write_rows)
+            return _native_plan(meta, write_slots, write_rows, self.prefill_bf16)
 
         bs = meta.block_size
         decode_reqs, prefills = [], []
@@ -122,7 +124,8 @@ class TorchAttentionBackend:
         window = layer.sliding_window
         if isinstance(plan, NativeAttentionPlan):
             return paged_decode_attention(out, q, kv_cache[0], kv_cache[1], plan.block_table, plan.seq_lens,
-                                          layer.scale, window, layer.logits_soft_cap, seq_of_row=plan.seq_of_row)
+                                          layer.scale, window, layer.logits_soft_cap, seq_of_row=plan.seq_of_row,
+                                          prefill_bf16=plan.prefill_bf16)
         if plan.decode_rows.numel() and self.native_decode:
             qd = q if plan.all_decodes else q[plan.decode_rows]  # [B, H, D]
             od = out if plan.all_decodes else torch.empty_like(qd)
@@ -162,20 +165,22 @@ def _write_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor 
     return slot_mapping[write_rows], write_rows
 
 
-def _native_plan(meta: AttentionMetadata, write_slots: torch.Tensor,
-                 write_rows: torch.Tensor | None) -> NativeAttentionPlan:
+def _native_plan(meta: AttentionMetadata, write_slots: torch.Tensor, write_rows: torch.Tensor | None,
+                 prefill_bf16: bool) -> NativeAttentionPlan:
     """Every token a row of the native kernel. Token j of request i (q_i new tokens) sits at position
     seq_lens[i] - q_i + j, so it attends the request's first seq_lens[i] - q_i + j + 1 tokens."""
     block_table = meta.block_table.contiguous()
     if meta.max_query_len == 1 and meta.num_reqs == meta.num_tokens:  # decodes only: row i is request i
-        return NativeAttentionPlan(meta.slot_mapping, write_slots, write_rows, block_table, meta.seq_lens.int(), None)
+        return NativeAttentionPlan(meta.slot_mapping, write_slots, write_rows, block_table, meta.seq_lens.int(), None,
+                                   prefill_bf16)
     device = meta.slot_mapping.device
     q_lens = torch.tensor(meta.query_lens_cpu, device=device)
     seq_of_row = torch.repeat_interleave(torch.arange(meta.num_reqs, device=device), q_lens)  # [n]
     ends = meta.query_start_loc[1:].long()  # [num_reqs] one past each request's last token
     tokens_after = ends[seq_of_row] - 1 - torch.arange(meta.num_tokens, device=device)  # later tokens of its request
     seq_lens = (meta.seq_lens.long()[seq_of_row] - tokens_after).int()
-    return NativeAttentionPlan(meta.slot_mapping, write_slots, write_rows, block_table, seq_lens, seq_of_row.int())
+    return NativeAttentionPlan(meta.slot_mapping, write_slots, write_rows, block_table, seq_lens, seq_of_row.int(),
+                               prefill_bf16)
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

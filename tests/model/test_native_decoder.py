@@ -12,7 +12,7 @@ import gc
 import pytest
 import torch
 
-from kvmesh_kernels import cpu_quant_matmul
+from kvmesh_kernels import cpu_paged_attention, cpu_quant_matmul
 from kvmesh_kernels.cpu_quant_matmul import QuantType
 from services import LLM, SamplingParams
 from services.worker.attention.torch_backend import NativeAttentionPlan
@@ -125,6 +125,9 @@ def test_dtype_auto_reads_long_prompts_in_the_cpus_low_precision(llm: LLM):
         head = model.lm_head.block_weight.gemm_weight  # the logits of larger steps in the same arithmetic
         want_head = {torch.bfloat16: QuantType.BF16, torch.int8: QuantType.Q8_0_I8}.get(want)
         assert (None if head is None else head.qtype) == want_head
+        # Prompt attention's products in bfloat16 where the kernel has them; never in the exact mode.
+        assert auto.worker.backend.prefill_bf16 == cpu_paged_attention.prefill_bf16_built()
+        assert not llm.worker.backend.prefill_bf16
         prompt = llm.get_tokenizer().encode("The history of the river and its bridges. " * 60)
         assert len(prompt) > cpu_quant_matmul.gemm_rows()  # read through the modules
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)

@@ -72,6 +72,21 @@ static inline int64_t kv_row(const int32_t *blocks, int t, int block_size, int64
     return ((int64_t)blocks[t / block_size] * block_size + t % block_size) * row_stride + (int64_t)kvh * head_size;
 }
 
+/* kv_row of positions t0 .. t0 + n - 1, one division for them all (a division per row was a tenth of
+ * a prefill tile's own loop). */
+static inline void kv_rows(int64_t *index, const int32_t *blocks, int t0, int n, int block_size, int64_t row_stride,
+                           int kvh, int head_size)
+{
+    int b = t0 / block_size, o = t0 % block_size;
+    for (int t = 0; t < n; t++) {
+        index[t] = ((int64_t)blocks[b] * block_size + o) * row_stride + (int64_t)kvh * head_size;
+        if (++o == block_size) {
+            o = 0;
+            b++;
+        }
+    }
+}
+
 /* Asks for the K and V rows at element index `index` (elem bytes an element) ahead of their use. */
 static inline void prefetch_kv_row(const void *k_cache, const void *v_cache, int64_t index, int head_size, int elem)
 {
@@ -858,14 +873,17 @@ static inline __attribute__((always_inline)) void attend_prefill_tile(
         /* The next chunk's rows are asked for now: they come from L3 or memory (strided, in blocks
          * scattered over the pool) while this chunk is computed. */
         const int elem = dtype == 0 ? 4 : 2;
-        for (int pos = tb; pos < tb + PREFILL_CHUNK && pos < last; pos++)
-            prefetch_kv_row(k_cache, v_cache, kv_row(blocks, pos, block_size, row_stride, kvh, head_size), head_size,
-                            elem);
+        int64_t rows[PREFILL_CHUNK + 1];
+        const int ahead = last - tb < PREFILL_CHUNK ? last - tb : PREFILL_CHUNK;
+        kv_rows(rows, blocks, tb, ahead, block_size, row_stride, kvh, head_size);
+        for (int t = 0; t < ahead; t++) prefetch_kv_row(k_cache, v_cache, rows[t], head_size, elem);
+        kv_rows(rows, blocks, ta, n, block_size, row_stride, kvh, head_size);
+        rows[n] = -1;
         for (int t = 0; t < n; t++) {
-            const int64_t index = kv_row(blocks, ta + t, block_size, row_stride, kvh, head_size);
+            const int64_t index = rows[t];
 #if defined(PREFILL_BF16)
             if (BF) {
-                const int64_t next = t + 1 < n ? kv_row(blocks, ta + t + 1, block_size, row_stride, kvh, head_size) : -1;
+                const int64_t next = rows[t + 1];
                 for (int c = 0; c < head_size; c += W) {
                     const __m512i k = (__m512i)_mm512_cvtne2ps_pbh(v_zero(), v_load_row(k_cache, index + c, dtype));
                     _mm256_store_si256((__m256i *)(kh[t] + c), _mm512_castsi512_si256(k));

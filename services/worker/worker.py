@@ -105,9 +105,10 @@ class Worker:
         gemm_dtype = block_gemm_dtype(model_config.dtype, self.device)
         if gguf_weights is not None and gemm_dtype != torch.float32:
             use_gemm_dtype(gemm_dtype_layers(self.model), gemm_dtype)
-        # `auto` rounds the larger steps' activations already; prompt attention's products may too.
+        # `auto` rounds the larger steps' activations already, and a bfloat16 model its q, K and V:
+        # prompt attention's products may take bfloat16 operands too.
         self.backend = get_attention_backend(worker_config.attention_backend, self.device, cache_dir,
-                                             prefill_bf16=model_config.dtype == "auto")
+                                             prefill_bf16=model_config.dtype == "auto" or self.dtype == torch.bfloat16)
         self.lora = self._enable_lora(lora, model_config.dtype) if lora.enable_lora else None
         if self.lora is not None and self.device.type == "cpu":
             cpu_lora.available(cache_dir)  # built once here; without a compiler the LoRA layers use torch's

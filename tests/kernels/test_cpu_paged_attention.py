@@ -153,16 +153,18 @@ def test_long_prefill_chunks_match_reference(dtype, num_heads, num_kv_heads, hea
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_size,block_size,window", [
-    (4, 1, 256, 16, None), (9, 3, 64, 16, None), (8, 2, 128, 32, 24), (4, 4, 80, 8, None), (8, 4, 96, 16, 24),
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size,block_size,window,dtype", [
+    (4, 1, 256, 16, None, torch.float32), (9, 3, 64, 16, None, torch.float32), (8, 2, 128, 32, 24, torch.float32),
+    (4, 4, 80, 8, None, torch.float32), (8, 4, 96, 16, 24, torch.float32), (9, 3, 64, 16, None, torch.bfloat16),
+    (4, 1, 256, 16, 24, torch.bfloat16),
 ])
 def test_bfloat16_prefill_products_round_only_their_operands(num_heads, num_kv_heads, head_size, block_size, window,
-                                                             isa, gen):
-    """`prefill_bf16` (`--dtype auto`): a build with AVX512_BF16 multiplies the prompt runs' q.k and p.v
-    in bfloat16, which lands within a few bfloat16 roundings of the reference over q, K and V rounded
-    to bfloat16, while a decode in the same call keeps float32 bit for bit; every other build ignores
-    the flag."""
-    case = make_case(Shape(num_heads, num_kv_heads, head_size, block_size, torch.float32), LONG_Q_LENS,
+                                                             dtype, isa, gen):
+    """`prefill_bf16` (`--dtype auto` or `bfloat16`): a build with AVX512_BF16 multiplies the prompt
+    runs' q.k and p.v in bfloat16, which lands within a few bfloat16 roundings of the reference over
+    q, K and V rounded to bfloat16, while a decode in the same call keeps its float32 arithmetic bit
+    for bit; every other build ignores the flag."""
+    case = make_case(Shape(num_heads, num_kv_heads, head_size, block_size, dtype), LONG_Q_LENS,
                      LONG_CONTEXTS, torch.device("cpu"), gen)
     seq_of_row, row_lens = prefill_rows(LONG_Q_LENS, LONG_CONTEXTS)
     lib = cpu_paged_attention.variant(isa, default_cache_dir())
@@ -178,10 +180,12 @@ def test_bfloat16_prefill_products_round_only_their_operands(num_heads, num_kv_h
     if not built:
         assert torch.equal(out[True], out[False])
         return
-    rounded = paged_attention_ref((case.q * scale).bfloat16().float() / scale, case.kv_cache.bfloat16().float(),
-                                  case.batch.query_start_loc, case.batch.seq_lens, case.batch.block_table, scale,
-                                  window)
-    torch.testing.assert_close(out[True], rounded, atol=1e-2, rtol=1e-2)  # p in bfloat16: ~2 of its ulps at 1.0
+    rounded = paged_attention_ref((case.q.float() * scale).bfloat16().float() / scale,
+                                  case.kv_cache.bfloat16().float(), case.batch.query_start_loc, case.batch.seq_lens,
+                                  case.batch.block_table, scale, window)
+    # p in bfloat16: ~2 of its ulps at 1.0, and a bfloat16 output's own rounding
+    atol = 1e-2 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[True].float(), rounded, atol=atol, rtol=1e-2)
     decode = LONG_Q_LENS[0]  # request 1's one new token
     assert torch.equal(out[True][decode], out[False][decode])
     assert (out[True] - out[False]).abs().max() > 1e-4

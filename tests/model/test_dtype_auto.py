@@ -1,7 +1,7 @@
 """`--dtype auto`, the path behind the headline CPU speeds, against Hugging Face's float32 model on
 the equivalence prompts (tests/model/prompts.py), 64 greedy tokens each, by teacher forcing: the
 default model from its GGUF blocks, its larger steps in bfloat16 or against int8 activations as
-this CPU has them. It is not float32, so it is not held to identical tokens, but to
+this CPU has them, and its prompt attention's products in bfloat16 where it has AVX512_BF16. It is not float32, so it is not held to identical tokens, but to
 
     top-1 agreement  >= MIN_AGREEMENT: our greedy token is the reference's argmax given our prefix
     logprob error    our top-5 logprobs against the reference's: mean <= MAX_MEAN_ERROR,

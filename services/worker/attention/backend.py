@@ -32,8 +32,8 @@ from services.worker.attention.torch_backend import TorchAttentionBackend
 def get_attention_backend(name: str, device: torch.device, cache_dir: Path | None = None,
                           prefill_bf16: bool = False) -> AttentionBackend:
     """`cache_dir` (default: `default_cache_dir()`) keeps the native CPU kernel's build. `prefill_bf16`
-    (`--dtype auto`): the `cpu` backend multiplies prompt chunks' attention in bfloat16 where its
-    build has the instructions (cpu_paged_attention.prefill_bf16_built)."""
+    (`--dtype auto` or `bfloat16`): the `cpu` backend multiplies prompt chunks' attention in bfloat16
+    where its build has the instructions (cpu_paged_attention.prefill_bf16_built)."""
     cache_dir = cache_dir or default_cache_dir()
     if name == "auto":
         if device.type == "cuda":
@@ -49,7 +49,7 @@ def get_attention_backend(name: str, device: torch.device, cache_dir: Path | Non
         cpu_fused_ops.available(cache_dir)  # its one-call KV write (else two index_copy_)
         prefill_bf16 = prefill_bf16 and cpu_paged_attention.prefill_bf16_built()
         if prefill_bf16:
-            logger.info("--dtype auto: prompt chunks' attention multiplies in bfloat16 (AVX512_BF16)")
+            logger.info("prompt chunks' attention multiplies in bfloat16 (AVX512_BF16)")
         return TorchAttentionBackend(native_decode=True, prefill_bf16=prefill_bf16)
     if name == "triton":
         # Imported here, not at the top: importing the kernels fixes Triton's compiled-or-interpreted

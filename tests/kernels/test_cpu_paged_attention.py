@@ -196,12 +196,13 @@ def test_bfloat16_prefill_products_round_only_their_operands(num_heads, num_kv_h
 def test_a_prefill_row_does_not_depend_on_the_rows_beside_it(window, prefill_bf16, isa, gen):
     """A 100-token prompt attended in one call, and from its sixth token on in another: the tiles of
     rows start elsewhere, and every row in a full tile of both comes out bit for bit the same (the
-    prefix cache and chunked prefill cut prompts anywhere)."""
+    prefix cache and chunked prefill cut prompts anywhere). In bfloat16 also its last 21 rows alone:
+    one tile that converts its own K and V rows, where the longer runs share a copy of them."""
     case = make_case(Shape(6, 2, 64, 16, torch.float32), [100], [100], torch.device("cpu"), gen)
     seq_of_row, row_lens = prefill_rows([100], [100])
     lib = cpu_paged_attention.variant(isa, default_cache_dir())
-    whole, tail = poisoned_like(case.q), poisoned_like(case.q[5:])
-    for out, rows in ((whole, slice(0, 100)), (tail, slice(5, 100))):
+    whole, tail, last = poisoned_like(case.q), poisoned_like(case.q[5:]), poisoned_like(case.q[79:])
+    for out, rows in ((whole, slice(0, 100)), (tail, slice(5, 100)), (last, slice(79, 100))):
         cpu_paged_attention.paged_decode_attention(out, case.q[rows], case.kv_cache[0], case.kv_cache[1],
                                                    case.batch.block_table, row_lens[rows].contiguous(), 0.125,
                                                    window, lib=lib, seq_of_row=seq_of_row[rows].contiguous(),
@@ -209,6 +210,10 @@ def test_a_prefill_row_does_not_depend_on_the_rows_beside_it(window, prefill_bf1
     # Group 3: tiles of 10 rows (21 in bfloat16), from row 0 in the one call and from row 5 in the other.
     assert torch.equal(whole[5:95], tail[:90])
     torch.testing.assert_close(whole[95:], tail[90:], atol=2e-5, rtol=2e-5)
+    if prefill_bf16 and cpu_paged_attention.prefill_bf16_built(lib):
+        assert torch.equal(whole[79:], last)
+    else:  # float32: 21 rows are tiles of 10, 10 and 1, the last one the per-row path's
+        torch.testing.assert_close(whole[79:], last, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("window", [None, 8])

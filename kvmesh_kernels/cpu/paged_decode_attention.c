@@ -998,6 +998,8 @@ static inline __attribute__((always_inline)) void attend_prefill_tile(
  * tile would otherwise convert every K and V row of its context itself): per run g, positions
  * first[g] .. first[g] + span[g] - 1 of every kv head, K at k + k_at[g], V's pairs at v + v_at[g]. */
 #define CONVERT_MIN_TILES 2
+#define CONVERT_PARALLEL_MIN_ROWS 8192
+#define CONVERT_SLICES 8
 typedef struct {
     int32_t *run_of_tile; /* per tile: its run, -1 for none; NULL: no run is converted */
     int32_t *first, *span;
@@ -1016,7 +1018,7 @@ static inline int is_prefill_tile(const int32_t *tiles, int tile, const int32_t 
 static int convert_runs(Converted *conv, const void *k_cache, const void *v_cache, const int32_t *const *row_blocks,
                         const int32_t *tiles, int num_tiles, const int32_t *seq_lens, const int32_t *seq_of_row,
                         int num_kv_heads, int group, int head_size, int block_size, int sliding_window,
-                        int64_t row_stride, int dtype, int num_threads, int64_t kv_rows_read)
+                        int64_t row_stride, int dtype, int num_threads)
 {
     /* Runs: consecutive prefill tiles of one request; positions from the smallest first to the
      * largest last of their rows, from an even position. */
@@ -1088,14 +1090,25 @@ static int convert_runs(Converted *conv, const void *k_cache, const void *v_cach
         v_at += (int64_t)num_kv_heads * ((conv->span[g] + 1) / 2) * head_size;
         for (int tile = r[0]; tile < r[0] + r[1]; tile++) run_of_tile[tile] = g;
     }
-    const int threads = kv_rows_read >= PARALLEL_MIN_KV_ROWS ? num_threads : 1;
-    #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+    /* A short prompt's copy takes microseconds on one thread, less than waking the others. */
+    int64_t copied = 0;
+    for (int g = 0; g < kept; g++) copied += (int64_t)conv->span[g] * num_kv_heads;
+    const int threads = copied >= CONVERT_PARALLEL_MIN_ROWS ? num_threads : 1;
+    /* Each (run, kv head) in CONVERT_SLICES slices of positions, from even offsets: a model with one kv
+     * head has work for every thread too. */
+    #pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(threads) if (threads > 1)
     for (int g = 0; g < kept; g++) {
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {
-            const int32_t *r = run_tile + 4 * g;
-            convert_rows(conv->k + conv->k_at[g] + (int64_t)kvh * conv->span[g] * head_size,
-                         conv->v + conv->v_at[g] + (int64_t)kvh * ((conv->span[g] + 1) / 2) * head_size, k_cache,
-                         v_cache, row_blocks[tiles[r[0]]], r[2], r[3], block_size, row_stride, kvh, head_size, dtype);
+            for (int slice = 0; slice < CONVERT_SLICES; slice++) {
+                const int first = conv->first[g], span = conv->span[g];
+                const int a = (int)((int64_t)span * slice / CONVERT_SLICES) & ~1;
+                const int b = slice + 1 == CONVERT_SLICES ? span : (int)((int64_t)span * (slice + 1) / CONVERT_SLICES) & ~1;
+                if (a >= b) continue;
+                convert_rows(conv->k + conv->k_at[g] + ((int64_t)kvh * span + a) * head_size,
+                             conv->v + conv->v_at[g] + ((int64_t)kvh * ((span + 1) / 2) + a / 2) * head_size, k_cache,
+                             v_cache, row_blocks[tiles[run_tile[4 * g]]], first + a, first + b, block_size, row_stride,
+                             kvh, head_size, dtype);
+            }
         }
     }
     free(run_tile);
@@ -1190,7 +1203,7 @@ int paged_decode_attention(
     Converted conv = {0};
     if (prefill_bf16 && soft_cap <= 0.f && head_size % W == 0 && seq_of_row != NULL &&
         convert_runs(&conv, k_cache, v_cache, row_blocks, tiles, num_tiles, seq_lens, seq_of_row, num_kv_heads,
-                     group, head_size, block_size, sliding_window, row_stride, dtype, num_threads, kv_rows) != 0) {
+                     group, head_size, block_size, sliding_window, row_stride, dtype, num_threads) != 0) {
         free(tiles);
         free(row_blocks);
         return -2;

@@ -191,6 +191,26 @@ def test_bfloat16_prefill_products_round_only_their_operands(num_heads, num_kv_h
     assert (out[True] - out[False]).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("window", [None, 500])
+def test_a_long_contexts_bfloat16_copy_is_made_on_every_thread(window, isa, gen):
+    """The last 64 rows of a 3,000-token prompt in bfloat16: their tiles share one copy of 3,000
+    positions of 3 kv heads, made on all threads in slices (a short prompt's on one)."""
+    case = make_case(Shape(9, 3, 64, 16, torch.float32), [64], [3000], torch.device("cpu"), gen)
+    seq_of_row, row_lens = prefill_rows([64], [3000])
+    lib = cpu_paged_attention.variant(isa, default_cache_dir())
+    out = poisoned_like(case.q)
+    cpu_paged_attention.paged_decode_attention(out, case.q, case.kv_cache[0], case.kv_cache[1], case.batch.block_table,
+                                               row_lens, 0.125, window, lib=lib, seq_of_row=seq_of_row,
+                                               prefill_bf16=True)
+    rounded = paged_attention_ref((case.q * 0.125).bfloat16().float() / 0.125, case.kv_cache.bfloat16().float(),
+                                  case.batch.query_start_loc, case.batch.seq_lens, case.batch.block_table, 0.125,
+                                  window)
+    exact = paged_attention_ref(case.q, case.kv_cache, case.batch.query_start_loc, case.batch.seq_lens,
+                                case.batch.block_table, 0.125, window)
+    want = rounded if cpu_paged_attention.prefill_bf16_built(lib) else exact
+    torch.testing.assert_close(out, want, atol=1e-2 if want is rounded else 2e-5, rtol=1e-2 if want is rounded else 2e-5)
+
+
 @pytest.mark.parametrize("prefill_bf16", [False, True])
 @pytest.mark.parametrize("window", [None, 24])
 def test_a_prefill_row_does_not_depend_on_the_rows_beside_it(window, prefill_bf16, isa, gen):

@@ -730,7 +730,7 @@ static inline __m512i bf16_interleave(__m512 a, __m512 b) {
 }
 
 static inline __attribute__((always_inline)) void scores_block_bf16(
-    float (*sc)[PREFILL_LANES], const uint32_t (*qp)[PREFILL_LANES], const uint16_t *kb, int ks, int t0,
+    float (*sc)[PREFILL_LANES], const uint32_t (*qp)[PREFILL_LANES], const uint16_t *kb, int t0,
     int head_size, const int TB, const int RV)
 {
     vf acc[12][PREFILL_RV];
@@ -738,7 +738,7 @@ static inline __attribute__((always_inline)) void scores_block_bf16(
         for (int r = 0; r < RV; r++) acc[t][r] = v_zero();
     for (int d = 0; d < head_size; d += 2) {
         __m512bh k[12];
-        for (int t = 0; t < TB; t++) k[t] = bf16_pair(kb + (int64_t)(t0 + t) * ks + d);
+        for (int t = 0; t < TB; t++) k[t] = bf16_pair(kb + (int64_t)(t0 + t) * head_size + d);
         for (int r = 0; r < RV; r++) {
             __m512bh qv = (__m512bh)_mm512_load_si512(qp[d / 2] + W * r);
             in_register(qv);
@@ -749,10 +749,9 @@ static inline __attribute__((always_inline)) void scores_block_bf16(
         for (int r = 0; r < RV; r++) v_store(sc[t0 + t] + W * r, acc[t][r]);
 }
 
-/* ot[d0 .. d0 + DB) = ot * corr + sum over position pairs of P V, as values_block; the pairs' V rows vs
- * apart. */
+/* ot[d0 .. d0 + DB) = ot * corr + sum over position pairs of P V, as values_block. */
 static inline __attribute__((always_inline)) void values_block_bf16(
-    float (*ot)[PREFILL_LANES], const uint32_t (*pp)[PREFILL_LANES], const uint32_t *vp, int vs, int pairs,
+    float (*ot)[PREFILL_LANES], const uint32_t (*pp)[PREFILL_LANES], const uint32_t *vp, int head_size, int pairs,
     int d0, const vf *corr, const int DB, const int RV)
 {
     vf acc[12][PREFILL_RV];
@@ -760,7 +759,7 @@ static inline __attribute__((always_inline)) void values_block_bf16(
         for (int r = 0; r < RV; r++) acc[j][r] = v_mul(v_load(ot[d0 + j] + W * r), corr[r]);
     for (int t = 0; t < pairs; t++) {
         __m512bh v[12];
-        for (int j = 0; j < DB; j++) v[j] = bf16_pair(vp + (int64_t)t * vs + d0 + j);
+        for (int j = 0; j < DB; j++) v[j] = bf16_pair(vp + (int64_t)t * head_size + d0 + j);
         for (int r = 0; r < RV; r++) {
             __m512bh p = (__m512bh)_mm512_load_si512(pp[t] + W * r);
             in_register(p);
@@ -773,21 +772,21 @@ static inline __attribute__((always_inline)) void values_block_bf16(
 
 #define PREFILL_BF16_KERNELS(RV)                                                                                   \
     static __attribute__((noinline)) void prefill_scores_bf16_##RV(                                                \
-        float (*sc)[PREFILL_LANES], const uint32_t (*qp)[PREFILL_LANES], const uint16_t *kb, int ks, int n,        \
+        float (*sc)[PREFILL_LANES], const uint32_t (*qp)[PREFILL_LANES], const uint16_t *kb, int n,                \
         int head_size) {                                                                                           \
         const int TB = HELD_BF16(RV);                                                                              \
         int t = 0;                                                                                                 \
-        for (; t + TB <= n; t += TB) scores_block_bf16(sc, qp, kb, ks, t, head_size, TB, RV);                      \
-        for (; t + 4 <= n; t += 4) scores_block_bf16(sc, qp, kb, ks, t, head_size, 4, RV);                         \
-        for (; t < n; t++) scores_block_bf16(sc, qp, kb, ks, t, head_size, 1, RV);                                 \
+        for (; t + TB <= n; t += TB) scores_block_bf16(sc, qp, kb, t, head_size, TB, RV);                          \
+        for (; t + 4 <= n; t += 4) scores_block_bf16(sc, qp, kb, t, head_size, 4, RV);                             \
+        for (; t < n; t++) scores_block_bf16(sc, qp, kb, t, head_size, 1, RV);                                     \
     }                                                                                                              \
     static __attribute__((noinline)) void prefill_values_bf16_##RV(                                                \
-        float (*ot)[PREFILL_LANES], const uint32_t (*pp)[PREFILL_LANES], const uint32_t *vp, int vs, int n,        \
+        float (*ot)[PREFILL_LANES], const uint32_t (*pp)[PREFILL_LANES], const uint32_t *vp, int n,                \
         int head_size, const vf *corr) {                                                                           \
         const int DB = HELD_BF16(RV);                                                                              \
         int d0 = 0;                                                                                                \
-        for (; d0 + DB <= head_size; d0 += DB) values_block_bf16(ot, pp, vp, vs, (n + 1) / 2, d0, corr, DB, RV);   \
-        for (; d0 < head_size; d0++) values_block_bf16(ot, pp, vp, vs, (n + 1) / 2, d0, corr, 1, RV);              \
+        for (; d0 + DB <= head_size; d0 += DB) values_block_bf16(ot, pp, vp, head_size, (n + 1) / 2, d0, corr, DB, RV); \
+        for (; d0 < head_size; d0++) values_block_bf16(ot, pp, vp, head_size, (n + 1) / 2, d0, corr, 1, RV);      \
     }
 PREFILL_BF16_KERNELS(1)
 PREFILL_BF16_KERNELS(2)
@@ -795,28 +794,29 @@ PREFILL_BF16_KERNELS(3)
 PREFILL_BF16_KERNELS(4)
 
 static inline void prefill_scores_bf16(float (*sc)[PREFILL_LANES], const uint32_t (*qp)[PREFILL_LANES],
-                                       const uint16_t *kb, int ks, int n, int head_size, int rv) {
+                                       const uint16_t *kb, int n, int head_size, int rv) {
     switch (rv) {
-        case 1: prefill_scores_bf16_1(sc, qp, kb, ks, n, head_size); break;
-        case 2: prefill_scores_bf16_2(sc, qp, kb, ks, n, head_size); break;
-        case 3: prefill_scores_bf16_3(sc, qp, kb, ks, n, head_size); break;
-        default: prefill_scores_bf16_4(sc, qp, kb, ks, n, head_size); break;
+        case 1: prefill_scores_bf16_1(sc, qp, kb, n, head_size); break;
+        case 2: prefill_scores_bf16_2(sc, qp, kb, n, head_size); break;
+        case 3: prefill_scores_bf16_3(sc, qp, kb, n, head_size); break;
+        default: prefill_scores_bf16_4(sc, qp, kb, n, head_size); break;
     }
 }
 
 static inline void prefill_values_bf16(float (*ot)[PREFILL_LANES], const uint32_t (*pp)[PREFILL_LANES],
-                                       const uint32_t *vp, int vs, int n, int head_size, const vf *corr, int rv) {
+                                       const uint32_t *vp, int n, int head_size, const vf *corr, int rv) {
     switch (rv) {
-        case 1: prefill_values_bf16_1(ot, pp, vp, vs, n, head_size, corr); break;
-        case 2: prefill_values_bf16_2(ot, pp, vp, vs, n, head_size, corr); break;
-        case 3: prefill_values_bf16_3(ot, pp, vp, vs, n, head_size, corr); break;
-        default: prefill_values_bf16_4(ot, pp, vp, vs, n, head_size, corr); break;
+        case 1: prefill_values_bf16_1(ot, pp, vp, n, head_size, corr); break;
+        case 2: prefill_values_bf16_2(ot, pp, vp, n, head_size, corr); break;
+        case 3: prefill_values_bf16_3(ot, pp, vp, n, head_size, corr); break;
+        default: prefill_values_bf16_4(ot, pp, vp, n, head_size, corr); break;
     }
 }
 
 /* K rows as bfloat16 and V rows as position pairs (t, t + 1) from an even t, of positions
  * first .. last - 1 (first even), for one kv head, into k [last - first][head_size] and
- * v [(last - first + 1) / 2][head_size]: a prompt run's context made once for all its tiles. */
+ * v [(last - first + 1) / 2][head_size]: a prompt run's context, made once for all its tiles (each
+ * would otherwise convert every row of its context itself). */
 static void convert_rows(uint16_t *k, uint32_t *v, const void *k_cache, const void *v_cache, const int32_t *blocks,
                          int first, int last, int block_size, int64_t row_stride, int kvh, int head_size, int dtype)
 {
@@ -846,6 +846,7 @@ static inline __attribute__((always_inline)) void attend_prefill_tile(
     const int32_t *row_lens, int b0, int nt, int kvh, int group, int head_size, int block_size, float scale,
     int sliding_window, int dtype, int64_t q_stride, int64_t out_stride, int64_t row_stride, const int RV,
     const int BF, const uint16_t *kconv, const uint32_t *vconv, int conv_first)
+/* BF: kconv, vconv hold the run's bfloat16 copy of positions from conv_first on (convert_rows). */
 {
     float qt[MAX_HEAD][PREFILL_LANES] __attribute__((aligned(64)));
     float ot[MAX_HEAD][PREFILL_LANES] __attribute__((aligned(64)));
@@ -876,8 +877,6 @@ static inline __attribute__((always_inline)) void attend_prefill_tile(
     }
 #if defined(PREFILL_BF16)
     uint32_t qp[MAX_HEAD / 2][PREFILL_LANES] __attribute__((aligned(64))); /* Q^T, pairs of d */
-    uint16_t kh[PREFILL_CHUNK][MAX_HEAD] __attribute__((aligned(64)));
-    uint32_t vp[PREFILL_CHUNK / 2][MAX_HEAD] __attribute__((aligned(64))); /* pairs of positions */
     uint32_t pp[PREFILL_CHUNK / 2][PREFILL_LANES] __attribute__((aligned(64)));
     if (BF)
         for (int d = 0; d < head_size; d += 2)
@@ -898,32 +897,16 @@ static inline __attribute__((always_inline)) void attend_prefill_tile(
         const int tb = c0 + PREFILL_CHUNK < last ? c0 + PREFILL_CHUNK : last;
         const int n = tb - ta;
         /* The next chunk's rows are asked for now: they come from L3 or memory (strided, in blocks
-         * scattered over the pool) while this chunk is computed. A converted context is read in order:
+         * scattered over the pool) while this chunk is computed. The bfloat16 copy is read in order:
          * the hardware prefetcher follows it. */
-        const int converted = BF && kconv != NULL;
         const int elem = dtype == 0 ? 4 : 2;
-        int64_t rows[PREFILL_CHUNK + 1];
-        const int ahead = converted ? 0 : last - tb < PREFILL_CHUNK ? last - tb : PREFILL_CHUNK;
+        int64_t rows[PREFILL_CHUNK];
+        const int ahead = BF ? 0 : last - tb < PREFILL_CHUNK ? last - tb : PREFILL_CHUNK;
         kv_rows(rows, blocks, tb, ahead, block_size, row_stride, kvh, head_size);
         for (int t = 0; t < ahead; t++) prefetch_kv_row(k_cache, v_cache, rows[t], head_size, elem);
-        if (!converted) kv_rows(rows, blocks, ta, n, block_size, row_stride, kvh, head_size);
-        rows[n] = -1;
-        for (int t = 0; t < (converted ? 0 : n); t++) {
+        if (!BF) kv_rows(rows, blocks, ta, n, block_size, row_stride, kvh, head_size);
+        for (int t = 0; t < (BF ? 0 : n); t++) {
             const int64_t index = rows[t];
-#if defined(PREFILL_BF16)
-            if (BF) {
-                const int64_t next = rows[t + 1];
-                for (int c = 0; c < head_size; c += W) {
-                    const __m512i k = (__m512i)_mm512_cvtne2ps_pbh(v_zero(), v_load_row(k_cache, index + c, dtype));
-                    _mm256_store_si256((__m256i *)(kh[t] + c), _mm512_castsi512_si256(k));
-                    if (t % 2 == 0)
-                        _mm512_store_si512(vp[t / 2] + c, bf16_interleave(v_load_row(v_cache, index + c, dtype),
-                                                                          next >= 0 ? v_load_row(v_cache, next + c, dtype)
-                                                                                    : v_zero()));
-                }
-                continue;
-            }
-#endif
             if (dtype == 0) {
                 krow[t] = (const float *)k_cache + index;
                 vrow[t] = (const float *)v_cache + index;
@@ -937,11 +920,9 @@ static inline __attribute__((always_inline)) void attend_prefill_tile(
             }
         }
 #if defined(PREFILL_BF16)
-        const uint16_t *kp = converted ? kconv + (int64_t)(ta - conv_first) * head_size : &kh[0][0];
-        const uint32_t *vq = converted ? vconv + (int64_t)(ta - conv_first) / 2 * head_size : &vp[0][0];
-        const int ks = converted ? head_size : MAX_HEAD;
         if (BF) {
-            prefill_scores_bf16(sc, (const uint32_t (*)[PREFILL_LANES])qp, kp, ks, n, head_size, RV);
+            prefill_scores_bf16(sc, (const uint32_t (*)[PREFILL_LANES])qp, kconv + (int64_t)(ta - conv_first) * head_size,
+                                n, head_size, RV);
         } else
 #endif
         prefill_scores(sc, (const float (*)[PREFILL_LANES])qt, krow, n, head_size, RV);
@@ -976,7 +957,8 @@ static inline __attribute__((always_inline)) void attend_prefill_tile(
                 for (int r = 0; r < RV; r++)
                     _mm512_store_si512(pp[t / 2] + W * r, bf16_interleave(v_load(sc[t] + W * r),
                                                                          t + 1 < n ? v_load(sc[t + 1] + W * r) : v_zero()));
-            prefill_values_bf16(ot, (const uint32_t (*)[PREFILL_LANES])pp, vq, ks, n, head_size, corr, RV);
+            prefill_values_bf16(ot, (const uint32_t (*)[PREFILL_LANES])pp,
+                                vconv + (int64_t)(ta - conv_first) / 2 * head_size, n, head_size, corr, RV);
             continue;
         }
 #endif
@@ -993,43 +975,47 @@ static inline __attribute__((always_inline)) void attend_prefill_tile(
 }
 #endif
 
+#if defined(VECTOR_PATH)
+/* Whether tile `tile` (of a call whose seq_of_row is given) is a prompt run the prefill tile takes. */
+static inline int is_prefill_tile(const int32_t *tiles, int tile, const int32_t *seq_of_row, int group)
+{
+    const int b0 = tiles[tile], nt = tiles[tile + 1] - tiles[tile];
+    return nt >= PREFILL_MIN_ROWS && nt * group <= PREFILL_LANES && seq_of_row[b0] == seq_of_row[b0 + nt - 1];
+}
+#endif
+
 #if defined(PREFILL_BF16)
-/* The bfloat16 copies of the contexts of prompt runs that span CONVERT_MIN_TILES tiles or more (each
- * tile would otherwise convert every K and V row of its context itself): per run g, positions
- * first[g] .. first[g] + span[g] - 1 of every kv head, K at k + k_at[g], V's pairs at v + v_at[g]. */
-#define CONVERT_MIN_TILES 2
+/* The bfloat16 copies of the contexts of a call's prompt runs (consecutive prefill tiles of one
+ * request): run g holds positions first[g] .. first[g] + span[g] - 1 (first[g] even) of every kv
+ * head, K at k + k_at[g] and V's pairs at v + v_at[g], kv head by kv head. */
 #define CONVERT_PARALLEL_MIN_ROWS 8192
 #define CONVERT_SLICES 8
 typedef struct {
-    int32_t *run_of_tile; /* per tile: its run, -1 for none; NULL: no run is converted */
+    int32_t *run_of_tile; /* per tile: its run, -1 for none; NULL: no run */
     int32_t *first, *span;
     int64_t *k_at, *v_at;
     uint16_t *k;          /* one allocation: the K copies, then the V pairs, then the runs' fields */
     uint32_t *v;
 } Converted;
 
-/* Whether tile `tile` takes the prefill tile path (the test of the parallel loop below). */
-static inline int is_prefill_tile(const int32_t *tiles, int tile, const int32_t *seq_of_row, int group)
-{
-    const int b0 = tiles[tile], nt = tiles[tile + 1] - tiles[tile];
-    return nt >= PREFILL_MIN_ROWS && nt * group <= PREFILL_LANES && seq_of_row[b0] == seq_of_row[b0 + nt - 1];
-}
+typedef struct {
+    int tile, tiles, first, last;
+} Run;
 
 static int convert_runs(Converted *conv, const void *k_cache, const void *v_cache, const int32_t *const *row_blocks,
                         const int32_t *tiles, int num_tiles, const int32_t *seq_lens, const int32_t *seq_of_row,
                         int num_kv_heads, int group, int head_size, int block_size, int sliding_window,
                         int64_t row_stride, int dtype, int num_threads)
 {
-    /* Runs: consecutive prefill tiles of one request; positions from the smallest first to the
-     * largest last of their rows, from an even position. */
     int32_t *run_of_tile = malloc(sizeof(int32_t) * (size_t)num_tiles);
-    int32_t *run_tile = malloc(sizeof(int32_t) * 4 * (size_t)num_tiles); /* first tile, tiles, first, last */
-    if (run_of_tile == NULL || run_tile == NULL) {
+    Run *run = malloc(sizeof(Run) * (size_t)num_tiles);
+    if (run_of_tile == NULL || run == NULL) {
         free(run_of_tile);
-        free(run_tile);
+        free(run);
         return -1;
     }
     int runs = 0;
+    int64_t k_elems = 0, v_elems = 0;
     for (int tile = 0; tile < num_tiles; tile++) {
         run_of_tile[tile] = -1;
         if (!is_prefill_tile(tiles, tile, seq_of_row, group)) continue;
@@ -1039,65 +1025,50 @@ static int convert_runs(Converted *conv, const void *k_cache, const void *v_cach
             lo = l < lo ? l : lo;
             hi = h > hi ? h : hi;
         }
-        int32_t *r = run_tile + 4 * (runs - 1);
-        if (runs > 0 && r[0] + r[1] == tile && seq_of_row[tiles[r[0]]] == seq_of_row[tiles[tile]]) {
-            r[1]++;
-            r[2] = lo < r[2] ? lo : r[2];
-            r[3] = hi > r[3] ? hi : r[3];
+        lo -= lo % 2;
+        Run *r = &run[runs - 1];
+        if (runs > 0 && r->tile + r->tiles == tile && seq_of_row[tiles[r->tile]] == seq_of_row[tiles[tile]]) {
+            r->tiles++;
+            r->first = lo < r->first ? lo : r->first;
+            r->last = hi > r->last ? hi : r->last;
         } else {
-            r = run_tile + 4 * runs++;
-            r[0] = tile, r[1] = 1, r[2] = lo, r[3] = hi;
+            run[runs++] = (Run){tile, 1, lo, hi};
         }
+        run_of_tile[tile] = runs - 1;
     }
-    int kept = 0;
-    int64_t k_elems = 0, v_elems = 0;
     for (int g = 0; g < runs; g++) {
-        int32_t *r = run_tile + 4 * g;
-        if (r[1] < CONVERT_MIN_TILES) continue;
-        r[2] -= r[2] % 2;
-        const int span = r[3] - r[2];
-        k_elems += (int64_t)num_kv_heads * span * head_size;
-        v_elems += (int64_t)num_kv_heads * ((span + 1) / 2) * head_size;
-        memmove(run_tile + 4 * kept++, r, 4 * sizeof(int32_t));
+        k_elems += (int64_t)num_kv_heads * (run[g].last - run[g].first) * head_size;
+        v_elems += (int64_t)num_kv_heads * ((run[g].last - run[g].first + 1) / 2) * head_size;
     }
-    if (kept == 0) {
+    char *mem = runs == 0 ? NULL : malloc((size_t)k_elems * 2 + (size_t)v_elems * 4 + (size_t)runs * 24 + 64);
+    if (runs == 0 || mem == NULL) {
         free(run_of_tile);
-        free(run_tile);
-        return 0;
-    }
-    const size_t bytes = (size_t)k_elems * 2 + (size_t)v_elems * 4 + (size_t)kept * (2 * 4 + 2 * 8) + 64;
-    char *mem = malloc(bytes);
-    if (mem == NULL) {
-        free(run_of_tile);
-        free(run_tile);
-        return -1;
+        free(run);
+        return runs == 0 ? 0 : -1;
     }
     conv->run_of_tile = run_of_tile;
     conv->k = (uint16_t *)mem;
     conv->v = (uint32_t *)(mem + (((size_t)k_elems * 2 + 3) & ~(size_t)3));
     conv->k_at = (int64_t *)(mem + (((size_t)k_elems * 2 + (size_t)v_elems * 4 + 64) & ~(size_t)7));
-    conv->v_at = conv->k_at + kept;
-    conv->first = (int32_t *)(conv->v_at + kept);
-    conv->span = conv->first + kept;
-    int64_t k_at = 0, v_at = 0;
-    for (int g = 0; g < kept; g++) {
-        const int32_t *r = run_tile + 4 * g;
-        conv->first[g] = r[2];
-        conv->span[g] = r[3] - r[2];
+    conv->v_at = conv->k_at + runs;
+    conv->first = (int32_t *)(conv->v_at + runs);
+    conv->span = conv->first + runs;
+    int64_t k_at = 0, v_at = 0, copied = 0;
+    for (int g = 0; g < runs; g++) {
+        conv->first[g] = run[g].first;
+        conv->span[g] = run[g].last - run[g].first;
         conv->k_at[g] = k_at;
         conv->v_at[g] = v_at;
         k_at += (int64_t)num_kv_heads * conv->span[g] * head_size;
         v_at += (int64_t)num_kv_heads * ((conv->span[g] + 1) / 2) * head_size;
-        for (int tile = r[0]; tile < r[0] + r[1]; tile++) run_of_tile[tile] = g;
+        copied += (int64_t)conv->span[g] * num_kv_heads;
     }
-    /* A short prompt's copy takes microseconds on one thread, less than waking the others. */
-    int64_t copied = 0;
-    for (int g = 0; g < kept; g++) copied += (int64_t)conv->span[g] * num_kv_heads;
+    /* A short prompt's copy takes microseconds on one thread, less than waking the others. Each
+     * (run, kv head) goes in CONVERT_SLICES slices of positions, from even offsets: a model with one
+     * kv head has work for every thread too. */
     const int threads = copied >= CONVERT_PARALLEL_MIN_ROWS ? num_threads : 1;
-    /* Each (run, kv head) in CONVERT_SLICES slices of positions, from even offsets: a model with one kv
-     * head has work for every thread too. */
     #pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(threads) if (threads > 1)
-    for (int g = 0; g < kept; g++) {
+    for (int g = 0; g < runs; g++) {
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {
             for (int slice = 0; slice < CONVERT_SLICES; slice++) {
                 const int first = conv->first[g], span = conv->span[g];
@@ -1106,12 +1077,12 @@ static int convert_runs(Converted *conv, const void *k_cache, const void *v_cach
                 if (a >= b) continue;
                 convert_rows(conv->k + conv->k_at[g] + ((int64_t)kvh * span + a) * head_size,
                              conv->v + conv->v_at[g] + ((int64_t)kvh * ((span + 1) / 2) + a / 2) * head_size, k_cache,
-                             v_cache, row_blocks[tiles[run_tile[4 * g]]], first + a, first + b, block_size, row_stride,
+                             v_cache, row_blocks[tiles[run[g].tile]], first + a, first + b, block_size, row_stride,
                              kvh, head_size, dtype);
             }
         }
     }
-    free(run_tile);
+    free(run);
     return 0;
 }
 #endif
@@ -1219,18 +1190,17 @@ int paged_decode_attention(
         for (int tile = 0; tile < num_tiles; tile++) {
             const int b0 = tiles[tile], nt = tiles[tile + 1] - tiles[tile];
 #if defined(VECTOR_PATH)
-            if (head_size % W == 0 && soft_cap <= 0.f && nt >= PREFILL_MIN_ROWS && nt * group <= PREFILL_LANES &&
-                seq_of_row != NULL && seq_of_row[b0] == seq_of_row[b0 + nt - 1]) {
+            if (head_size % W == 0 && soft_cap <= 0.f && seq_of_row != NULL &&
+                is_prefill_tile(tiles, tile, seq_of_row, group)) {
 #define PTILE(RV, BF, KC, VC, CF) attend_prefill_tile(out, q, k_cache, v_cache, row_blocks[b0], seq_lens, b0, nt, \
                                                       kvh, group, head_size, block_size, scale, sliding_window, \
                                                       dtype, q_stride, out_stride, row_stride, RV, BF, KC, VC, CF)
 #if defined(PREFILL_BF16)
-                if (prefill_bf16) {
-                    const int g = conv.run_of_tile != NULL ? conv.run_of_tile[tile] : -1;
-                    const uint16_t *kc = g >= 0 ? conv.k + conv.k_at[g] + (int64_t)kvh * conv.span[g] * head_size : NULL;
-                    const uint32_t *vc = g >= 0 ? conv.v + conv.v_at[g] + (int64_t)kvh * ((conv.span[g] + 1) / 2) * head_size
-                                                : NULL;
-                    const int cf = g >= 0 ? conv.first[g] : 0;
+                const int g = conv.run_of_tile != NULL ? conv.run_of_tile[tile] : -1;
+                if (g >= 0) { /* prefill_bf16: every prompt run has its copy */
+                    const uint16_t *kc = conv.k + conv.k_at[g] + (int64_t)kvh * conv.span[g] * head_size;
+                    const uint32_t *vc = conv.v + conv.v_at[g] + (int64_t)kvh * ((conv.span[g] + 1) / 2) * head_size;
+                    const int cf = conv.first[g];
                     switch ((nt * group + W - 1) / W) {
                         case 1: PTILE(1, 1, kc, vc, cf); break;
                         case 2: PTILE(2, 1, kc, vc, cf); break;

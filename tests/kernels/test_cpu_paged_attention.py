@@ -217,7 +217,7 @@ def test_a_prefill_row_does_not_depend_on_the_rows_beside_it(window, prefill_bf1
     """A 100-token prompt attended in one call, and from its sixth token on in another: the tiles of
     rows start elsewhere, and every row in a full tile of both comes out bit for bit the same (the
     prefix cache and chunked prefill cut prompts anywhere). In bfloat16 also its last 21 rows alone:
-    one tile that converts its own K and V rows, where the longer runs share a copy of them."""
+    one tile, whose copy of K and V starts elsewhere than the whole prompt's."""
     case = make_case(Shape(6, 2, 64, 16, torch.float32), [100], [100], torch.device("cpu"), gen)
     seq_of_row, row_lens = prefill_rows([100], [100])
     lib = cpu_paged_attention.variant(isa, default_cache_dir())
